@@ -1,0 +1,99 @@
+"""torch.distributed process groups for a :class:`ParallelLayout`: tp, cp, dp, pp and the ring.
+
+Every rank must call :func:`init_parallel` with the same layout, after
+``torch.distributed.init_process_group``. Each group is created with a timeout, so a rank that
+disagrees with its peers (shapes, sizes) fails with an error instead of waiting forever.
+Megatron-core users who already called ``parallel_state.initialize_model_parallel`` get the same
+object from :func:`megatron_ring.integrations.megatron.parallel_from_megatron` instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from megatron_ring.parallel.layout import AXES, ParallelLayout
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""Collective timeout of every group we create unless the caller gives another."""
+
+GROUP_AXES: tuple[str, ...] = AXES + ("dp-cp", "tp-cp")
+"""Groups built by :func:`init_parallel`: the four axes and the two joint ones Megatron also keeps
+(``dp-cp`` reduces gradients of weights replicated over data- and context-parallel ranks)."""
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's process groups and its place on the context-parallel ring."""
+
+    layout: ParallelLayout
+    rank: int
+    groups: dict[str, dist.ProcessGroup] = field(repr=False)
+    ranks: dict[str, list[int]]
+
+    @property
+    def tp(self) -> dist.ProcessGroup:
+        return self.groups["tp"]
+
+    @property
+    def pp(self) -> dist.ProcessGroup:
+        return self.groups["pp"]
+
+    @property
+    def cp(self) -> dist.ProcessGroup:
+        return self.groups["cp"]
+
+    @property
+    def dp(self) -> dist.ProcessGroup:
+        return self.groups["dp"]
+
+    @property
+    def dp_cp(self) -> dist.ProcessGroup:
+        return self.groups["dp-cp"]
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.ranks["cp"].index(self.rank)
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def ring_next(self) -> int:
+        """Global rank this rank sends K/V to."""
+        ring = self.ranks["cp"]
+        return ring[(self.cp_rank + 1) % len(ring)]
+
+    @property
+    def ring_prev(self) -> int:
+        """Global rank this rank receives K/V from."""
+        ring = self.ranks["cp"]
+        return ring[(self.cp_rank - 1) % len(ring)]
+
+
+def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
+    """Create the process groups of ``layout`` and return this rank's.
+
+    Works on any backend (nccl, gloo, the fake backend). All ranks create all groups in the same
+    order, as torch.distributed requires.
+    """
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("init_parallel needs torch.distributed.init_process_group to have been called")
+    layout.check_world_size(dist.get_world_size())
+    rank = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    ranks: dict[str, list[int]] = {}
+    for axis in GROUP_AXES:
+        for members in layout.groups(axis):
+            group = dist.new_group(members, timeout=timeout)
+            if rank in members:
+                mine[axis], ranks[axis] = group, members
+    return ParallelGroups(layout=layout, rank=rank, groups=mine, ranks=ranks)

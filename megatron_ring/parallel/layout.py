@@ -1,0 +1,114 @@
+"""ParallelLayout: the sizes of tensor, context, data and pipeline parallelism and the rank grid.
+
+Pure Python. Ranks follow Megatron-core's default order ``tp-cp-ep-dp-pp`` (expert parallel
+size 1), fastest-varying first::
+
+    global_rank = tp_i + tp * (cp_i + cp * (dp_i + dp * pp_i))
+
+so a group built from :meth:`ParallelLayout.groups` holds the same ranks as the Megatron group of
+the same name for the same sizes.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+"""Axis names, fastest-varying first (Megatron's ``tp-cp-ep-dp-pp`` with ep = 1)."""
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ParallelLayout.{name} must be an int >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"ParallelLayout.{name} must be >= 1, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the four parallel axes; validated on construction."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            _check_size(name, getattr(self, name))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def sizes(self) -> dict[str, int]:
+        """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` in rank order."""
+        return {name: getattr(self, name) for name in AXES}
+
+    def describe(self) -> str:
+        """``tp=8 x cp=1 x dp=1 x pp=2 = 16``: every factor and the product, for error messages."""
+        factors = " x ".join(f"{n}={s}" for n, s in self.sizes().items())
+        return f"{factors} = {self.world_size}"
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError naming both numbers when the layout does not fill ``world_size`` ranks."""
+        if world_size != self.world_size:
+            raise ValueError(
+                f"layout world size {self.world_size} ({self.describe()}) != process world size {world_size}; "
+                "choose sizes whose product is the number of launched ranks"
+            )
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates ``{"tp": i, "cp": j, "dp": k, "pp": l}`` of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.world_size}) for layout {self.describe()}")
+        out = {}
+        for name in AXES:
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return out
+
+    def rank(self, **coords: int) -> int:
+        """Global rank of the given coordinates (missing axes are 0)."""
+        unknown = set(coords) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axis {sorted(unknown)}; allowed: {list(AXES)}")
+        rank, stride = 0, 1
+        for name in AXES:
+            size, index = getattr(self, name), coords.get(name, 0)
+            if not 0 <= index < size:
+                raise ValueError(f"{name} coordinate {index} outside [0, {size})")
+            rank += index * stride
+            stride *= size
+        return rank
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """All groups along ``axis`` as lists of global ranks.
+
+        ``axis`` is one of ``tp``, ``cp``, ``dp``, ``pp`` or several joined by ``-`` (``"dp-cp"``,
+        ``"tp-cp"``): ranks that differ only in those coordinates form one group. Groups are listed
+        by increasing smallest rank; members by increasing rank, which is Megatron's ring order.
+        """
+        names = axis.split("-")
+        bad = [n for n in names if n not in AXES]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"axis {axis!r} is not one of {list(AXES)} or a '-'-joined set of them")
+        fixed = [n for n in AXES if n not in names]
+        result = []
+        for fixed_idx in itertools.product(*(range(getattr(self, n)) for n in reversed(fixed))):
+            base = dict(zip(reversed(fixed), fixed_idx))
+            members = sorted(
+                self.rank(**base, **dict(zip(names, varying)))
+                for varying in itertools.product(*(range(getattr(self, n)) for n in names))
+            )
+            result.append(members)
+        return sorted(result)
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        """The group along ``axis`` that holds ``rank``."""
+        for members in self.groups(axis):
+            if rank in members:
+                return members
+        raise ValueError(f"rank {rank} outside [0, {self.world_size})")
