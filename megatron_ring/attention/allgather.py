@@ -1,0 +1,67 @@
+"""The all-gather baseline: every rank gathers every K/V shard (``comm="all_gather"``).
+
+Kept for comparison with the ring (the seeds' criticism: O(L) memory per rank, all data moved at
+once, no overlap) and for Megatron's ``cp_comm_type="all_gather"``. It feeds the same per-step
+schedule as the ring, so both paths compute identical blocks in the same order.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.attention.schedule import StepPlan
+
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""Gather into one flat tensor (``all_gather_single`` where torch has it, its older name otherwise)."""
+
+
+def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """Every rank's ``x`` stacked in rank order: ``[size, *x.shape]`` (one all-gather)."""
+    if size == 1:
+        return x.unsqueeze(0)
+    flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(flat, x.contiguous(), group=group)
+    return flat.view(size, *x.shape)
+
+
+class GatheredKV:
+    """K/V blocks from one all-gather; gradients summed over ranks with one reduction."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self.bytes_per_step = 0
+        self._grads: torch.Tensor | None = None
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(src, kv_src)`` in ring order, kv_src ``[2, batch, heads_kv, seq_local, head_dim]``."""
+        kv = torch.stack((k, v))
+        gathered = all_gather_stacked(kv, self.group, self.size)
+        self.bytes_per_step = kv.numel() * kv.element_size()
+        for step in range(self.size):
+            src = (self.rank - step) % self.size
+            yield src, gathered[src]
+
+    def start_grads(self, kv_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self._grads = torch.zeros((self.size, *kv_shape), dtype=dtype, device=device)
+
+    def add_grads(self, src: int, plan: StepPlan | None, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+        if plan is not None:
+            assert self._grads is not None and dk is not None and dv is not None
+            self._grads[src, 0][:, :, plan.k] += dk
+            self._grads[src, 1][:, :, plan.k] += dv
+
+    def finish_grads(self) -> torch.Tensor:
+        """This rank's ``[2, batch, heads_kv, seq_local, head_dim]`` K/V gradient, summed over ranks."""
+        assert self._grads is not None
+        grads, self._grads = self._grads, None
+        if self.size == 1:
+            return grads[0]
+        if dist.get_backend(self.group) == "nccl":
+            mine = torch.empty_like(grads[0])
+            dist.reduce_scatter_tensor(mine, grads, group=self.group)
+            return mine
+        dist.all_reduce(grads, group=self.group)  # gloo has no reduce_scatter
+        return grads[self.rank]

@@ -1,0 +1,118 @@
+"""Attention of one local query block against one key/value block, returning the log-sum-exp.
+
+Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q``
+heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA) and K/V are never repeated
+in memory by the math backend.
+
+Backends:
+
+* ``"math"``: pure torch, always available, scores and softmax in fp32 (fp64 for fp64 inputs).
+* ``"sdpa"``: torch's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``),
+  which returns the log-sum-exp the ring needs, with its fused backward.
+* ``"auto"``: ``"sdpa"`` on CPU tensors, ``"math"`` elsewhere.
+
+``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
+sees keys 0..i.
+"""
+from __future__ import annotations
+
+import torch
+
+BACKENDS: tuple[str, ...] = ("auto", "math", "sdpa")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend for ``backend`` on ``device``; ValueError for an unknown or unusable one."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "sdpa" if device.type == "cpu" else "math"
+    if backend == "sdpa" and device.type != "cpu":
+        raise ValueError(f"backend 'sdpa' (torch's CPU flash kernel) needs CPU tensors, got device {device}")
+    return backend
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """True where query i must not see key j (j > i)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu_(1)
+
+
+def _grouped(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[b, hq, s, d]`` -> ``[b, hkv, hq/hkv, s, d]`` (a view): query heads grouped by their K/V head."""
+    b, hq, s, d = q.shape
+    return q.reshape(b, heads_kv, hq // heads_kv, s, d)
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, hkv, s, d]`` -> ``[b, hkv*groups, s, d]`` (a copy, for kernels without GQA support)."""
+    if groups == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.unsqueeze(2).expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+
+
+def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores ``[b, hkv, g, q, k]`` in the compute dtype, masked with -inf."""
+    ct = compute_dtype(q.dtype)
+    scores = torch.matmul(_grouped(q, k.shape[1]).to(ct), k.to(ct).unsqueeze(2).transpose(-1, -2)) * scale
+    if causal:
+        scores.masked_fill_(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    return scores
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]``.
+
+    Returns ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in
+    the compute dtype (math) or q's dtype (sdpa).
+    """
+    if backend == "sdpa":
+        groups = q.shape[1] // k.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, _repeat_kv(k, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=None, scale=scale
+        )
+        return out, lse.to(compute_dtype(q.dtype))
+    scores = _math_scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    out = torch.matmul(probs, v.to(scores.dtype).unsqueeze(2))
+    b, hq, sq, d = q.shape
+    return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, *, causal: bool, scale: float,
+                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of these queries.
+
+    With the final lse, ``exp(s - lse)`` is exactly this block's slice of the global softmax, so the
+    block's dq/dk/dv are its exact share of the global gradients. Returns ``(dq [b, hq, sq, d],
+    dk [b, hkv, sk, d], dv [b, hkv, sk, d])`` in the compute dtype.
+    """
+    ct = compute_dtype(q.dtype)
+    if backend == "sdpa":
+        groups = q.shape[1] // k.shape[1]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, _repeat_kv(k, groups), _repeat_kv(v, groups), out.to(q.dtype),
+            lse.float() if q.dtype != torch.float64 else lse, 0.0, causal, attn_mask=None, scale=scale,
+        )
+        b, hkv, sk, d = k.shape
+        return dq.to(ct), dk.to(ct).reshape(b, hkv, groups, sk, d).sum(2), dv.to(ct).reshape(b, hkv, groups, sk, d).sum(2)
+    hkv = k.shape[1]
+    scores = _math_scores(q, k, causal, scale)
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(ct)
+    probs = torch.exp(scores - _grouped(safe_lse.unsqueeze(-1), hkv))
+    g_out = _grouped(dout.to(ct), hkv)
+    delta = (g_out * _grouped(out.to(ct), hkv)).sum(-1, keepdim=True)
+    dv = torch.matmul(probs.transpose(-1, -2), g_out).sum(2)
+    dprobs = torch.matmul(g_out, v.to(ct).unsqueeze(2).transpose(-1, -2))
+    dscores = probs * (dprobs - delta) * scale
+    dq = torch.matmul(dscores, k.to(ct).unsqueeze(2)).reshape(q.shape)
+    dk = torch.matmul(dscores.transpose(-1, -2), _grouped(q.to(ct), hkv)).sum(2)
+    return dq, dk, dv

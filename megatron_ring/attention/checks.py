@@ -1,0 +1,50 @@
+"""Boundary checks for the attention entry points: clear TypeError/ValueError, never a deep torch error."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_qkv(q: object, k: object, v: object, *, same_seq: bool) -> None:
+    """Validate ``[batch, seq, heads, head_dim]`` q/k/v (``same_seq``: q and k/v share seq length)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name}.dtype is {t.dtype}; allowed: {[str(d) for d in DTYPES]}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch mismatch: q has {q.shape[0]}, k/v have {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head_dim mismatch: q has {q.shape[3]}, k/v have {k.shape[3]}")
+    if same_seq and q.shape[1] != k.shape[1]:
+        raise ValueError(f"seq_local mismatch: q has {q.shape[1]}, k/v have {k.shape[1]}; the ring needs equal local lengths")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"heads_q ({q.shape[2]}) must be divisible by heads_kv ({k.shape[2]}) for grouped-query attention"
+        )
+
+
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in ``group``; (0, 1) when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)

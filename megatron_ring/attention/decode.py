@@ -1,0 +1,64 @@
+"""Decode against a KV cache sharded over the ranks of a context-parallel group.
+
+Note [Decode from a sharded KV cache]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+After a ring prefill every rank holds the K/V of its own tokens. Weights are replicated over CP
+ranks, so every rank computes the same new token and the same query. Each rank attends that query
+to its own cache shard (a shard may be empty), giving ``(o_r, lse_r)``; one all-gather of these
+small partial results (``P x [batch, heads, q_len, head_dim + 1]``) and a log-sum-exp merge give
+the exact attention on every rank. No K/V moves during decode; the caller appends each new
+token's K/V to one rank only (round-robin keeps the shards balanced)::
+
+    rank 0: q . [K0 | new0]  -> (o0, lse0) \\
+    rank 1: q . [K1 | new1]  -> (o1, lse1)  }-- all_gather --> merge -> o (same on all ranks)
+    rank 2: q . [K2]         -> (o2, lse2) /
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.attention.allgather import all_gather_stacked
+from megatron_ring.attention.block import block_forward, compute_dtype, resolve_backend
+from megatron_ring.attention.checks import check_qkv, group_rank_size
+from megatron_ring.attention.merge import merge_stacked
+
+
+def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
+                     group: dist.ProcessGroup | None = None, *, softmax_scale: float | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """Attention of new queries over the union of every rank's cache shard.
+
+    Args:
+        q: ``[batch, q_len, heads_q, head_dim]``, identical on all ranks of ``group``.
+        k_local, v_local: this rank's cache shard ``[batch, s_local, heads_kv, head_dim]``;
+            ``s_local`` may differ between ranks and may be 0. Every cached key is visible to every
+            query (append the new tokens' K/V before calling).
+        group: the context-parallel group (None = world, or one process without torch.distributed).
+
+    Returns:
+        ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
+    """
+    check_qkv(q, k_local, v_local, same_seq=False)
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    _, size = group_rank_size(group)
+    with torch.no_grad():
+        qh, kh, vh = q.transpose(1, 2), k_local.transpose(1, 2), v_local.transpose(1, 2)
+        ct = compute_dtype(q.dtype)
+        b, hq, tq, d = qh.shape
+        part = torch.empty(b, hq, tq, d + 1, dtype=ct, device=q.device)
+        if kh.shape[2] == 0:
+            part[..., :d] = 0
+            part[..., d] = float("-inf")
+        else:
+            out, lse = block_forward(qh, kh, vh, causal=False, scale=scale,
+                                     backend=resolve_backend(backend, q.device))
+            part[..., :d] = out
+            part[..., d] = lse
+        parts = all_gather_stacked(part, group, size)
+        merged, _ = merge_stacked(parts[..., :d], parts[..., d])
+        return merged.to(q.dtype).transpose(1, 2)

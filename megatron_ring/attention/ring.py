@@ -1,0 +1,222 @@
+"""Ring attention: exact attention over a sequence sharded across a context-parallel group.
+
+Each rank keeps its queries and passes its K/V block around the ring with point-to-point
+send/recv; after P-1 rotations every query has met every key block, and the partial results are
+merged by log-sum-exp (Note [Log-sum-exp merge] in merge.py). Activation memory per rank is
+O(L/P); no rank ever holds the whole sequence's K/V.
+
+Note [Overlap and double buffering]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Two K/V buffers are allocated once per call. At step t the ring posts the send of the current
+buffer and the receive of the next one *before* computing on the current block, and waits only
+after the compute: the transfer hides behind the attention math when compute >= communication
+(L/P above the crossover). The buffer being received into was last read at step t-1, whose
+communication has completed, so there is no hazard. Only the ``heads_kv`` heads travel, in the
+input dtype (bf16 on the wire for bf16 models).
+
+Backward runs a second ring: K/V rotate as in forward, and a gradient accumulator (fp32) travels
+one step behind them, collecting every rank's dK/dV contribution for that block; a final
+transfer carries it home to the block's owner.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.attention.allgather import GatheredKV
+from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, resolve_backend
+from megatron_ring.attention.checks import check_choice, check_qkv, group_rank_size
+from megatron_ring.attention.instrument import active_stats, now
+from megatron_ring.attention.merge import merge_into
+from megatron_ring.attention.schedule import StepPlan, step_plan
+from megatron_ring.attention.sharding import SHARDINGS, check_divisible
+
+COMMS: tuple[str, ...] = ("p2p", "all_gather")
+_KV_TAG, _GRAD_TAG = 0, 1
+
+
+class P2PRing:
+    """K/V rotation over a process group with ``batch_isend_irecv``; guards its own buffers."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
+        self.group, self.rank, self.size = group, rank, size
+        self.bytes_per_step = 0
+        if size > 1:
+            self.next = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
+            self.prev = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
+        self._grad_bufs: torch.Tensor | None = None
+        self._grad_work: list[dist.Work] = []
+        self._grad_step = 0
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list[dist.Work]:
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
+        ]
+        return dist.batch_isend_irecv(ops)
+
+    def _wait(self, works: list[dist.Work], device: torch.device) -> None:
+        stats = active_stats()
+        start = now(device) if stats else 0.0
+        for work in works:
+            work.wait()
+        if stats:
+            stats.wait_s += now(device) - start
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(src, kv_src)`` for t = 0..P-1, kv_src ``[2, batch, heads_kv, seq_local, head_dim]``.
+
+        The next block's transfer is in flight while the caller computes on the yielded one.
+        """
+        bufs = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)
+        torch.stack((k, v), out=bufs[0])
+        self.bytes_per_step = bufs[0].numel() * bufs.element_size()
+        for step in range(self.size):
+            cur, nxt = bufs[step % 2], bufs[(step + 1) % 2]
+            works = self._exchange(cur, nxt, _KV_TAG) if step < self.size - 1 else []
+            yield (self.rank - step) % self.size, cur
+            self._wait(works, k.device)
+
+    def start_grads(self, kv_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        self._grad_bufs = torch.zeros((2, *kv_shape), dtype=dtype, device=device)
+        self._grad_work, self._grad_step = [], 0
+
+    def add_grads(self, src: int, plan: StepPlan | None, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
+        """Add this step's dK/dV to the travelling accumulator of block ``src`` and pass it on."""
+        assert self._grad_bufs is not None
+        step = self._grad_step
+        self._wait(self._grad_work, self._grad_bufs.device)
+        acc = self._grad_bufs[step % 2]
+        if plan is not None:
+            acc[0][:, :, plan.k] += dk
+            acc[1][:, :, plan.k] += dv
+        if self.size > 1:
+            self._grad_work = self._exchange(acc, self._grad_bufs[(step + 1) % 2], _GRAD_TAG)
+        self._grad_step += 1
+
+    def finish_grads(self) -> torch.Tensor:
+        """This rank's own ``[2, batch, heads_kv, seq_local, head_dim]`` gradient, once home."""
+        assert self._grad_bufs is not None
+        self._wait(self._grad_work, self._grad_bufs.device)
+        grads = self._grad_bufs[self._grad_step % 2] if self.size > 1 else self._grad_bufs[0]
+        self._grad_bufs, self._grad_work = None, []
+        return grads
+
+
+@dataclass(frozen=True)
+class _Spec:
+    rank: int
+    size: int
+    seq_local: int
+    causal: bool
+    sharding: str
+    scale: float
+    backend: str
+
+    def plan(self, src: int) -> StepPlan | None:
+        return step_plan(self.rank, src, self.size, self.seq_local, causal=self.causal, sharding=self.sharding)
+
+
+def _alloc_bshd(b: int, h: int, s: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero ``[b, h, s, d]`` view over ``[b, s, h, d]`` memory, so the result needs no final copy."""
+    return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autograd wrapper; tensors are ``[batch, heads, seq_local, head_dim]`` (views of BSHD input)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: P2PRing | GatheredKV,
+                spec: _Spec) -> torch.Tensor:
+        stats = active_stats()
+        t0 = now(q.device) if stats else 0.0
+        b, hq, s, d = q.shape
+        ct = compute_dtype(q.dtype)
+        out = _alloc_bshd(b, hq, s, d, ct, q.device)
+        lse = torch.full((b, hq, s), float("-inf"), dtype=ct, device=q.device)
+        for src, kv in comm.blocks(k, v):
+            plan = spec.plan(src)
+            if plan is None:
+                continue
+            c0 = now(q.device) if stats else 0.0
+            o, l = block_forward(q[:, :, plan.q], kv[0][:, :, plan.k], kv[1][:, :, plan.k],
+                                 causal=plan.causal, scale=spec.scale, backend=spec.backend)
+            merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
+            if stats:
+                stats.compute_s += now(q.device) - c0
+        result = out.to(q.dtype)
+        if stats:
+            stats.calls += 1
+            stats.steps += spec.size - 1
+            stats.bytes_sent += comm.bytes_per_step * (spec.size - 1)
+            stats.total_s += now(q.device) - t0
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.comm, ctx.spec = comm, spec
+        return result
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        comm: P2PRing | GatheredKV = ctx.comm
+        spec: _Spec = ctx.spec
+        ct = compute_dtype(q.dtype)
+        b, hq, s, d = q.shape
+        dq = _alloc_bshd(b, hq, s, d, ct, q.device)
+        comm.start_grads(torch.Size((2, *k.shape)), ct, q.device)
+        for src, kv in comm.blocks(k, v):
+            plan = spec.plan(src)
+            dk_b = dv_b = None
+            if plan is not None:
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, plan.q], q[:, :, plan.q], kv[0][:, :, plan.k], kv[1][:, :, plan.k],
+                    out[:, :, plan.q], lse[:, :, plan.q], causal=plan.causal, scale=spec.scale, backend=spec.backend,
+                )
+                dq[:, :, plan.q] += dq_b
+            comm.add_grads(src, plan, dk_b, dv_b)
+        dkv = comm.finish_grads()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                   causal: bool = False, softmax_scale: float | None = None, sharding: str = "zigzag",
+                   comm: str = "p2p", backend: str = "auto") -> torch.Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        q: ``[batch, seq_local, heads_q, head_dim]``, this rank's queries.
+        k, v: ``[batch, seq_local, heads_kv, head_dim]``; ``heads_q % heads_kv == 0`` (GQA/MQA).
+        group: the context-parallel group; its ranks in group order form the ring. None = world
+            (or a single process when torch.distributed is not initialised).
+        causal: causal mask on *global* positions.
+        softmax_scale: defaults to ``1/sqrt(head_dim)``.
+        sharding: ``"zigzag"`` (rank r holds chunks r and 2P-1-r of 2P; Megatron's split) or
+            ``"contiguous"`` (chunk r of P). See Note [Zigzag sharding].
+        comm: ``"p2p"`` (the ring) or ``"all_gather"`` (the baseline).
+        backend: local block kernel, ``"auto"``, ``"math"`` or ``"sdpa"`` (see block.py).
+
+    Returns:
+        ``[batch, seq_local, heads_q, head_dim]`` in q's dtype; differentiable w.r.t. q, k, v.
+    """
+    check_qkv(q, k, v, same_seq=True)
+    check_choice("sharding", sharding, SHARDINGS)
+    check_choice("comm", comm, COMMS)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    rank, size = group_rank_size(group)
+    seq_local = q.shape[1]
+    if size > 1:
+        check_divisible(seq_local * size, size, sharding, what=f"global sequence length (seq_local {seq_local} x cp {size})")
+    spec = _Spec(
+        rank=rank, size=size, seq_local=seq_local, causal=causal, sharding=sharding,
+        scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        backend=resolve_backend(backend, q.device),
+    )
+    channel = P2PRing(group, rank, size) if comm == "p2p" else GatheredKV(group, rank, size)
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec)
+    return out.transpose(1, 2)

@@ -1,0 +1,159 @@
+"""Schema of the GPT model configs in ``configs/megatron/`` (YAML or JSON).
+
+One file describes a Megatron-core GPT model, how its attention is computed and how it is laid
+over ranks::
+
+    name: tiny-ring-cp2
+    model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256,
+            vocab_size: 128, seq_length: 64, position_embedding: rope}
+    dtype: fp32
+    attention: ring          # local = Megatron's DotProductAttention (cp must be 1)
+    parallel: {tp: 1, pp: 1, cp: 2, cp_comm_type: p2p}
+
+Swapping ``attention: local`` for ``attention: ring`` (and raising ``cp``) is the whole change.
+:meth:`GPTConfig.parse` checks the fields one by one (unknown keys get a did-you-mean) and then
+the rules between them (heads and vocabulary divisible by tp, layers by pp, sequence by 2*cp, ...);
+:meth:`GPTConfig.check_world_size` checks the layout against the launched processes. Each error
+names the field, its value and what is allowed. Importing this module needs pydantic only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import Field
+
+from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
+from megatron_ring.parallel.layout import ParallelLayout
+
+class GPTModelConfig(StrictModel):
+    """Sizes and architecture of the GPT model (independent of how it is parallelised)."""
+
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    head_dim: Optional[int] = Field(default=None, ge=1, description="kv_channels; default hidden_size // heads")
+    num_query_groups: Optional[int] = Field(default=None, ge=1, description="K/V heads (GQA); default = heads")
+    ffn_hidden_size: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    seq_length: int = Field(ge=1, description="tokens per sequence (global, before CP sharding)")
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    rotary_base: int = Field(default=10000, ge=1)
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    tie_embeddings: bool = False
+    hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+
+class GPTParallelConfig(StrictModel):
+    """Parallel sizes; ``dp`` defaults to whatever the world size leaves over."""
+
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    dp: Optional[int] = Field(default=None, ge=1)
+    cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
+
+    def layout(self, world_size: Optional[int] = None) -> ParallelLayout:
+        """The :class:`ParallelLayout`; with ``dp`` unset it is derived from ``world_size`` (else 1)."""
+        dp = self.dp
+        if dp is None:
+            model_parallel = self.tp * self.pp * self.cp
+            dp = 1 if world_size is None else max(1, world_size // model_parallel)
+        return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, dp=dp)
+
+
+class GPTConfig(StrictModel):
+    """A whole ``configs/megatron/*.yaml`` file."""
+
+    name: str = "gpt"
+    model: GPTModelConfig
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    attention: Literal["local", "ring"] = "ring"
+    parallel: GPTParallelConfig = Field(default_factory=GPTParallelConfig)
+    seed: int = 1234
+
+    @classmethod
+    def parse(cls, data: Any, *, where: str = "config") -> "GPTConfig":
+        """Validate fields, then the rules between them; raise :class:`ConfigError` naming the field."""
+        cfg = super().parse(data, where=where)
+        cfg.check(where=where)
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> "GPTConfig":
+        """Read and validate a YAML/JSON file."""
+        return cls.parse(load_mapping(path), where=f"config {str(path)!r}")
+
+    def check(self, *, where: str = "config") -> None:
+        """Rules between fields (each error names the fields, their values and what would be allowed)."""
+        m, p = self.model, self.parallel
+        problems: list[str] = []
+        if self.attention == "local" and p.cp > 1:
+            problems.append(
+                f"attention = 'local' (Megatron's DotProductAttention) needs parallel.cp = 1, got cp = {p.cp}; "
+                "use attention: ring for context parallelism"
+            )
+        if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+            problems.append(
+                f"model.hidden_size = {m.hidden_size} is not divisible by model.num_attention_heads = "
+                f"{m.num_attention_heads}; set model.head_dim or change one of them"
+            )
+        if m.num_attention_heads % m.query_groups:
+            problems.append(
+                f"model.num_attention_heads = {m.num_attention_heads} is not divisible by model.num_query_groups = "
+                f"{m.query_groups}; allowed: a divisor of {m.num_attention_heads} {_divisors(m.num_attention_heads)}"
+            )
+        for field, value in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.query_groups),
+                             ("ffn_hidden_size", m.ffn_hidden_size), ("vocab_size", m.vocab_size)):
+            if value % p.tp:
+                problems.append(
+                    f"model.{field} = {value} is not divisible by parallel.tp = {p.tp}; "
+                    f"allowed tp: {_divisors(value)}"
+                )
+        if m.num_layers % p.pp:
+            problems.append(
+                f"model.num_layers = {m.num_layers} is not divisible by parallel.pp = {p.pp}; "
+                f"allowed pp: {_divisors(m.num_layers)}"
+            )
+        if p.cp > 1 and m.seq_length % (2 * p.cp):
+            problems.append(
+                f"model.seq_length = {m.seq_length} is not divisible by 2*parallel.cp = {2 * p.cp} "
+                f"(zigzag sharding over cp = {p.cp}); pad it to a multiple of {2 * p.cp}"
+            )
+        if problems:
+            raise ConfigError(f"invalid {where}:\n  " + "\n  ".join(problems))
+
+    def check_world_size(self, world_size: int) -> ParallelLayout:
+        """The layout for ``world_size`` processes; ConfigError when tp*pp*cp*dp cannot fill it."""
+        p = self.parallel
+        model_parallel = p.tp * p.pp * p.cp
+        if p.dp is None and world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = "
+                f"{model_parallel}; launch a multiple of {model_parallel} processes"
+            )
+        layout = p.layout(world_size)
+        if layout.world_size != world_size:
+            raise ConfigError(
+                f"parallel layout {layout.describe()} (parallel.dp = {p.dp}) does not match the world size "
+                f"{world_size}; the product tp*pp*cp*dp must equal the number of launched processes"
+            )
+        return layout
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def load_gpt_config(path: str | Path) -> GPTConfig:
+    """Read and validate a ``configs/megatron`` file."""
+    return GPTConfig.load(path)

@@ -1,0 +1,104 @@
+"""The contract between the inference loop and a model: :class:`ModelRunner`.
+
+The loop (:mod:`megatron_ring.inference.loop`) times prefill and decode, the metrics module
+turns the timings into TPS/TTFT/TPOT, and neither knows how the model is parallelised. A runner
+hides that: it owns one rank's share of the weights and of the KV cache and answers in *global*
+token ids, identical on every rank of the job.
+
+Every rank of the job holds one runner and calls the same methods in the same order with the same
+arguments (the loop guarantees this). Greedy decoding only: the next token is
+``argmax(logits)``, ties broken towards the lower id, so that every layout produces the same
+tokens from the same weights.
+
+Implementations:
+
+* ``megatron_ring.inference.megatron_runner`` — Megatron-core GPT; baseline (TP/PP, full
+  sequence on every rank) or ring (CP, prompt sharded zigzag, KV cache sharded over CP ranks,
+  decode through :func:`megatron_ring.decode_attention`).
+* :mod:`megatron_ring.inference.toy_runner` — a tiny pure-torch GPT over a CP group; an
+  independent reference for tests.
+
+The config's ``model.runner`` field names a module that provides two functions, together a
+:class:`RunnerModule`: ``check_model`` (validate the model against the layout and workload
+before anything is built) and ``build_runner`` (a :class:`RunnerFactory`).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.parallel.layout import ParallelLayout
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """One rank's handle on a model being served; all tensors are on :attr:`device`.
+
+    Call order per request: ``reset()``, ``prefill(prompt)``, then ``decode(ids)`` once per new
+    token. Arguments and results are identical on every rank of the job.
+    """
+
+    vocab_size: int
+    """Token ids are in ``[0, vocab_size)``."""
+
+    device: torch.device
+    """Where the runner wants its inputs (``cpu`` or ``cuda:<local_rank>``)."""
+
+    def reset(self) -> None:
+        """Drop the KV cache; the next call must be :meth:`prefill`."""
+        ...
+
+    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """Run the whole prompt and fill this rank's KV cache.
+
+        prompt_ids: int64 ``[batch, prompt_len]``, the *global* prompt, same on every rank (a CP
+        runner takes its own zigzag shard). Returns int64 ``[batch]``: the greedy next token after
+        the prompt, same on every rank.
+        """
+        ...
+
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append one token per sequence and return the greedy next one.
+
+        ids: int64 ``[batch]``, the token produced by the previous call, same on every rank.
+        Its K/V go into this rank's cache shard (a CP runner appends to the shard that keeps the
+        shards balanced). Returns int64 ``[batch]``, same on every rank.
+        """
+        ...
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes this rank's KV cache holds now (allocated capacity, all layers, K and V)."""
+        ...
+
+
+class RunnerFactory(Protocol):
+    """Builds this rank's runner; called on every rank after the process groups exist.
+
+    model: the runner's model description as a mapping (the YAML of ``configs/megatron/`` named by
+    ``model.config``, loaded, or the inline mapping given there); groups: this rank's
+    process groups for the validated layout; dtype: compute dtype of weights and activations;
+    device: this rank's device; seed: weights are drawn from ``torch.manual_seed(seed)`` so that
+    every layout builds the same global model.
+    """
+
+    def __call__(self, model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype,
+                 device: torch.device, seed: int) -> ModelRunner: ...
+
+
+class RunnerModule(Protocol):
+    """What a runner module (``megatron_ring.inference.<name>_runner``) provides."""
+
+    def check_model(self, model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
+                    new_tokens: int) -> dict[str, Any]:
+        """Validate the model against the layout and workload; build nothing, touch no device.
+
+        Raise :class:`megatron_ring.config.ConfigError` naming the field, its value and what is
+        allowed (e.g. ``num_attention_heads = 6 is not divisible by tp = 4``; ``prompt_len`` not
+        divisible by ``2*cp``; ``num_layers`` not divisible by ``pp``). Return a small JSON-able
+        summary of the model for the result file (layers, hidden size, heads, parameter count, ...).
+        """
+        ...
+
+    build_runner: RunnerFactory

@@ -1,0 +1,100 @@
+"""Hardware profiles for the planner: the numbers live in ``megatron_ring/perf/profiles/*.json``.
+
+A profile is data, not code: copy one of the JSON files, edit the numbers (peak FLOP/s per dtype,
+HBM size and bandwidth, link bandwidths, achieved-efficiency factors, latencies) and pass its path
+to ``megatron-ring plan --hardware my.json``. Unknown keys are rejected with a did-you-mean.
+
+Peak numbers are the vendor's; the ``*_efficiency`` factors turn them into achieved numbers and are
+the knobs to calibrate against measurements (``megatron-ring bench attention`` prints them for CPU).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from megatron_ring.attention.auto_comm import CommCosts
+from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = "h100-sxm"
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class HardwareProfile(StrictModel):
+    """One device (GPU, or for CPU profiles one core) and the links between devices."""
+
+    name: str
+    description: str
+    memory_bytes: float = Field(gt=0, description="memory per device (bytes)")
+    usable_memory_fraction: float = Field(gt=0, le=1, description="share usable by tensors (context, fragmentation)")
+    hbm_bytes_per_s: float = Field(gt=0, description="peak memory bandwidth per device")
+    peak_flops: dict[str, float] = Field(description="peak dense FLOP/s per device by dtype (fp32, bf16, fp16)")
+    matmul_efficiency: float = Field(gt=0, le=1, description="achieved / peak for large GEMMs")
+    attention_efficiency: float = Field(gt=0, le=1, description="achieved / peak for the attention block kernel")
+    hbm_efficiency: float = Field(gt=0, le=1, description="achieved / peak memory bandwidth")
+    devices_per_node: int = Field(ge=1, description="devices joined by the fast (intra-node) links")
+    intra_node_bytes_per_s: float = Field(gt=0, description="per device, per direction, inside a node")
+    inter_node_bytes_per_s: float = Field(gt=0, description="per device, per direction, between nodes")
+    link_efficiency: float = Field(gt=0, le=1, description="achieved / peak link bandwidth")
+    p2p_latency_s: float = Field(ge=0, description="fixed cost of one ring step (send/recv + launch + merge)")
+    collective_latency_s: float = Field(ge=0, description="fixed cost of one small collective")
+    cpu_cores: int | None = Field(default=None, ge=1, description="CPU profiles: cores shared by all ranks; "
+                                                                  "peak_flops is then per core")
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _known_dtypes(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(value) - set(DTYPE_BYTES))
+        if unknown:
+            raise ValueError(f"unknown dtype {unknown}; allowed: {sorted(DTYPE_BYTES)}")
+        if any(v <= 0 for v in value.values()):
+            raise ValueError(f"every peak FLOP/s must be > 0, got {value}")
+        return value
+
+    @classmethod
+    def load(cls, name_or_path: str | Path = DEFAULT_PROFILE) -> "HardwareProfile":
+        """A bundled profile by name (see :func:`profile_names`) or a JSON file by path."""
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = PROFILE_DIR / f"{name_or_path}.json"
+            if not path.is_file():
+                raise ConfigError(f"hardware profile {str(name_or_path)!r} not found; bundled profiles: "
+                                  f"{profile_names()}; or give the path of a JSON file")
+        return cls.parse(load_mapping(path), where=f"hardware profile {str(path)!r}")
+
+    def flops(self, dtype: str, *, kind: str, ranks: int = 1) -> float:
+        """Achieved FLOP/s of one rank for ``kind`` ("matmul" or "attention") when ``ranks`` ranks run at once.
+
+        On GPU profiles each rank owns a device. On CPU profiles the ``cpu_cores`` are shared:
+        a rank gets ``cpu_cores / ranks`` cores (at most all of them).
+        """
+        if dtype not in self.peak_flops:
+            raise ValueError(f"dtype {dtype!r} has no peak_flops in profile {self.name!r}; "
+                             f"allowed: {sorted(self.peak_flops)}")
+        if kind not in ("matmul", "attention"):
+            raise ValueError(f"kind must be 'matmul' or 'attention', got {kind!r}")
+        eff = self.matmul_efficiency if kind == "matmul" else self.attention_efficiency
+        share = 1.0 if self.cpu_cores is None else self.cpu_cores / max(1, ranks)
+        return self.peak_flops[dtype] * eff * share
+
+    def link_bytes_per_s(self, *, cross_node: bool) -> float:
+        """Achieved bytes/s per direction of one device's link inside a node or between nodes."""
+        peak = self.inter_node_bytes_per_s if cross_node else self.intra_node_bytes_per_s
+        return peak * self.link_efficiency
+
+    def usable_memory(self) -> float:
+        """Bytes per device that tensors may use."""
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def comm_costs(self, dtype: str = "bf16", *, cross_node: bool = False, ranks: int = 1) -> CommCosts:
+        """The :class:`CommCosts` of this profile, for ``comm="auto"`` and the planner's ring model."""
+        link = self.link_bytes_per_s(cross_node=cross_node)
+        return CommCosts(flops_per_s=self.flops(dtype, kind="attention", ranks=ranks), p2p_bytes_per_s=link,
+                         allgather_bytes_per_s=link, step_latency_s=self.p2p_latency_s,
+                         collective_latency_s=self.collective_latency_s)
+
+
+def profile_names() -> list[str]:
+    """Names of the bundled profiles."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
