@@ -14,16 +14,13 @@ import torch.distributed as dist
 from megatron_ring.attention.schedule import StepPlan
 
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""Gather into one flat tensor (``all_gather_single`` where torch has it, its older name otherwise)."""
-
-
 def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
     """Every rank's ``x`` stacked in rank order: ``[size, *x.shape]`` (one all-gather)."""
     if size == 1:
         return x.unsqueeze(0)
     flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(flat, x.contiguous(), group=group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
+    gather(flat, x.contiguous(), group=group)
     return flat.view(size, *x.shape)
 
 
@@ -61,7 +58,8 @@ class GatheredKV:
             return grads[0]
         if dist.get_backend(self.group) == "nccl":
             mine = torch.empty_like(grads[0])
-            dist.reduce_scatter_tensor(mine, grads, group=self.group)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            scatter(mine, grads.view(-1, *grads.shape[2:]), group=self.group)
             return mine
         dist.all_reduce(grads, group=self.group)  # gloo has no reduce_scatter
         return grads[self.rank]

@@ -46,6 +46,10 @@ class ModelRunner(Protocol):
     device: torch.device
     """Where the runner wants its inputs (``cpu`` or ``cuda:<local_rank>``)."""
 
+    module: torch.nn.Module
+    """This rank's weights. The launcher hands it to ``deepspeed.init_inference``, which converts
+    and places it in place; the runner keeps using it as is."""
+
     def reset(self) -> None:
         """Drop the KV cache; the next call must be :meth:`prefill`."""
         ...
@@ -80,11 +84,13 @@ class RunnerFactory(Protocol):
     ``model.config``, loaded, or the inline mapping given there); groups: this rank's
     process groups for the validated layout; dtype: compute dtype of weights and activations;
     device: this rank's device; seed: weights are drawn from ``torch.manual_seed(seed)`` so that
-    every layout builds the same global model.
+    every layout builds the same global model; batch, prompt_len, new_tokens: the largest request
+    the runner will serve (size the KV cache for ``prompt_len + new_tokens - 1`` tokens).
     """
 
     def __call__(self, model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype,
-                 device: torch.device, seed: int) -> ModelRunner: ...
+                 device: torch.device, seed: int, batch: int, prompt_len: int,
+                 new_tokens: int) -> ModelRunner: ...
 
 
 class RunnerModule(Protocol):

@@ -83,9 +83,10 @@ class HardwareProfile(StrictModel):
         peak = self.inter_node_bytes_per_s if cross_node else self.intra_node_bytes_per_s
         return peak * self.link_efficiency
 
-    def usable_memory(self) -> float:
-        """Bytes per device that tensors may use."""
-        return self.memory_bytes * self.usable_memory_fraction
+    def usable_memory(self, *, ranks: int = 1) -> float:
+        """Bytes per rank that tensors may use (CPU profiles share the memory among ``ranks``)."""
+        share = 1 if self.cpu_cores is None else max(1, ranks)
+        return self.memory_bytes * self.usable_memory_fraction / share
 
     def comm_costs(self, dtype: str = "bf16", *, cross_node: bool = False, ranks: int = 1) -> CommCosts:
         """The :class:`CommCosts` of this profile, for ``comm="auto"`` and the planner's ring model."""

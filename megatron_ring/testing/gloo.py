@@ -107,6 +107,10 @@ class GlooPool:
             raise WorkerError(f"{fn.__name__} failed on ranks {sorted(failed)}:\n{text}")
         return [got[r][1] for r in range(self.world_size)]
 
+    def alive(self) -> bool:
+        """Whether every worker process is still running."""
+        return all(p.is_alive() for p in self._procs)
+
     def close(self, force: bool = False) -> None:
         """Stop the workers (``force`` kills them at once)."""
         for proc, tasks in zip(self._procs, self._tasks):

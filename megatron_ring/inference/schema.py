@@ -1,0 +1,168 @@
+"""Schema of the ``megatron_ring`` section of an inference config (pydantic).
+
+A config file for ``launch/infer.py`` is DeepSpeed's inference JSON plus one section of ours::
+
+    {
+      "dtype": "bf16",                          <- DeepSpeed's keys, validated by DeepSpeed
+      "replace_with_kernel_inject": false,
+      "megatron_ring": {                        <- ours, validated here
+        "model":    {"runner": "megatron", "config": "configs/megatron/paper_dense_16l.yaml"},
+        "layout":   {"tp": 1, "pp": 1, "cp": 16, "dp": 1},
+        "workload": {"batch": 128, "prompt_len": 100000, "new_tokens": 64,
+                     "warmup": 1, "repeats": 3, "seed": 1234},
+        "output":   "results/paper_ring_cp16.json"
+      }
+    }
+
+:func:`megatron_ring.integrations.deepspeed.split_config` separates the two. Everything here is
+checked before any process group or model exists: unknown keys (with a did-you-mean), the layout
+against the launched world size, the workload against the layout (zigzag needs ``prompt_len``
+divisible by ``2*cp``), and the model against both through the runner's ``check_model``.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from pydantic import Field
+
+from megatron_ring.attention.sharding import check_divisible
+from megatron_ring.config import ConfigError, StrictModel, load_mapping
+from megatron_ring.parallel.layout import ParallelLayout
+
+RUNNERS: dict[str, str] = {
+    "megatron": "megatron_ring.inference.megatron_runner",
+    "toy": "megatron_ring.inference.toy_runner",
+}
+"""``model.runner`` name -> module providing ``check_model`` and ``build_runner``
+(see :class:`megatron_ring.inference.runner.RunnerModule`)."""
+
+
+class ModelSection(StrictModel):
+    """Which runner builds the model, and the model's own description."""
+
+    runner: str = Field("megatron", description=f"one of {sorted(RUNNERS)}")
+    config: Union[str, dict[str, Any]] = Field(
+        ..., description="path of a model YAML/JSON (relative to the working directory or to this config "
+        "file), or the mapping itself")
+
+
+class LayoutSection(StrictModel):
+    """Sizes of the parallel axes; their product must be the launched world size."""
+
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp)
+
+
+class WorkloadSection(StrictModel):
+    """What one measured request is: ``batch`` prompts of ``prompt_len`` tokens, ``new_tokens`` generated.
+
+    Every data-parallel replica serves the same batch, so the job processes ``dp * batch`` sequences.
+    The first new token comes from prefill, the other ``new_tokens - 1`` from decode steps.
+    """
+
+    batch: int = Field(..., ge=1)
+    prompt_len: int = Field(..., ge=1)
+    new_tokens: int = Field(..., ge=2, description="tokens generated per sequence, >= 2 so that decode runs")
+    warmup: int = Field(1, ge=0, description="untimed requests before the measured ones")
+    repeats: int = Field(3, ge=1, description="measured requests; metrics are their median")
+    seed: int = Field(1234, description="seeds the weights and the prompt tokens")
+
+
+class RingSection(StrictModel):
+    """The whole ``megatron_ring`` section."""
+
+    model: ModelSection
+    layout: LayoutSection
+    workload: WorkloadSection
+    output: Optional[str] = Field(None, description="result JSON path; None prints only")
+    collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every collective")
+    peer_timeout_s: float = Field(
+        20.0, gt=0, description="a peer silent this long is declared lost and the job stops")
+
+
+class InferenceSpec:
+    """A validated config: our section, DeepSpeed's part, the model mapping and its summary."""
+
+    def __init__(self, ring: RingSection, deepspeed: dict[str, Any], model: dict[str, Any],
+                 model_summary: dict[str, Any], path: Path | None) -> None:
+        self.ring = ring
+        self.deepspeed = deepspeed
+        self.model = model
+        self.model_summary = model_summary
+        self.path = path
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.ring.layout.layout()
+
+    @property
+    def name(self) -> str:
+        """The config file's stem (``cpu_ring_cp4``), or ``inline``."""
+        return self.path.stem if self.path else "inline"
+
+
+def runner_module(name: str) -> Any:
+    """Import the module of runner ``name``; ConfigError naming the allowed runners otherwise."""
+    if name not in RUNNERS:
+        raise ConfigError(f"megatron_ring.model.runner = {name!r}: unknown runner; allowed: {sorted(RUNNERS)}")
+    try:
+        return importlib.import_module(RUNNERS[name])
+    except ModuleNotFoundError as err:
+        raise ConfigError(
+            f"megatron_ring.model.runner = {name!r} needs module {RUNNERS[name]} which cannot be imported: {err}"
+        ) from err
+
+
+def load_model_mapping(section: ModelSection, base: Path | None) -> dict[str, Any]:
+    """The model description: the inline mapping, or the file it names.
+
+    A relative path is tried against the working directory first, then against ``base`` (the
+    directory of the config file).
+    """
+    if isinstance(section.config, dict):
+        return dict(section.config)
+    path = Path(section.config)
+    if not path.is_absolute() and not path.exists() and base is not None and (base / path).exists():
+        path = base / path
+    if not path.exists():
+        raise ConfigError(f"megatron_ring.model.config = {section.config!r}: file not found "
+                          f"(tried the working directory{' and ' + str(base) if base else ''})")
+    return load_mapping(path)
+
+
+def validate(ring_data: Any, deepspeed: dict[str, Any], *, world_size: int, path: Path | None = None) -> InferenceSpec:
+    """Validate our section against itself, the world size and the model; build nothing.
+
+    ring_data: the raw ``megatron_ring`` mapping; deepspeed: the rest of the config (checked
+    against our layout here, against DeepSpeed's schema by the DeepSpeed integration).
+    Raises :class:`ConfigError` with every reason it finds first.
+    """
+    where = f"megatron_ring section of {str(path)!r}" if path else "megatron_ring section"
+    ring = RingSection.parse(ring_data, where=where)
+    layout = ring.layout.layout()
+    try:
+        layout.check_world_size(world_size)
+    except ValueError as err:
+        raise ConfigError(f"megatron_ring.layout: {err}") from None
+    work = ring.workload
+    try:
+        check_divisible(work.prompt_len, layout.cp, "zigzag", what="megatron_ring.workload.prompt_len")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    ds_tp = (deepspeed.get("tensor_parallel") or {}).get("tp_size")
+    if ds_tp is not None and ds_tp != layout.tp:
+        raise ConfigError(
+            f"tensor_parallel.tp_size = {ds_tp} disagrees with megatron_ring.layout.tp = {layout.tp}; "
+            "set them equal (or drop tensor_parallel: the layout is what the model uses)")
+    module = runner_module(ring.model.runner)
+    model = load_model_mapping(ring.model, path.parent if path else None)
+    summary = module.check_model(model, layout, batch=work.batch, prompt_len=work.prompt_len,
+                                 new_tokens=work.new_tokens)
+    return InferenceSpec(ring, deepspeed, model, summary, path)

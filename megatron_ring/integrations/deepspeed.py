@@ -1,0 +1,111 @@
+"""DeepSpeed glue for inference: config split, process-group start, ``init_inference``.
+
+An inference config is DeepSpeed's inference JSON plus our ``megatron_ring`` section
+(:mod:`megatron_ring.inference.schema`). DeepSpeed rejects unknown keys, so :func:`split_config`
+takes our section off and :func:`check_deepspeed_config` validates the rest with DeepSpeed's own
+schema (did-you-mean included) before anything is started.
+
+Note [Process group without DeepSpeed's comm backend]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``deepspeed.init_distributed`` builds DeepSpeed's comm backend, which on the CPU accelerator
+JIT-compiles a shared-memory all-reduce op on first use (about 80 s and a C++ toolchain, on every
+fresh machine). We need none of it: the ring, the decode merge and Megatron's TP/PP traffic all go
+through ``torch.distributed``. So :func:`init_distributed` starts torch's process group itself from
+the variables every launcher sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``LOCAL_RANK`` — the DeepSpeed launcher and torchrun alike), gloo on CPU and NCCL on GPUs, and
+:func:`init_inference` calls ``deepspeed.init_inference`` with ``tensor_parallel.tp_size = 1``,
+a path that never touches ``deepspeed.comm``. The Megatron model is already tensor-parallel
+through its own layers; DeepSpeed's AutoTP (what ``tp_size > 1`` turns on) would try to shard it
+a second time. DeepSpeed still converts the weights to ``dtype`` and places them on the device.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.config import ConfigError
+from megatron_ring.config.strict import _explain
+
+SECTION = "megatron_ring"
+"""The key of our section in a DeepSpeed inference config."""
+
+
+def split_config(raw: dict[str, Any], *, where: str = "config") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(deepspeed_part, megatron_ring_section)`` of a full config mapping; the input is not changed."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
+    if SECTION not in raw:
+        raise ConfigError(f"{where} has no '{SECTION}' section; keys present: {sorted(raw)}")
+    rest = {k: v for k, v in raw.items() if k != SECTION}
+    return rest, raw[SECTION]
+
+
+def check_deepspeed_config(ds: dict[str, Any], *, where: str = "config") -> Any:
+    """Validate DeepSpeed's part with ``DeepSpeedInferenceConfig``; ConfigError with did-you-mean."""
+    from deepspeed.inference.config import DeepSpeedInferenceConfig
+    from pydantic import ValidationError
+
+    try:
+        return DeepSpeedInferenceConfig(**ds)
+    except ValidationError as err:
+        raise ConfigError(_explain(DeepSpeedInferenceConfig, err, f"DeepSpeed inference keys of {where}")) from None
+
+
+def torch_dtype(ds: dict[str, Any]) -> torch.dtype:
+    """The compute dtype DeepSpeed's ``dtype`` key names (``fp32``, ``bf16``, ``fp16``, ...)."""
+    return check_deepspeed_config(ds).dtype
+
+
+def launch_env() -> dict[str, int]:
+    """``rank``, ``world_size``, ``local_rank`` from the launcher's environment (1 process if none)."""
+    return {
+        "rank": int(os.environ.get("RANK", "0")),
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+    }
+
+
+def select_device(local_rank: int) -> tuple[torch.device, str]:
+    """(device, backend): ``cuda:<local_rank>`` + nccl when a GPU is usable and ``DS_ACCELERATOR`` is
+    not ``cpu``; else ``cpu`` + gloo."""
+    if os.environ.get("DS_ACCELERATOR", "") != "cpu" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed(*, timeout: timedelta) -> tuple[torch.device, str]:
+    """Start torch.distributed from the launcher's environment (see Note above); return (device, backend).
+
+    A single process started without a launcher gets a one-rank group on a free loopback port.
+    """
+    env = launch_env()
+    device, backend = select_device(env["local_rank"])
+    if "MASTER_ADDR" not in os.environ:
+        if env["world_size"] != 1:
+            raise RuntimeError(f"WORLD_SIZE={env['world_size']} but MASTER_ADDR is not set; start with a launcher")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=env["rank"], world_size=env["world_size"], timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    return device, backend
+
+
+def init_inference(module: torch.nn.Module, ds: dict[str, Any]) -> Any:
+    """Hand ``module`` to ``deepspeed.init_inference`` with DeepSpeed's part of the config.
+
+    ``tensor_parallel`` is replaced by ``{"tp_size": 1}``: Megatron's layers already do the tensor
+    parallelism (see Note above). Returns the InferenceEngine; ``module`` is converted in place.
+    """
+    import deepspeed
+
+    config = dict(ds)
+    config["tensor_parallel"] = {"tp_size": 1}
+    return deepspeed.init_inference(module, config=config)

@@ -1,0 +1,315 @@
+"""Megatron-core integration: ring attention as the ``core_attention`` leaf of a GPT layer.
+
+Megatron-core's own ``DotProductAttention`` refuses context parallelism (only Transformer
+Engine's attention supports it, on CUDA). :class:`RingAttention` has the same constructor and
+forward, so context parallelism becomes a one-line spec swap on any device::
+
+    from megatron_ring.megatron import get_gpt_layer_ring_spec
+    model = GPTModel(config, get_gpt_layer_ring_spec(), vocab_size, seq_len, ...)
+
+Everything else in Megatron stays as it is: RoPE already rotates each CP rank's tokens at their
+global zigzag positions, ``get_batch_on_this_cp_rank`` already lays batches out zigzag, and the
+DP x CP gradient reduction already sums weight gradients over CP ranks. This module only
+translates layouts (``[sq, b, np, hn]`` <-> ``[b, sq, np, hn]``) and checks that the arguments it
+cannot honour are absent; the numerics live in :func:`megatron_ring.ring_attention`.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.sharding import local_positions, shard_sequence, unshard_sequence
+from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.parallel.layout import ParallelLayout
+
+CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather")
+"""Megatron ``cp_comm_type`` values RingAttention implements (``a2a``, ``a2a+p2p`` are not)."""
+
+_CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
+_SUPPORTED_MASKS = _CAUSAL + (AttnMaskType.no_mask,)
+
+
+def _mask_names(types: tuple[AttnMaskType, ...]) -> list[str]:
+    return [t.name for t in types]
+
+
+class RingAttention(MegatronModule):
+    """Exact attention over the CP group's global sequence; drop-in for ``DotProductAttention``.
+
+    Layouts (np = query heads of this TP rank, ng = its K/V heads, sq = local tokens):
+    query ``[sq, b, np, hn]``, key/value ``[sq, b, ng, hn]`` -> output ``[sq, b, np * hn]``.
+    Supports causal and no-mask attention, GQA/MQA, any ``softmax_scale`` and ``cp_comm_type``
+    ``"p2p"`` (the ring) or ``"all_gather"``; with cp = 1 it is plain attention.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attention_type = attention_type
+        self.attn_mask_type = _check_mask_type(attn_mask_type)
+        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.softmax_scale = (
+            1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
+        )
+        self.cp_comm_type = _resolve_comm(cp_comm_type, config, self.layer_number)
+        self.cp_group = _resolve_cp_group(pg_collection)
+        cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        if cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"context_parallel_size = {config.context_parallel_size} in the TransformerConfig but the CP "
+                f"process group has {cp_size} ranks; they must agree (RoPE positions depend on it)"
+            )
+        for field, bad in (("window_size", config.window_size is not None),
+                           ("softmax_type", config.softmax_type != "vanilla"),
+                           ("qk_clip", getattr(config, "qk_clip", False)),
+                           ("log_max_attention_logit", getattr(config, "log_max_attention_logit", False))):
+            if bad:
+                raise ValueError(
+                    f"TransformerConfig.{field} = {getattr(config, field)!r} is not supported by RingAttention "
+                    "(only full causal / unmasked softmax attention is)"
+                )
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp_group is None else self.cp_group.size()
+
+    @property
+    def cp_rank(self) -> int:
+        return 0 if self.cp_group is None else self.cp_group.rank()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        """``[sq, b, np, hn]`` x ``[sq, b, ng, hn]`` x2 -> ``[sq, b, np * hn]`` (sq = local tokens)."""
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by RingAttention; allowed: None")
+        if packed_seq_params is not None:
+            raise ValueError(
+                "packed_seq_params (THD packed sequences) are not supported by RingAttention; allowed: None"
+            )
+        if self.training and self.attention_dropout > 0:
+            raise ValueError(
+                f"attention_dropout = {self.attention_dropout} is not supported by RingAttention in training; "
+                "set TransformerConfig.attention_dropout = 0.0"
+            )
+        mask_type = self.attn_mask_type if attn_mask_type is None else _check_mask_type(attn_mask_type)
+        causal = mask_type in _CAUSAL
+        if query.dim() != 4:
+            raise ValueError(f"query must be [sq, b, np, hn], got shape {tuple(query.shape)}")
+        if attention_mask is not None:
+            self._check_attention_mask(attention_mask, query.shape[0], causal)
+        out = ring_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.cp_group,
+            causal=causal, softmax_scale=self.softmax_scale, sharding="zigzag", comm=self.cp_comm_type,
+        )
+        sq, b, heads, dim = query.shape
+        return out.transpose(0, 1).reshape(sq, b, heads * dim)
+
+    def _check_attention_mask(self, mask: torch.Tensor, sq_local: int, causal: bool) -> None:
+        """Accept a mask only if it is the one implied by the mask type (True = masked out).
+
+        Megatron-LM's data pipeline passes the standard causal mask ``[b|1, 1, sq, sk]`` (sq
+        sharded by ``get_batch_on_this_cp_rank``, sk global). Any other mask would change the
+        result, so it is rejected rather than ignored.
+        """
+        seq = sq_local * self.cp_size
+        if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[-2:]) != (sq_local, seq):
+            raise ValueError(
+                f"attention_mask must be a bool [b, 1, {sq_local}, {seq}] tensor (or None), got "
+                f"{mask.dtype} {tuple(mask.shape)}"
+            )
+        if causal:
+            q_pos = local_positions(seq, self.cp_rank, self.cp_size, "zigzag", mask.device) if self.cp_size > 1 \
+                else torch.arange(seq, device=mask.device)
+            expected = q_pos[:, None] < torch.arange(seq, device=mask.device)[None, :]
+            ok = bool((mask == expected).all())
+        else:
+            ok = not bool(mask.any())
+        if not ok:
+            kind = "the causal mask" if causal else "all-False (no masking)"
+            raise ValueError(
+                f"attention_mask is not {kind}; RingAttention supports only attn_mask_type in "
+                f"{_mask_names(_SUPPORTED_MASKS)} without arbitrary masks (pass attention_mask=None)"
+            )
+
+
+def _check_mask_type(mask_type: AttnMaskType) -> AttnMaskType:
+    if mask_type not in _SUPPORTED_MASKS:
+        name = getattr(mask_type, "name", mask_type)
+        raise ValueError(
+            f"attn_mask_type = {name} is not supported by RingAttention; allowed: {_mask_names(_SUPPORTED_MASKS)}"
+        )
+    return mask_type
+
+
+def _resolve_comm(cp_comm_type: Any, config: TransformerConfig, layer_number: int) -> str:
+    comm = config.cp_comm_type if cp_comm_type is None else cp_comm_type
+    if isinstance(comm, (list, tuple)):
+        comm = comm[layer_number - 1]
+    comm = "p2p" if comm is None else comm
+    if comm not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type = {comm!r} is not supported by RingAttention; allowed: {list(CP_COMM_TYPES)}")
+    return comm
+
+
+def _resolve_cp_group(pg_collection: Any) -> Optional[dist.ProcessGroup]:
+    """The CP group: ``pg_collection.cp``, else Megatron's parallel_state, else None (single process)."""
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_context_parallel_group(check_initialized=False)
+    if group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "RingAttention needs a context-parallel group: pass pg_collection with .cp or call "
+            "megatron.core.parallel_state.initialize_model_parallel first"
+        )
+    return group
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+
+
+def use_ring_attention(spec: Any) -> Any:
+    """A copy of ``spec`` (layer or block spec, local or TE) with every ``core_attention`` replaced.
+
+    Raises ValueError if ``spec`` has no ``core_attention`` leaf or uses multi-latent attention
+    (whose K/V head dims differ from Q's).
+    """
+    spec = copy.deepcopy(spec)
+    if not _swap(spec, owner=None):
+        raise ValueError(f"no core_attention found in {type(spec).__name__} spec; nothing to swap")
+    return spec
+
+
+def _swap(node: Any, owner: Any) -> bool:
+    """Replace ``core_attention`` in place below ``node``; ``owner`` is the enclosing module class."""
+    if isinstance(node, ModuleSpec):
+        return _swap(node.submodules, node.module)
+    if isinstance(node, (list, tuple)):
+        return any([_swap(item, owner) for item in node])
+    if not dataclasses.is_dataclass(node) or isinstance(node, type):
+        return False
+    found = False
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        if field.name == "core_attention" and value is not None:
+            name = getattr(owner, "__name__", str(owner))
+            if "MLA" in name:
+                raise ValueError(
+                    f"core_attention of {name} (multi-latent attention) is not supported by RingAttention; "
+                    "allowed: SelfAttention / CrossAttention specs"
+                )
+            setattr(node, field.name, RingAttention)
+            found = True
+        else:
+            found = _swap(value, owner) or found
+    return found
+
+
+def get_gpt_layer_ring_spec(**kwargs: Any) -> ModuleSpec:
+    """``get_gpt_layer_local_spec(**kwargs)`` with ``core_attention = RingAttention``."""
+    if kwargs.get("multi_latent_attention"):
+        raise ValueError("multi_latent_attention = True is not supported by RingAttention; allowed: False")
+    return use_ring_attention(get_gpt_layer_local_spec(**kwargs))
+
+
+gpt_layer_ring_spec: ModuleSpec = get_gpt_layer_ring_spec()
+"""The default ring layer spec as an object, for Megatron-LM's
+``--spec megatron_ring.megatron gpt_layer_ring_spec`` (``--spec`` imports an attribute and uses it
+as the spec; frameworks that call a spec function can use :func:`get_gpt_layer_ring_spec`)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups, batches and logits
+
+
+def parallel_from_megatron() -> ParallelGroups:
+    """This rank's Megatron ``parallel_state`` groups as a :class:`ParallelGroups` (tp, cp, dp, pp, dp-cp, tp-cp)."""
+    ps = parallel_state
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron.core.parallel_state is not initialized; call initialize_model_parallel first")
+    groups = {
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "cp": ps.get_context_parallel_group(),
+        "dp": ps.get_data_parallel_group(),
+        "dp-cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "tp-cp": ps.get_tensor_and_context_parallel_group(),
+    }
+    ranks = {axis: dist.get_process_group_ranks(group) for axis, group in groups.items()}
+    layout = ParallelLayout(tp=len(ranks["tp"]), pp=len(ranks["pp"]), cp=len(ranks["cp"]), dp=len(ranks["dp"]))
+    return ParallelGroups(layout=layout, rank=dist.get_rank(), groups=groups, ranks=ranks)
+
+
+def get_batch_on_this_cp_rank(batch: Mapping[str, Optional[torch.Tensor]], *, cp_rank: Optional[int] = None,
+                              cp_size: Optional[int] = None) -> dict[str, Optional[torch.Tensor]]:
+    """This CP rank's zigzag part of a global batch, exactly like Megatron's ``get_batch_on_this_cp_rank``.
+
+    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (``[b, s]``) are cut along dim 1,
+    ``attention_mask`` (``[b, 1, s, s]``) along dim 2 (queries only). ``cp_rank``/``cp_size``
+    default to Megatron's parallel_state. Returns a new dict; None values stay None.
+    """
+    if cp_rank is None or cp_size is None:
+        cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
+        cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
+    if cp_size == 1:
+        return dict(batch)
+    return {
+        key: None if val is None else shard_sequence(val, cp_rank, cp_size, dim=2 if key == "attention_mask" else 1)
+        for key, val in batch.items()
+    }
+
+
+def gather_sequence(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *, dim: int = 1) -> torch.Tensor:
+    """Inverse of the zigzag split across ``group`` (default: Megatron's CP group); not differentiable."""
+    group = parallel_state.get_context_parallel_group() if group is None else group
+    if group.size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard_sequence(parts, dim=dim, sharding="zigzag")
+
+
+def gather_logits(logits: torch.Tensor, *, tp_group: Optional[dist.ProcessGroup] = None,
+                  cp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Full logits ``[b, s, vocab]`` from this rank's ``[b, s / cp, vocab / tp]`` (GPTModel's output layout).
+
+    Vocabulary shards are concatenated over the TP group, then zigzag sequence parts over the CP
+    group (defaults: Megatron's groups). For checking and greedy decoding; not differentiable.
+    """
+    tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
+    if tp_group.size() > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
+        dist.all_gather(parts, logits.contiguous(), group=tp_group)
+        logits = torch.cat(parts, dim=-1)
+    return gather_sequence(logits, cp_group, dim=1)

@@ -1,0 +1,153 @@
+"""Build a real ``megatron.core`` GPTModel from a validated :class:`~megatron_ring.config.gpt.GPTConfig`.
+
+``attention: local`` uses Megatron's own local spec (``DotProductAttention``), ``attention: ring``
+the same spec with :class:`~megatron_ring.integrations.megatron.RingAttention`; nothing else
+differs. Megatron's ``parallel_state`` must already be initialised with the config's tp/pp/cp.
+
+:func:`load_full_state_dict` loads one unsharded (tp = pp = 1) state dict into a model of any
+tp/pp layout, so differently parallelised models can be given identical weights.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.config.strict import ConfigError
+from megatron_ring.integrations.megatron import get_gpt_layer_ring_spec
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config(cfg: GPTConfig) -> TransformerConfig:
+    """The Megatron ``TransformerConfig`` of ``cfg`` (CPU initialisation when CUDA is absent)."""
+    m, p = cfg.model, cfg.parallel
+    dtype = DTYPES[cfg.dtype]
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.query_groups,
+        kv_channels=m.kv_channels,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization=m.normalization,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,
+        cp_comm_type=p.cp_comm_type if p.cp > 1 else None,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=cfg.dtype == "bf16",
+        fp16=cfg.dtype == "fp16",
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+
+
+def layer_spec(cfg: GPTConfig) -> ModuleSpec:
+    """Megatron's local GPT layer spec, with ring attention when ``cfg.attention == "ring"``."""
+    kwargs = {"normalization": cfg.model.normalization}
+    return get_gpt_layer_ring_spec(**kwargs) if cfg.attention == "ring" else get_gpt_layer_local_spec(**kwargs)
+
+
+def check_parallel_state(cfg: GPTConfig) -> None:
+    """ConfigError unless Megatron's parallel_state was initialised with ``cfg``'s tp/pp/cp."""
+    ps = parallel_state
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron.core.parallel_state is not initialized; call initialize_model_parallel first")
+    cfg.check_world_size(dist.get_world_size())
+    actual = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+              "cp": ps.get_context_parallel_world_size()}
+    for axis, size in actual.items():
+        if getattr(cfg.parallel, axis) != size:
+            raise ConfigError(
+                f"parallel.{axis} = {getattr(cfg.parallel, axis)} in config {cfg.name!r} but Megatron's "
+                f"parallel_state was initialised with {axis} = {size}"
+            )
+
+
+def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None,
+                    post_process: Optional[bool] = None) -> torch.nn.Module:
+    """A ``GPTModel`` for this rank's pipeline stage (wrapped in ``Float16Module`` for bf16/fp16).
+
+    ``pre_process``/``post_process`` default to whether this rank is the first/last PP stage.
+    Outputs follow GPTModel: logits ``[b, s_local, vocab / tp]`` (or per-token loss ``[b, s_local]``
+    with labels) on the last stage, hidden states ``[s_local, b, h]`` elsewhere.
+    """
+    check_parallel_state(cfg)
+    config = transformer_config(cfg)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=cfg.model.vocab_size,
+        max_sequence_length=cfg.model.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
+        post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
+        share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+        position_embedding_type=cfg.model.position_embedding,
+        rotary_base=cfg.model.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if cfg.dtype != "fp32":
+        model = Float16Module(config, model)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside a ``Float16Module`` (or the model itself)."""
+    return model.module if isinstance(model, Float16Module) else model  # type: ignore[return-value]
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_name(model: torch.nn.Module, name: str) -> str:
+    """Name of a local parameter in the unsharded model: local layer index -> global index."""
+    offset = get_transformer_layer_offset(unwrap(model).config)
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+
+
+def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This TP rank's slice of ``full`` for a Megatron parameter (contiguous split along its partition dim)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim = param.partition_dim
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return full.chunk(tp, dim=dim)[parallel_state.get_tensor_model_parallel_rank()]
+
+
+def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+    """Copy an unsharded GPTModel state dict into this rank's (TP-sharded, PP-staged) ``model``.
+
+    Parameters are mapped by global layer index and sliced along their TP partition dim. With tied
+    embeddings the last stage's ``output_layer.weight`` comes from ``embedding.word_embeddings.weight``.
+    """
+    inner = unwrap(model)
+    with torch.no_grad():
+        for name, param in inner.named_parameters():
+            key = global_name(inner, name)
+            if key not in full and key == "output_layer.weight":
+                key = "embedding.word_embeddings.weight"
+            if key not in full:
+                raise KeyError(f"parameter {name!r} (global {key!r}) is missing from the full state dict")
+            src = shard_of(param, full[key])
+            if src.shape != param.shape:
+                raise ValueError(f"{name}: full-state shard has shape {tuple(src.shape)}, parameter {tuple(param.shape)}")
+            param.copy_(src)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 parameters of an unsharded (tp = pp = 1) model, keyed as :func:`load_full_state_dict` expects."""
+    return {name: p.detach().float().clone() for name, p in unwrap(model).named_parameters()}

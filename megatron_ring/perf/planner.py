@@ -1,0 +1,617 @@
+"""An analytical model of one inference job: FLOPs, bytes, ring crossover, memory per rank, TTFT/TPOT/TPS.
+
+``megatron-ring plan <config>`` evaluates the job's own layout and the alternative at the same
+world size (TP x PP baseline <-> ring + sequence parallelism, RA+SP) on a hardware profile
+(:mod:`megatron_ring.perf.hardware`) and prints one table per layout plus the findings that
+matter: does the KV cache fit, is the ring step compute- or communication-bound, what fits.
+
+Note [The cost model]
+~~~~~~~~~~~~~~~~~~~~~
+Per layer, with ``b`` sequences of ``L`` tokens (``s`` bytes per element, ``P = cp``)::
+
+    qkv_proj   2 b L d (H + 2 H_kv) d_h          out_proj  2 b L H d_h d
+    mlp        2 b L d F (2, or 3 when gated)     attention 4 b L^2 H d_h * alpha   (alpha = 1/2 causal)
+
+Linear layers split over ``tp * cp`` ranks (TP splits weights, CP splits tokens); attention
+splits the same way and runs as a ring of ``P`` steps whose per-step compute and K/V transfer
+are those of :mod:`megatron_ring.attention.auto_comm` (crossover ``c*``). Each op costs
+``max(FLOPs / achieved FLOP/s, bytes / achieved HBM bandwidth)``. TP adds two all-reduces of the
+hidden states per layer (not overlapped), PP a send per stage boundary and a pipeline fill of
+``pp - 1`` micro-batches. Prefill runs ``batch / micro_batch`` micro-batches; TTFT is the prefill
+of the whole batch (static batching). Decode reads every weight and the whole KV cache once per
+step: the linear layers are replicated on CP ranks (weights are not sharded by CP), the KV cache
+is, and the CP partial results are merged by one small collective per layer. LM head, norms,
+RoPE and embeddings are left out of the time (they are < 1 % here) but the embeddings count in
+memory. Activation memory assumes a flash-style kernel (no ``L x L`` scores) and one layer live
+at a time, as in inference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from megatron_ring.attention.auto_comm import choose_comm, crossover_tokens, predict_times, work_fraction
+from megatron_ring.config.strict import ConfigError, load_mapping
+from megatron_ring.parallel.layout import ParallelLayout
+from megatron_ring.perf.hardware import DEFAULT_PROFILE, DTYPE_BYTES, HardwareProfile, profile_names
+
+BWD_COMPUTE_FACTOR = 2.5
+"""Backward attention FLOPs / forward attention FLOPs (5 matmuls against 2, scores recomputed)."""
+
+
+def _int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes of a dense decoder-only transformer that the cost model needs."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    ffn_hidden_size: int
+    num_kv_heads: int = 0
+    """K/V heads (GQA); 0 means ``num_heads``."""
+    head_dim: int = 0
+    """0 means ``hidden_size // num_heads``."""
+    gated_mlp: bool = False
+    vocab_size: int = 0
+    """0 leaves the embeddings out of the memory count."""
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size"):
+            _int(f"model.{name}", getattr(self, name))
+        for name in ("num_kv_heads", "head_dim", "vocab_size"):
+            _int(f"model.{name}", getattr(self, name), minimum=0)
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"model.hidden_size = {self.hidden_size} is not divisible by model.num_heads = "
+                                 f"{self.num_heads}; set model.head_dim")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads = {self.num_heads} must be a multiple of model.num_kv_heads = "
+                             f"{self.num_kv_heads}")
+
+    def params_per_layer(self) -> int:
+        """Weights of one layer (QKV, output projection, MLP; norms and biases left out)."""
+        d, dh = self.hidden_size, self.head_dim
+        mlp_mats = 3 if self.gated_mlp else 2
+        return d * (self.num_heads + 2 * self.num_kv_heads) * dh + self.num_heads * dh * d + mlp_mats * d * \
+            self.ffn_hidden_size
+
+    def embedding_params(self) -> int:
+        """Input embedding plus output head (one matrix when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``batch`` prompts of ``prompt_len`` tokens per data-parallel replica, ``new_tokens`` generated each."""
+
+    batch: int
+    prompt_len: int
+    new_tokens: int = 1
+    micro_batch: int = 1
+    """Sequences per prefill forward pass (bounds activation memory; PP pipelines these)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "prompt_len", "new_tokens", "micro_batch"):
+            _int(f"workload.{name}", getattr(self, name))
+        if self.batch % self.micro_batch:
+            raise ValueError(f"workload.batch = {self.batch} is not divisible by workload.micro_batch = "
+                             f"{self.micro_batch}")
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One job to plan: model, layout, workload, dtype, mask and the ring's communication."""
+
+    name: str
+    model: ModelDims
+    layout: ParallelLayout
+    workload: Workload
+    dtype: str = "bf16"
+    causal: bool = True
+    cp_comm: str = "p2p"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+        if self.cp_comm not in ("p2p", "all_gather", "auto"):
+            raise ValueError(f"cp_comm must be one of ['all_gather', 'auto', 'p2p'], got {self.cp_comm!r}")
+        m, lay = self.model, self.layout
+        problems = []
+        if m.num_layers % lay.pp:
+            problems.append(f"model.num_layers = {m.num_layers} is not divisible by layout.pp = {lay.pp}")
+        for name in ("num_heads", "ffn_hidden_size"):
+            if getattr(m, name) % lay.tp:
+                problems.append(f"model.{name} = {getattr(m, name)} is not divisible by layout.tp = {lay.tp}")
+        if lay.cp > 1 and self.workload.prompt_len % (2 * lay.cp):
+            problems.append(f"workload.prompt_len = {self.workload.prompt_len} is not divisible by 2*layout.cp = "
+                            f"{2 * lay.cp} (zigzag)")
+        if problems:
+            raise ValueError(f"plan {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def label(self) -> str:
+        """``tp=8 pp=2`` style name of the layout (axes of size 1 left out)."""
+        parts = [f"{k}={v}" for k, v in self.layout.sizes().items() if v > 1]
+        return " ".join(parts) or "single"
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs
+
+
+def layer_costs(model: ModelDims, batch: int, seq: int, element_size: int, causal: bool) -> dict[str, dict[str, float]]:
+    """FLOPs and HBM bytes of one layer's forward over ``batch`` x ``seq`` tokens (whole layer, one device)."""
+    d, dh, h, hkv, f = model.hidden_size, model.head_dim, model.num_heads, model.num_kv_heads, model.ffn_hidden_size
+    tok = batch * seq
+    s = element_size
+    mats = 3 if model.gated_mlp else 2
+    qkv_w = d * (h + 2 * hkv) * dh
+    return {
+        "qkv_proj": {"flops": 2.0 * tok * qkv_w, "bytes": s * (qkv_w + tok * d + tok * (h + 2 * hkv) * dh)},
+        "attention": {"flops": work_fraction(causal) * 4.0 * batch * seq * seq * h * dh,
+                      "bytes": s * tok * (2 * h + 2 * hkv) * dh},
+        "out_proj": {"flops": 2.0 * tok * h * dh * d, "bytes": s * (h * dh * d + tok * h * dh + tok * d)},
+        "mlp": {"flops": 2.0 * tok * mats * d * f, "bytes": s * (mats * d * f + 2 * tok * d + 2 * (mats - 1) * tok * f)},
+    }
+
+
+def _allreduce_s(nbytes: float, ranks: int, link: float, latency: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``ranks`` ranks (0 for one rank)."""
+    return 0.0 if ranks == 1 else latency + 2.0 * (ranks - 1) / ranks * nbytes / link
+
+
+@dataclass
+class RingStep:
+    """One step of the CP ring, per rank, for one prefill micro-batch and one layer."""
+
+    tokens_per_rank: int
+    compute_s: float
+    comm_s: float
+    crossover_tokens: float
+    link: str
+    comm: str
+    exposed_s: float
+    """Ring time of the layer beyond its compute (communication and step latency not hidden)."""
+
+
+@dataclass
+class Memory:
+    """Bytes per rank (the most loaded pipeline stage)."""
+
+    weights: float
+    kv_cache: float
+    activations: float
+    total: float
+    usable: float
+    fits: bool
+
+
+@dataclass
+class Prediction:
+    """Everything the planner says about one layout."""
+
+    name: str
+    label: str
+    layout: dict[str, int]
+    hardware: str
+    per_layer: dict[str, dict[str, float]]
+    flops_per_token: float
+    ring: RingStep | None
+    memory: Memory
+    prefill_s: float
+    ttft_s: float
+    prefill_tps: float
+    tpot_s: float
+    decode_tps: float
+    e2e_tps: float
+    roofline_prefill_tps: float
+    breakdown_ms: dict[str, float]
+    max_batch: int
+    max_prompt_len: int
+    findings: list[str] = field(default_factory=list)
+
+
+class Planner:
+    """Evaluates :class:`PlanInput` on one :class:`HardwareProfile`."""
+
+    def __init__(self, hw: HardwareProfile) -> None:
+        self.hw = hw
+
+    # -- topology ------------------------------------------------------------------------------
+    def _cross_node(self, span: int) -> bool:
+        """Whether a group of ``span`` consecutive ranks leaves one node."""
+        return span > self.hw.devices_per_node
+
+    def _link_name(self, cross: bool) -> str:
+        return "inter-node" if cross else "intra-node"
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _kv_heads_rank(self, p: PlanInput) -> int:
+        return max(1, p.model.num_kv_heads // p.layout.tp)
+
+    def ring_step(self, p: PlanInput) -> RingStep:
+        """The CP ring's per-step compute and communication for one micro-batch, one layer."""
+        lay, m, w = p.layout, p.model, p.workload
+        cross = self._cross_node(lay.tp * lay.cp)
+        costs = self.hw.comm_costs(p.dtype, cross_node=cross)
+        heads_q, heads_kv = m.num_heads // lay.tp, self._kv_heads_rank(p)
+        c = w.prompt_len // lay.cp
+        args = dict(seq_local=c, cp_size=lay.cp, batch=w.micro_batch, heads_q=heads_q, heads_kv=heads_kv,
+                    head_dim=m.head_dim, causal=p.causal, element_size=p.element_size, costs=costs)
+        comm = p.cp_comm if p.cp_comm != "auto" else choose_comm(**args).comm
+        times = predict_times(**args)
+        step_compute = work_fraction(p.causal) * 4.0 * w.micro_batch * c * c * heads_q * m.head_dim / costs.flops_per_s
+        step_comm = 2.0 * w.micro_batch * c * heads_kv * m.head_dim * p.element_size / costs.p2p_bytes_per_s
+        c_star = crossover_tokens(costs, heads_q=heads_q, heads_kv=heads_kv, causal=p.causal,
+                                  element_size=p.element_size)
+        exposed = times[comm] - lay.cp * step_compute
+        return RingStep(c, step_compute, step_comm if lay.cp > 1 else 0.0, c_star, self._link_name(cross), comm,
+                        exposed)
+
+    def memory(self, p: PlanInput) -> Memory:
+        """Weights, KV cache and peak prefill activations per rank; whether they fit."""
+        lay, m, w, s = p.layout, p.model, p.workload, p.element_size
+        layers = m.num_layers // lay.pp
+        emb = m.embedding_params() if lay.pp == 1 else m.embedding_params() / (1 if m.tie_embeddings else 2)
+        weights = s * (layers * m.params_per_layer() + emb) / lay.tp
+        hkv = self._kv_heads_rank(p)
+        kv = 2.0 * w.batch * (w.prompt_len + w.new_tokens) * layers * hkv * m.head_dim * s / lay.cp
+        mb, c = w.micro_batch, w.prompt_len // lay.cp
+        hq = m.num_heads // lay.tp
+        kv_block = 2.0 * mb * c * hkv * m.head_dim * s
+        ring_buffers = kv_block * (2 if lay.cp > 1 else 1) if p.cp_comm != "all_gather" else kv_block * lay.cp
+        attn_phase = mb * c * (hq + 2 * hkv) * m.head_dim * s + ring_buffers + mb * c * hq * (m.head_dim + 1) * 4
+        mlp_phase = 2.0 * mb * c * (m.ffn_hidden_size // lay.tp) * s * (2 if m.gated_mlp else 1)
+        acts = 2.0 * mb * c * m.hidden_size * s + max(attn_phase, mlp_phase)
+        total = weights + kv + acts
+        usable = self.hw.usable_memory(ranks=lay.world_size)
+        return Memory(weights, kv, acts, total, usable, total <= usable)
+
+    def _op_time(self, flops: float, nbytes: float, dtype: str, kind: str) -> float:
+        hbm = self.hw.hbm_bytes_per_s * self.hw.hbm_efficiency
+        return max(flops / self.hw.flops(dtype, kind=kind), nbytes / hbm)
+
+    # -- the whole job -------------------------------------------------------------------------
+    def predict(self, p: PlanInput) -> Prediction:
+        """Times, throughput, memory and findings for one layout."""
+        lay, m, w, s = p.layout, p.model, p.workload, p.element_size
+        hw = self.hw
+        layers = m.num_layers // lay.pp
+        mb, c = w.micro_batch, w.prompt_len // lay.cp
+        split = lay.tp * lay.cp
+        costs = layer_costs(m, mb, w.prompt_len, s, p.causal)
+        t_lin = sum(self._op_time(costs[op]["flops"] / split, costs[op]["bytes"] / split, p.dtype, "matmul")
+                    for op in ("qkv_proj", "out_proj", "mlp"))
+        ring = self.ring_step(p)
+        t_attn = lay.cp * ring.compute_s + ring.exposed_s
+        tp_link = hw.link_bytes_per_s(cross_node=self._cross_node(lay.tp))
+        t_tp = 2 * _allreduce_s(mb * c * m.hidden_size * s, lay.tp, tp_link, hw.collective_latency_s)
+        pp_cross = self._cross_node(lay.tp * lay.cp * lay.dp)
+        pp_link = hw.link_bytes_per_s(cross_node=pp_cross)
+        t_send = 0.0 if lay.pp == 1 else hw.p2p_latency_s + mb * c * m.hidden_size * s / lay.tp / pp_link
+        t_stage = layers * (t_lin + t_attn + t_tp)
+        micro_batches = w.batch // mb
+        prefill = (micro_batches + lay.pp - 1) * (t_stage + t_send)
+
+        # decode: one token per sequence, all `batch` sequences of the replica together
+        ctx = w.prompt_len + w.new_tokens / 2
+        lin_flops = 2.0 * w.batch * m.params_per_layer() / lay.tp
+        lin_bytes = m.params_per_layer() * s / lay.tp
+        t_dlin = self._op_time(lin_flops, lin_bytes, p.dtype, "matmul")
+        hq, hkv = m.num_heads // lay.tp, self._kv_heads_rank(p)
+        att_flops = 4.0 * w.batch * ctx / lay.cp * hq * m.head_dim
+        att_bytes = 2.0 * w.batch * ctx / lay.cp * hkv * m.head_dim * s
+        t_datt = self._op_time(att_flops, att_bytes, p.dtype, "attention")
+        cp_link = hw.link_bytes_per_s(cross_node=self._cross_node(lay.tp * lay.cp))
+        t_merge = 0.0 if lay.cp == 1 else hw.collective_latency_s + w.batch * hq * (m.head_dim + 1) * 4 / cp_link
+        t_dtp = 2 * _allreduce_s(w.batch * m.hidden_size * s, lay.tp, tp_link, hw.collective_latency_s)
+        t_dsend = 0.0 if lay.pp == 1 else hw.p2p_latency_s + w.batch * m.hidden_size * s / pp_link
+        tpot = lay.pp * layers * (t_dlin + t_datt + t_merge + t_dtp) + (lay.pp - 1) * t_dsend
+
+        replicas = lay.dp
+        prompt_tokens = replicas * w.batch * w.prompt_len
+        total_time = prefill + (w.new_tokens - 1) * tpot
+        global_costs = layer_costs(m, 1, w.prompt_len, s, p.causal)
+        flops_per_token = m.num_layers * sum(v["flops"] for v in global_costs.values()) / w.prompt_len
+        peak = hw.flops(p.dtype, kind="matmul", ranks=lay.world_size) / hw.matmul_efficiency
+        roofline = lay.world_size * peak / flops_per_token
+        pred = Prediction(
+            name=p.name, label=p.label, layout=lay.sizes(), hardware=hw.name, per_layer=costs,
+            flops_per_token=flops_per_token, ring=ring if lay.cp > 1 else None, memory=self.memory(p),
+            prefill_s=prefill, ttft_s=prefill, prefill_tps=prompt_tokens / prefill, tpot_s=tpot,
+            decode_tps=replicas * w.batch / tpot,
+            e2e_tps=replicas * w.batch * (w.prompt_len + w.new_tokens) / total_time,
+            roofline_prefill_tps=roofline,
+            breakdown_ms={
+                "prefill_linear_per_layer": 1e3 * t_lin, "prefill_attention_per_layer": 1e3 * t_attn,
+                "prefill_tp_comm_per_layer": 1e3 * t_tp, "prefill_pp_send": 1e3 * t_send,
+                "decode_linear_per_layer": 1e3 * t_dlin, "decode_attention_per_layer": 1e3 * t_datt,
+                "decode_comm_per_layer": 1e3 * (t_merge + t_dtp),
+            },
+            max_batch=self.max_fit(p, "batch"), max_prompt_len=self.max_fit(p, "prompt_len"),
+        )
+        pred.findings = self._findings(p, pred)
+        return pred
+
+    def max_fit(self, p: PlanInput, what: str) -> int:
+        """Largest ``batch`` (multiple of micro_batch) or ``prompt_len`` (multiple of 2*cp) that fits; 0 if none."""
+        w = p.workload
+        if what == "batch":
+            unit = w.micro_batch
+
+            def make(n: int) -> PlanInput:
+                return replace(p, workload=replace(w, batch=n * unit))
+        elif what == "prompt_len":
+            unit = 2 * p.layout.cp if p.layout.cp > 1 else 1
+
+            def make(n: int) -> PlanInput:
+                return replace(p, workload=replace(w, prompt_len=n * unit))
+        else:
+            raise ValueError(f"what must be 'batch' or 'prompt_len', got {what!r}")
+        return unit * _largest(lambda n: self.memory(make(n)).fits)
+
+    def _findings(self, p: PlanInput, pred: Prediction) -> list[str]:
+        lay, w, hw, mem = p.layout, p.workload, self.hw, pred.memory
+        out = []
+        total_kv = mem.kv_cache * lay.world_size if p.model.num_kv_heads >= lay.tp else None
+        aggregate = hw.memory_bytes * (1 if hw.cpu_cores else lay.world_size)
+        if total_kv is not None and total_kv > aggregate:
+            out.append(f"KV cache of the workload is {_bytes(total_kv)} but the {lay.world_size} ranks hold "
+                       f"{_bytes(aggregate)} in all: it cannot fit on any layout of this size")
+        if not mem.fits:
+            out.append(f"does NOT fit: {_bytes(mem.total)} per rank (weights {_bytes(mem.weights)}, KV cache "
+                       f"{_bytes(mem.kv_cache)}, activations {_bytes(mem.activations)}) > usable {_bytes(mem.usable)}")
+        else:
+            out.append(f"fits: {_bytes(mem.total)} of {_bytes(mem.usable)} usable per rank")
+        out.append(f"what fits at prompt_len={w.prompt_len}: batch <= {pred.max_batch}; "
+                   f"at batch={w.batch}: prompt_len <= {pred.max_prompt_len}")
+        if pred.ring is not None:
+            r = pred.ring
+            bound = "compute-bound, communication hidden" if r.tokens_per_rank >= r.crossover_tokens else \
+                "communication-bound"
+            out.append(f"ring step: L/P = {r.tokens_per_rank} vs c* = {r.crossover_tokens:.0f} on the {r.link} link "
+                       f"({bound}; compute {1e3 * r.compute_s:.3g} ms, K/V transfer {1e3 * r.comm_s:.3g} ms per step)")
+        return out
+
+
+def _largest(ok: Callable[[int], bool]) -> int:
+    """Largest n >= 1 with ok(n) (ok monotone decreasing), 0 when ok(1) is false."""
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+# ---------------------------------------------------------------------------------------------
+# Alternatives and measured points
+
+
+MAX_TP = 8
+"""Largest tensor-parallel size the alternative baseline uses (one 8-GPU node, as Megatron recommends)."""
+
+
+def alternative_layout(layout: ParallelLayout, hw: HardwareProfile) -> ParallelLayout:
+    """The other scheme at the same world size: a ring of all model-parallel ranks, or TP (in a node) x PP."""
+    ranks = layout.tp * layout.pp * layout.cp
+    if layout.cp == 1:
+        return ParallelLayout(cp=ranks, dp=layout.dp)
+    tp = math.gcd(ranks, min(hw.devices_per_node, MAX_TP))
+    return ParallelLayout(tp=tp, pp=ranks // tp, dp=layout.dp)
+
+
+def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[str, float]:
+    """Predicted time (s) of one bench point (keys as written by ``bench_attention``) on ``hw``.
+
+    Forward uses :func:`~megatron_ring.attention.auto_comm.predict_times`; the backward adds
+    ``BWD_COMPUTE_FACTOR`` x the compute and, for p2p, a second K/V rotation plus the fp32
+    gradient accumulator (the ring's backward, see ring.py).
+    """
+    p, seq = int(point["P"]), int(point["L"])
+    s = DTYPE_BYTES[point.get("dtype", "fp32")]
+    impl = point["impl"]
+    ranks = 1 if impl == "single" else p
+    costs = hw.comm_costs(point.get("dtype", "fp32"), ranks=ranks)
+    cp = 1 if impl == "single" else p
+    args = dict(seq_local=seq // cp, cp_size=cp, batch=int(point["batch"]), heads_q=int(point["heads"]),
+                heads_kv=int(point["heads_kv"]), head_dim=int(point["head_dim"]), causal=bool(point["causal"]),
+                element_size=s, costs=costs)
+    comm = "all_gather" if impl == "all_gather" else "p2p"
+    fwd = predict_times(**args)[comm]
+    if point["mode"] == "fwd":
+        return {"time_s": fwd}
+    c = seq // cp
+    step_comp = work_fraction(args["causal"]) * 4.0 * args["batch"] * c * c * args["heads_q"] * args["head_dim"] \
+        / costs.flops_per_s * BWD_COMPUTE_FACTOR
+    kv = 2.0 * args["batch"] * c * args["heads_kv"] * args["head_dim"]
+    step_comm = kv * (s + 4) / costs.p2p_bytes_per_s
+    bwd = cp * step_comp if cp == 1 else step_comp + (cp - 1) * max(step_comp, step_comm) + \
+        cp * costs.step_latency_s + step_comm
+    return {"time_s": fwd + bwd}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _gpt_model(m: Any) -> ModelDims:
+    """ModelDims from a :class:`megatron_ring.config.gpt.GPTModelConfig`."""
+    return ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
+                     ffn_hidden_size=m.ffn_hidden_size, num_kv_heads=m.query_groups, head_dim=m.kv_channels,
+                     vocab_size=m.vocab_size, tie_embeddings=m.tie_embeddings)
+
+
+def load_plan_input(path: str | Path, *, batch: int | None = None, prompt_len: int | None = None,
+                    new_tokens: int | None = None, micro_batch: int | None = None) -> PlanInput:
+    """A :class:`PlanInput` from a ``configs/megatron`` YAML or a DeepSpeed JSON with a ``megatron_ring`` section.
+
+    Megatron configs carry no workload: ``batch`` defaults to 1 and ``prompt_len`` to the model's
+    ``seq_length``. Keyword arguments override the file's workload.
+    """
+    from megatron_ring.config.gpt import GPTConfig
+
+    path = Path(path)
+    data = load_mapping(path)
+    if "megatron_ring" in data:
+        section = data["megatron_ring"]
+        for key in ("model", "layout", "workload"):
+            if not isinstance(section.get(key), dict):
+                raise ConfigError(f"{path}: megatron_ring.{key} must be a mapping, got {section.get(key)!r}")
+        model_cfg = section["model"].get("config")
+        if isinstance(model_cfg, str):
+            model_path = Path(model_cfg)
+            if not model_path.is_file():
+                model_path = path.parent / model_cfg
+            gpt = GPTConfig.load(model_path)
+        elif isinstance(model_cfg, dict):
+            gpt = GPTConfig.parse(model_cfg, where=f"{path}: megatron_ring.model.config")
+        else:
+            raise ConfigError(f"{path}: megatron_ring.model.config must be a path or a mapping, got {model_cfg!r}")
+        lay = section["layout"]
+        layout = ParallelLayout(**{k: int(lay.get(k, 1)) for k in ("tp", "pp", "cp", "dp")})
+        wl = section["workload"]
+        file_workload = {"batch": wl.get("batch"), "prompt_len": wl.get("prompt_len"),
+                         "new_tokens": wl.get("new_tokens", 1)}
+        dtype = str(data.get("dtype", gpt.dtype)).replace("bfloat16", "bf16").replace("float16", "fp16")
+        name = path.stem
+    else:
+        gpt = GPTConfig.load(path)
+        layout = gpt.parallel.layout()
+        file_workload = {"batch": 1, "prompt_len": gpt.model.seq_length, "new_tokens": 1}
+        dtype = gpt.dtype
+        name = gpt.name
+    overrides = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "micro_batch": micro_batch}
+    workload = Workload(**{**file_workload, **{k: v for k, v in overrides.items() if v is not None}})
+    return PlanInput(name=name, model=_gpt_model(gpt.model), layout=layout, workload=workload, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatron-ring plan", description=__doc__.split("\n")[0])
+    ap.add_argument("config", nargs="?", help="configs/megatron/*.yaml or a DeepSpeed JSON with a megatron_ring "
+                                              "section; omit to describe the model with flags")
+    ap.add_argument("--hardware", default=DEFAULT_PROFILE,
+                    help=f"bundled profile {profile_names()} or a JSON path (default {DEFAULT_PROFILE})")
+    g = ap.add_argument_group("model (without a config)")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--kv-heads", type=int, default=0)
+    g.add_argument("--head-dim", type=int, default=0)
+    g.add_argument("--ffn", type=int)
+    g.add_argument("--gated-mlp", action="store_true")
+    g.add_argument("--vocab", type=int, default=0)
+    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES))
+    g = ap.add_argument_group("layout and workload (override the config)")
+    for axis in ("tp", "pp", "cp", "dp"):
+        g.add_argument(f"--{axis}", type=int)
+    g.add_argument("--batch", type=int)
+    g.add_argument("--prompt-len", type=int)
+    g.add_argument("--new-tokens", type=int)
+    g.add_argument("--micro-batch", type=int)
+    g.add_argument("--cp-comm", choices=["p2p", "all_gather", "auto"], default="p2p")
+    g.add_argument("--non-causal", action="store_true", help="bidirectional attention (default causal)")
+    ap.add_argument("--no-alternative", action="store_true", help="plan only the given layout")
+    ap.add_argument("--measured", help="a bench attention JSON: put its measurements beside the predictions")
+    ap.add_argument("--json", dest="json_out", help="write the predictions to this JSON file")
+    return ap
+
+
+def _input_from_args(args: argparse.Namespace) -> PlanInput:
+    if args.config:
+        base = load_plan_input(args.config, batch=args.batch, prompt_len=args.prompt_len,
+                               new_tokens=args.new_tokens, micro_batch=args.micro_batch)
+    else:
+        missing = [f"--{n}" for n in ("layers", "hidden", "heads", "ffn", "batch", "prompt_len")
+                   if getattr(args, n) is None]
+        if missing:
+            raise ValueError(f"without a config file, give {', '.join(m.replace('_', '-') for m in missing)}")
+        model = ModelDims(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                          ffn_hidden_size=args.ffn, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                          gated_mlp=args.gated_mlp, vocab_size=args.vocab)
+        workload = Workload(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens or 1,
+                            micro_batch=args.micro_batch or 1)
+        base = PlanInput(name="flags", model=model, layout=ParallelLayout(), workload=workload)
+    sizes = {k: getattr(args, k) or v for k, v in base.layout.sizes().items()}
+    return replace(base, layout=ParallelLayout(**sizes), dtype=args.dtype or base.dtype,
+                   causal=not args.non_causal, cp_comm=args.cp_comm)
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """``megatron-ring plan``: print (and optionally write) the predictions; 0 on success, 2 on bad input."""
+    from megatron_ring.perf import report
+
+    args = _parser().parse_args(argv)
+    try:
+        hw = HardwareProfile.load(args.hardware)
+        main = _input_from_args(args)
+        inputs = [main]
+    except (ValueError, ConfigError) as err:
+        print(f"megatron-ring plan: {err}")
+        return 2
+    if not args.no_alternative and main.layout.tp * main.layout.pp * main.layout.cp > 1:
+        try:
+            inputs.append(replace(main, name=f"{main.name} (alternative)",
+                                  layout=alternative_layout(main.layout, hw)))
+        except ValueError as err:
+            print(f"no alternative layout: {err}")
+    planner = Planner(hw)
+    preds = [planner.predict(p) for p in inputs]
+    report.print_plan(inputs, preds, hw)
+    out: dict[str, Any] = {"hardware": hw.model_dump(), "plans": [asdict(x) for x in preds]}
+    if args.measured:
+        measured = json.loads(Path(args.measured).read_text())
+        rows = compare_measured(measured, hw)
+        report.print_comparison(rows, hw.name)
+        out["measured_vs_predicted"] = rows
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def compare_measured(bench: dict[str, Any], hw: HardwareProfile) -> list[dict[str, Any]]:
+    """One row per bench point: measured median and predicted time, and their ratio."""
+    rows = []
+    for point in bench.get("points", []):
+        if point.get("impl") == "ulysses" or point.get("median_s") is None:
+            continue
+        predicted = predict_attention_point(point, hw)["time_s"]
+        rows.append({k: point[k] for k in ("impl", "mode", "causal", "L", "P", "dtype")} |
+                    {"measured_s": point["median_s"], "predicted_s": predicted,
+                     "measured_over_predicted": point["median_s"] / predicted})
+    return rows

@@ -1,0 +1,88 @@
+"""Tiny Hugging Face causal LMs (Llama, Qwen2, Mistral) made locally: nothing is downloaded.
+
+Each model has grouped-query attention (4 query heads, 2 K/V heads) and RoPE, random weights from
+a fixed seed, and a byte-level tokenizer built in code (256 byte tokens + ``<s>``, ``</s>``,
+``<pad>``; left padding)::
+
+    path = save_tiny_model("llama", "/tmp/tiny-llama")          # config + weights + tokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+
+Needs ``transformers`` (and ``tokenizers``, which it depends on). Used by tests and the example.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+SPECIAL_TOKENS: tuple[str, ...] = ("<s>", "</s>", "<pad>")
+BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
+VOCAB_SIZE = 260  # 256 bytes + 3 specials, rounded up to an even size
+
+
+def tiny_config(family: str = "llama", **overrides: Any):
+    """A ``PretrainedConfig`` for a 2-layer model: hidden 64, 4 heads, 2 K/V heads, head_dim 16."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    if family not in classes:
+        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+    fields: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False,
+        initializer_range=0.2,  # sharp attention and well-separated logits, so tests see real differences
+    )
+    if family == "mistral":
+        fields["sliding_window"] = None  # full causal attention; set an int to test the window check
+    fields.update(overrides)
+    return classes[family](**fields)
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, attn_implementation: str = "eager",
+               dtype: torch.dtype = torch.float32, **overrides: Any):
+    """A randomly initialised ``*ForCausalLM`` (eval mode) from :func:`tiny_config`; same seed, same weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **overrides)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval()
+
+
+def byte_tokenizer():
+    """A fast byte-level tokenizer (ids 0-255 are bytes; specials 256-258), left padding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab.update({tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left",
+    )
+
+
+def _byte_of(ch: str) -> int:
+    """The byte that the GPT-2 byte-level alphabet maps to ``ch``."""
+    code = ord(ch)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if code in printable:
+        return code
+    missing = [b for b in range(256) if b not in printable]
+    return missing[code - 256]
+
+
+def save_tiny_model(family: str, path: str | os.PathLike, *, seed: int = 0, **overrides: Any) -> str:
+    """Write config, random weights (``save_pretrained``) and the byte tokenizer to ``path``; return it."""
+    path = os.fspath(path)
+    tiny_model(family, seed=seed, **overrides).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,28 @@
+"""The p2p path is a true ring: P-1 rotations forward, no all-gather anywhere."""
+import pytest
+
+from megatron_ring.testing.gloo import GlooPool, WorkerError
+from tests.gloo import workers
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_p2p_forward_issues_p_minus_1_rotations_and_no_all_gather(gloo_pool, size, causal):
+    for forward, backward in gloo_pool(size).run(workers.count_collectives, "p2p", causal):
+        assert forward == {"p2p_batches": size - 1, "all_gather": 0}
+        # backward: P-1 K/V rotations + P gradient transfers (the last one carries dK/dV home)
+        assert backward == {"p2p_batches": 2 * size - 1, "all_gather": 0}
+
+
+def test_all_gather_path_gathers_once(gloo_pool):
+    forward, _ = gloo_pool(3).run(workers.count_collectives, "all_gather", True)[0]
+    assert forward == {"p2p_batches": 0, "all_gather": 1}
+
+
+def test_ranks_disagreeing_on_shapes_fail_instead_of_hanging():
+    pool = GlooPool(3, timeout_s=60, env={})
+    try:
+        with pytest.raises(WorkerError, match="failed on ranks|died|timed out"):
+            pool.run(workers.mismatched_shapes, timeout_s=60)
+    finally:
+        pool.close(force=True)

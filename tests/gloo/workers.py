@@ -1,0 +1,93 @@
+"""Functions run on every rank of a gloo pool (importable, so spawned workers can unpickle them)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring import decode_attention, ring_attention, shard_sequence
+from megatron_ring.testing.reference import attention_reference, rel_err
+
+
+def _inputs(batch, seq, heads_q, heads_kv, head_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads_q, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, seq, heads_kv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, seq, heads_kv, head_dim, generator=gen).to(dtype)
+    dout = torch.randn(batch, seq, heads_q, head_dim, generator=gen).to(dtype)
+    return q, k, v, dout
+
+
+def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, sharding, comm, dtype, backend, batch=2):
+    """Relative errors of this rank's (out, dq, dk, dv) against the float64 global reference."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = _inputs(batch, seq, heads_q, heads_kv, head_dim, dtype)
+    qg, kg, vg = (t.to(torch.float64).requires_grad_() for t in (q, k, v))
+    ref = attention_reference(qg, kg, vg, causal=causal)
+    ref.backward(dout.to(torch.float64))
+
+    def shard(t):
+        return shard_sequence(t, rank, size, sharding=sharding)
+
+    ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
+    out = ring_attention(ql, kl, vl, causal=causal, sharding=sharding, comm=comm, backend=backend)
+    out.backward(shard(dout))
+    assert out.dtype == dtype and out.shape == ql.shape
+    assert ql.grad.dtype == dtype and kl.grad.shape == kl.shape
+    return {
+        "out": rel_err(out, shard(ref)), "dq": rel_err(ql.grad, shard(qg.grad)),
+        "dk": rel_err(kl.grad, shard(kg.grad)), "dv": rel_err(vl.grad, shard(vg.grad)),
+    }
+
+
+def decode_vs_reference(lengths, heads_q, heads_kv, head_dim, q_len, dtype, batch=2):
+    """Decode error on this rank; rank r holds a cache shard of ``lengths[r]`` tokens (0 allowed)."""
+    rank = dist.get_rank()
+    total = sum(lengths)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, q_len, heads_q, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, total, heads_kv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, total, heads_kv, head_dim, generator=gen).to(dtype)
+    start = sum(lengths[:rank])
+    out = decode_attention(q, k[:, start:start + lengths[rank]], v[:, start:start + lengths[rank]])
+    ref = attention_reference(q, k, v)
+    gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, out.contiguous())
+    identical = all(torch.equal(g, out) for g in gathered)
+    return {"err": rel_err(out, ref), "identical": identical, "dtype": out.dtype, "shape": tuple(out.shape)}
+
+
+def count_collectives(comm, causal):
+    """Number of batch_isend_irecv and all-gather calls made by one ring forward (then backward)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    counts = {"p2p_batches": 0, "all_gather": 0}
+    names = ["all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object"]
+    saved = {n: getattr(dist, n) for n in names + ["batch_isend_irecv"]}
+
+    def counting(name, key):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return saved[name](*args, **kwargs)
+        return wrapper
+
+    dist.batch_isend_irecv = counting("batch_isend_irecv", "p2p_batches")
+    for n in names:
+        setattr(dist, n, counting(n, "all_gather"))
+    try:
+        q, k, v, dout = _inputs(1, 4 * size, 2, 1, 4, torch.float32)
+        ql, kl, vl = (shard_sequence(t, rank, size).requires_grad_() for t in (q, k, v))
+        out = ring_attention(ql, kl, vl, causal=causal, comm=comm)
+        forward = dict(counts)
+        out.backward(shard_sequence(dout, rank, size))
+        backward = {key: counts[key] - forward[key] for key in counts}
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+    return forward, backward
+
+
+def mismatched_shapes():
+    """Rank 1 brings a different local length: every rank must raise, none may hang."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    seq_local = 4 if rank != 1 else 6
+    q = torch.randn(1, seq_local, 2, 4)
+    ring_attention(q, q, q, causal=True)

@@ -1,0 +1,53 @@
+"""Bad input to the attention entry points: TypeError/ValueError naming the field, value and rule."""
+import pytest
+import torch
+
+from megatron_ring import decode_attention, ring_attention
+
+
+def qkv(seq=4, hq=4, hkv=2, d=8, dtype=torch.float32):
+    return torch.randn(1, seq, hq, d, dtype=dtype), torch.randn(1, seq, hkv, d, dtype=dtype), torch.randn(1, seq, hkv, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("change,exc,pattern", [
+    (lambda q, k, v: (q, k[:, :, :1].expand(1, 4, 3, 8).contiguous(), v[:, :, :1].expand(1, 4, 3, 8).contiguous()),
+     ValueError, r"heads_q \(4\) must be divisible by heads_kv \(3\)"),
+    (lambda q, k, v: (q[..., :6], k, v), ValueError, r"head_dim mismatch: q has 6, k/v have 8"),
+    (lambda q, k, v: (q[:, :2], k, v), ValueError, r"seq_local mismatch: q has 2, k/v have 4"),
+    (lambda q, k, v: (q[0], k, v), ValueError, r"q must be 4-D \[batch, seq, heads, head_dim\], got shape \(4, 4, 8\)"),
+    (lambda q, k, v: (q, k.half(), v), TypeError, r"q, k, v must share a dtype"),
+    (lambda q, k, v: (q.int(), k, v), TypeError, r"q.dtype is torch.int32; allowed"),
+    (lambda q, k, v: (q.tolist(), k, v), TypeError, r"q must be a torch.Tensor, got list"),
+    (lambda q, k, v: (q, k, v[..., :4]), ValueError, r"k and v must have the same shape"),
+])
+def test_shape_and_dtype_errors(change, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        ring_attention(*change(*qkv()))
+
+
+def test_unknown_choices():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"sharding must be one of \['zigzag', 'contiguous'\], got 'zig'"):
+        ring_attention(q, k, v, sharding="zig")
+    with pytest.raises(ValueError, match=r"comm must be one of \['p2p', 'all_gather'\], got 'a2a'"):
+        ring_attention(q, k, v, comm="a2a")
+    with pytest.raises(ValueError, match=r"backend must be one of .*got 'cudnn'"):
+        ring_attention(q, k, v, backend="cudnn")
+    with pytest.raises(ValueError, match=r"softmax_scale must be a positive number or None, got -1"):
+        ring_attention(q, k, v, softmax_scale=-1)
+    with pytest.raises(TypeError, match=r"causal must be a bool, got 'yes'"):
+        ring_attention(q, k, v, causal="yes")
+
+
+def test_decode_checks_inputs():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        decode_attention(q[:, :1], k[..., :4], v[..., :4])
+
+
+def test_single_process_ring_is_plain_attention():
+    from megatron_ring.testing.reference import attention_reference, rel_err
+
+    q, k, v = qkv(seq=7)
+    for causal in (True, False):
+        assert rel_err(ring_attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal)) < 1e-6
