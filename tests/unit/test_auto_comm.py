@@ -1,0 +1,89 @@
+"""The comm="auto" rule on the pure cost model (no torch.distributed)."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_ring.attention.auto_comm import (
+    DEFAULT_COSTS, CommCosts, choose_comm, choose_comm_for_shapes, crossover_tokens, predict_times,
+)
+
+COSTS = CommCosts(flops_per_s=500e12, p2p_bytes_per_s=400e9, allgather_bytes_per_s=400e9,
+                  step_latency_s=20e-6, collective_latency_s=30e-6)
+SHAPE = dict(batch=1, heads_q=32, heads_kv=32, head_dim=128, element_size=2)
+
+
+def test_crossover_matches_formula() -> None:
+    # bf16: c* = (F/W) * (H_kv/H) / alpha
+    assert crossover_tokens(COSTS, heads_q=32, heads_kv=32, causal=False, element_size=2) == pytest.approx(1250)
+    assert crossover_tokens(COSTS, heads_q=32, heads_kv=32, causal=True, element_size=2) == pytest.approx(2500)
+    assert crossover_tokens(COSTS, heads_q=32, heads_kv=8, causal=True, element_size=2) == pytest.approx(625)
+    assert crossover_tokens(COSTS, heads_q=32, heads_kv=32, causal=False, element_size=4) == pytest.approx(2500)
+
+
+def test_ring_wins_above_crossover() -> None:
+    for seq_local in (2500, 8192, 65536):
+        choice = choose_comm(seq_local=seq_local, cp_size=8, causal=True, costs=COSTS, **SHAPE)
+        assert choice.comm == "p2p"
+        assert choice.p2p_s <= choice.all_gather_s
+
+
+def test_all_gather_wins_when_latency_dominates() -> None:
+    choice = choose_comm(seq_local=16, cp_size=16, causal=True, costs=COSTS, **SHAPE)
+    assert choice.comm == "all_gather"
+    assert "latency" in choice.reason
+
+
+def test_without_fixed_costs_ring_never_loses() -> None:
+    free = CommCosts(flops_per_s=1e12, p2p_bytes_per_s=1e9, allgather_bytes_per_s=1e9)
+    for seq_local in (1, 7, 100, 10_000):
+        for p in (2, 3, 8):
+            t = predict_times(seq_local=seq_local, cp_size=p, causal=False, costs=free, **SHAPE)
+            assert t["p2p"] <= t["all_gather"] * (1 + 1e-12)
+
+
+def test_memory_budget_forces_p2p() -> None:
+    tight = CommCosts(flops_per_s=500e12, p2p_bytes_per_s=400e9, allgather_bytes_per_s=400e9,
+                      step_latency_s=20e-6, collective_latency_s=30e-6, memory_budget_bytes=1e3)
+    choice = choose_comm(seq_local=16, cp_size=16, causal=True, costs=tight, **SHAPE)
+    assert choice.comm == "p2p" and "memory budget" in choice.reason
+
+
+def test_single_rank_is_p2p() -> None:
+    assert choose_comm(seq_local=16, cp_size=1, causal=False, costs=COSTS, **SHAPE).comm == "p2p"
+
+
+def test_for_shapes_uses_device_defaults() -> None:
+    assert choose_comm_for_shapes((1, 4096, 32, 128), (1, 4096, 8, 128), 8, causal=True, element_size=2,
+                                  device_type="cuda") == "p2p"
+    assert choose_comm_for_shapes((1, 4, 2, 8), (1, 4, 2, 8), 8, causal=True, element_size=4,
+                                  device_type="cpu") == "all_gather"
+    with pytest.raises(ValueError, match="batch, seq_local, heads, head_dim"):
+        choose_comm_for_shapes((4, 2, 8), (1, 4, 2, 8), 2, causal=True, element_size=4, device_type="cpu")
+
+
+def test_defaults_match_hardware_profiles() -> None:
+    from megatron_ring.perf.hardware import HardwareProfile
+
+    assert DEFAULT_COSTS["cuda"] == HardwareProfile.load("h100-sxm").comm_costs("bf16")
+    assert DEFAULT_COSTS["cpu"] == HardwareProfile.load("cpu-gloo").comm_costs("fp32", ranks=2)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("flops_per_s", 0, "flops_per_s must be > 0"),
+    ("p2p_bytes_per_s", -1.0, "p2p_bytes_per_s must be > 0"),
+    ("step_latency_s", "x", "step_latency_s must be a number"),
+])
+def test_costs_validation(field: str, value: object, match: str) -> None:
+    kwargs = dict(flops_per_s=1.0, p2p_bytes_per_s=1.0, allgather_bytes_per_s=1.0)
+    kwargs[field] = value  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=match):
+        CommCosts(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="multiple of heads_kv"):
+        choose_comm(seq_local=8, cp_size=2, batch=1, heads_q=6, heads_kv=4, head_dim=8, causal=False,
+                    element_size=4, costs=COSTS)
+    with pytest.raises(ValueError, match="seq_local must be an int >= 1"):
+        choose_comm(seq_local=0, cp_size=2, batch=1, heads_q=4, heads_kv=4, head_dim=8, causal=False,
+                    element_size=4, costs=COSTS)
