@@ -16,7 +16,12 @@ import torch
 
 @dataclass
 class RingStats:
-    """Totals over every ring call made inside one :func:`ring_stats` block, on this rank."""
+    """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
+
+    ``steps`` counts communication rounds: P-1 per forward, 2P-1 per backward (P-1 K/V rotations
+    and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
+    it is the equivalent ring volume.
+    """
 
     calls: int = 0
     steps: int = 0

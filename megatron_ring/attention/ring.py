@@ -163,6 +163,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm: P2PRing | GatheredKV = ctx.comm
         spec: _Spec = ctx.spec
+        stats = active_stats()
+        t0 = now(q.device) if stats else 0.0
         ct = compute_dtype(q.dtype)
         b, hq, s, d = q.shape
         dq = _alloc_bshd(b, hq, s, d, ct, q.device)
@@ -171,13 +173,21 @@ class _RingAttention(torch.autograd.Function):
             plan = spec.plan(src)
             dk_b = dv_b = None
             if plan is not None:
+                c0 = now(q.device) if stats else 0.0
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, :, plan.q], q[:, :, plan.q], kv[0][:, :, plan.k], kv[1][:, :, plan.k],
                     out[:, :, plan.q], lse[:, :, plan.q], causal=plan.causal, scale=spec.scale, backend=spec.backend,
                 )
                 dq[:, :, plan.q] += dq_b
+                if stats:
+                    stats.compute_s += now(q.device) - c0
             comm.add_grads(src, plan, dk_b, dv_b)
         dkv = comm.finish_grads()
+        if stats:
+            grad_bytes = dkv.numel() * dkv.element_size()
+            stats.steps += 2 * spec.size - 1 if spec.size > 1 else 0
+            stats.bytes_sent += comm.bytes_per_step * (spec.size - 1) + (grad_bytes * spec.size if spec.size > 1 else 0)
+            stats.total_s += now(q.device) - t0
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 

@@ -1,0 +1,113 @@
+"""``megatron-ring``: inspect layouts, run the ring demo, plan, benchmark and compare setups.
+
+Subcommands that need optional frameworks import them only when called.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from megatron_ring.parallel.layout import AXES, ParallelLayout
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (module, function, help): each takes its own argv and returns an exit code
+DELEGATED: dict[str, tuple[str, str, str]] = {
+    "plan": ("megatron_ring.perf.planner", "plan_main", "analytical model of a config on a hardware profile"),
+    "compare": ("megatron_ring.inference.compare", "compare_main",
+                "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "attention": ("megatron_ring.perf.bench_attention", "bench_attention_main"),
+    "numerics": ("megatron_ring.perf.bench_numerics", "bench_numerics_main"),
+}
+
+
+def _layout_table(layout: ParallelLayout) -> str:
+    lines = [f"layout {layout.describe()}  (rank order tp-cp-dp-pp, Megatron's tp-cp-ep-dp-pp)", ""]
+    lines.append(f"{'rank':>5} " + " ".join(f"{a:>3}" for a in AXES) + "   cp ring (prev -> rank -> next)")
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)
+        ring = layout.group_of("cp", rank)
+        i = ring.index(rank)
+        lines.append(f"{rank:>5} " + " ".join(f"{coords[a]:>3}" for a in AXES)
+                     + f"   {ring[i - 1]:>3} -> {rank:>3} -> {ring[(i + 1) % len(ring)]:>3}")
+    lines.append("")
+    for axis in AXES + ("dp-cp",):
+        groups = layout.groups(axis)
+        shown = ", ".join(str(g) for g in groups[:4]) + (f", ... ({len(groups)} groups)" if len(groups) > 4 else "")
+        lines.append(f"{axis:>6} groups: {shown}")
+    return "\n".join(lines)
+
+
+def _cmd_layout(args: argparse.Namespace) -> int:
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp)
+    if args.world is not None:
+        layout.check_world_size(args.world)
+    print(_layout_table(layout))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    script = REPO / "launch" / "ring_demo.py"
+    if not script.is_file():
+        raise SystemExit(f"launch/ring_demo.py not found next to the package ({REPO}); run from a source checkout")
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        raise SystemExit("torchrun not found on PATH (it ships with torch)")
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", str(script),
+           f"--seq-len={args.seq_len}", f"--dtype={args.dtype}"]
+    print("+ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def _delegate(module: str, func: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        return int(getattr(importlib.import_module(module), func)(list(argv)) or 0)
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="megatron-ring", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("layout", help="print the rank grid and groups of a parallel layout")
+    for axis in AXES:
+        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size")
+    p.add_argument("--world", type=int, default=None, help="check against this many launched ranks")
+    p.set_defaults(handler=_cmd_layout)
+
+    p = sub.add_parser("demo", help="ring attention on N CPU processes (torchrun, gloo) checked against float64")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(handler=_cmd_demo)
+
+    for name, (module, func, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False).set_defaults(delegate=_delegate(module, func))
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
+    bench.add_argument("which", choices=list(BENCHES))
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _delegate(*BENCHES[args.which])(rest)
+    if hasattr(args, "delegate"):
+        return args.delegate(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError) as err:
+        print(f"megatron-ring {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install megatron_ring with every integration and the test tools.
+# A torch already in .venv is kept; otherwise MEGATRON_RING_TORCH (default: the CPU build
+# torch==2.13.0) is installed first, so no later dependency can pull a multi-GB CUDA torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${MEGATRON_RING_TORCH:-torch==2.13.0}"
+.venv/bin/pip install -q -e ".[all,test]"
