@@ -7,9 +7,13 @@ in memory by the math backend.
 Backends:
 
 * ``"math"``: pure torch, always available, scores and softmax in fp32 (fp64 for fp64 inputs).
-* ``"sdpa"``: torch's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``),
-  which returns the log-sum-exp the ring needs, with its fused backward.
-* ``"auto"``: ``"sdpa"`` on CPU tensors, ``"math"`` elsewhere.
+* ``"sdpa"``: torch's fused flash kernels, which return the log-sum-exp the ring needs, with their
+  fused backward: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype), and
+  ``_scaled_dot_product_flash_attention`` on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256).
+* ``"auto"``: ``"sdpa"`` where its kernel takes the inputs, ``"math"`` otherwise.
+
+The CUDA kernel path follows the op schemas of torch's CUDA build; this project's CI has no GPU,
+so it is exercised only where one is present (``tests/gloo/test_ring_numerics.py`` covers CPU).
 
 ``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
 sees keys 0..i.
@@ -21,14 +25,24 @@ import torch
 BACKENDS: tuple[str, ...] = ("auto", "math", "sdpa")
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for ``backend`` on ``device``; ValueError for an unknown or unusable one."""
+def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's fused flash kernel for ``device`` accepts these inputs."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The concrete backend for ``backend`` and these inputs; ValueError for an unknown or unusable one."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == "auto":
-        return "sdpa" if device.type == "cpu" else "math"
-    if backend == "sdpa" and device.type != "cpu":
-        raise ValueError(f"backend 'sdpa' (torch's CPU flash kernel) needs CPU tensors, got device {device}")
+        return "sdpa" if _sdpa_takes(device, dtype, head_dim) else "math"
+    if backend == "sdpa" and not _sdpa_takes(device, dtype, head_dim):
+        raise ValueError(
+            f"backend 'sdpa' cannot take device={device}, dtype={dtype}, head_dim={head_dim}: on CUDA it needs "
+            "fp16/bf16 and head_dim a multiple of 8 up to 256; use 'math' or 'auto'"
+        )
     return backend
 
 
@@ -74,9 +88,13 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     """
     if backend == "sdpa":
         groups = q.shape[1] // k.shape[1]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _repeat_kv(k, groups), _repeat_kv(v, groups), 0.0, causal, attn_mask=None, scale=scale
-        )
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+        if q.device.type == "cuda":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, attn_mask=None, scale=scale
+            )
         return out, lse.to(compute_dtype(q.dtype))
     scores = _math_scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
@@ -98,11 +116,20 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     ct = compute_dtype(q.dtype)
     if backend == "sdpa":
         groups = q.shape[1] // k.shape[1]
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype), q, _repeat_kv(k, groups), _repeat_kv(v, groups), out.to(q.dtype),
-            lse.float() if q.dtype != torch.float64 else lse, 0.0, causal, attn_mask=None, scale=scale,
-        )
         b, hkv, sk, d = k.shape
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+        dout, out = dout.to(q.dtype), out.to(q.dtype)
+        lse = lse.float() if q.dtype != torch.float64 else lse
+        if q.device.type == "cuda":
+            # Non-varlen call: empty cumulative lengths, max lengths = the block's, no dropout RNG state.
+            none = torch.empty(0, dtype=torch.int64, device=q.device)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse.contiguous(), none, none, q.shape[2], sk, 0.0, causal, none, none, scale=scale,
+            )
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale,
+            )
         return dq.to(ct), dk.to(ct).reshape(b, hkv, groups, sk, d).sum(2), dv.to(ct).reshape(b, hkv, groups, sk, d).sum(2)
     hkv = k.shape[1]
     scores = _math_scores(q, k, causal, scale)

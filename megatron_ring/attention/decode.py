@@ -56,7 +56,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             part[..., d] = float("-inf")
         else:
             out, lse = block_forward(qh, kh, vh, causal=False, scale=scale,
-                                     backend=resolve_backend(backend, q.device))
+                                     backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]))
             part[..., :d] = out
             part[..., d] = lse
         parts = all_gather_stacked(part, group, size)

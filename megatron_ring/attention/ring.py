@@ -225,7 +225,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     spec = _Spec(
         rank=rank, size=size, seq_local=seq_local, causal=causal, sharding=sharding,
         scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        backend=resolve_backend(backend, q.device),
+        backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]),
     )
     channel = P2PRing(group, rank, size) if comm == "p2p" else GatheredKV(group, rank, size)
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec)

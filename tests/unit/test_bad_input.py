@@ -51,3 +51,16 @@ def test_single_process_ring_is_plain_attention():
     q, k, v = qkv(seq=7)
     for causal in (True, False):
         assert rel_err(ring_attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal)) < 1e-6
+
+
+def test_backend_choice():
+    from megatron_ring.attention.block import resolve_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", cpu, torch.float32, 5) == "sdpa"
+    assert resolve_backend("auto", cuda, torch.bfloat16, 128) == "sdpa"
+    assert resolve_backend("auto", cuda, torch.float32, 128) == "math"
+    assert resolve_backend("auto", cuda, torch.bfloat16, 100) == "math"
+    assert resolve_backend("math", cuda, torch.bfloat16, 128) == "math"
+    with pytest.raises(ValueError, match="backend 'sdpa' cannot take device=cuda, dtype=torch.float32"):
+        resolve_backend("sdpa", cuda, torch.float32, 128)
