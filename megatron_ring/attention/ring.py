@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import GatheredKV
+from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, resolve_backend
 from megatron_ring.attention.checks import check_choice, check_qkv, group_rank_size
 from megatron_ring.attention.instrument import active_stats, now
@@ -35,7 +36,7 @@ from megatron_ring.attention.merge import merge_into
 from megatron_ring.attention.schedule import StepPlan, step_plan
 from megatron_ring.attention.sharding import SHARDINGS, check_divisible
 
-COMMS: tuple[str, ...] = ("p2p", "all_gather")
+COMMS: tuple[str, ...] = ("p2p", "all_gather", "auto")
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
@@ -205,7 +206,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         sharding: ``"zigzag"`` (rank r holds chunks r and 2P-1-r of 2P; Megatron's split) or
             ``"contiguous"`` (chunk r of P). See Note [Zigzag sharding].
-        comm: ``"p2p"`` (the ring) or ``"all_gather"`` (the baseline).
+        comm: ``"p2p"`` (the ring), ``"all_gather"`` (the baseline) or ``"auto"`` (chosen per call from
+            the shapes and a cost model: Note [When does the ring beat all-gather?] in auto_comm.py).
         backend: local block kernel, ``"auto"``, ``"math"`` or ``"sdpa"`` (see block.py).
 
     Returns:
@@ -227,6 +229,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]),
     )
+    if comm == "auto":
+        comm = choose_comm_for_shapes(tuple(q.shape), tuple(k.shape), size, causal=causal,
+                                      element_size=q.element_size(), device_type=q.device.type)
     channel = P2PRing(group, rank, size) if comm == "p2p" else GatheredKV(group, rank, size)
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec)
     return out.transpose(1, 2)

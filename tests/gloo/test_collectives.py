@@ -1,5 +1,6 @@
 """The p2p path is a true ring: P-1 rotations forward, no all-gather anywhere."""
 import pytest
+import torch
 
 from megatron_ring.testing.gloo import GlooPool, WorkerError
 from tests.gloo import workers
@@ -26,3 +27,10 @@ def test_ranks_disagreeing_on_shapes_fail_instead_of_hanging():
             pool.run(workers.mismatched_shapes, timeout_s=60)
     finally:
         pool.close(force=True)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_auto_comm_is_exact(gloo_pool, size):
+    per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, 4, 2, 5, True, "zigzag", "auto",
+                                   torch.float32, "auto")
+    assert max(max(e.values()) for e in per_rank) <= 1e-5

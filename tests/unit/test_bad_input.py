@@ -29,7 +29,7 @@ def test_unknown_choices():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"sharding must be one of \['zigzag', 'contiguous'\], got 'zig'"):
         ring_attention(q, k, v, sharding="zig")
-    with pytest.raises(ValueError, match=r"comm must be one of \['p2p', 'all_gather'\], got 'a2a'"):
+    with pytest.raises(ValueError, match=r"comm must be one of \['p2p', 'all_gather', 'auto'\], got 'a2a'"):
         ring_attention(q, k, v, comm="a2a")
     with pytest.raises(ValueError, match=r"backend must be one of .*got 'cudnn'"):
         ring_attention(q, k, v, backend="cudnn")
