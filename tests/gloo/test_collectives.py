@@ -34,3 +34,8 @@ def test_auto_comm_is_exact(gloo_pool, size):
     per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, 4, 2, 5, True, "zigzag", "auto",
                                    torch.float32, "auto")
     assert max(max(e.values()) for e in per_rank) <= 1e-5
+
+
+def test_indivisible_global_length_is_rejected_on_every_rank(gloo_pool):
+    for message in gloo_pool(2).run(workers.odd_local_length_error):
+        assert message is not None and "global sequence length (seq_local 3 x cp 2) 6 is not divisible by 2*cp = 4" in message

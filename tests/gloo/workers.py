@@ -91,3 +91,13 @@ def mismatched_shapes():
     seq_local = 4 if rank != 1 else 6
     q = torch.randn(1, seq_local, 2, 4)
     ring_attention(q, q, q, causal=True)
+
+
+def odd_local_length_error():
+    """Zigzag needs an even local length (global divisible by 2P): the error comes before any comm."""
+    q = torch.randn(1, 3, 2, 4)
+    try:
+        ring_attention(q, q, q, causal=True)
+    except ValueError as err:
+        return str(err)
+    return None
