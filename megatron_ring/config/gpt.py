@@ -112,9 +112,9 @@ class GPTConfig(StrictModel):
                 f"model.num_attention_heads = {m.num_attention_heads} is not divisible by model.num_query_groups = "
                 f"{m.query_groups}; allowed: a divisor of {m.num_attention_heads} {_divisors(m.num_attention_heads)}"
             )
-        for field, value in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.query_groups),
+        for field, value in (("num_attention_heads", m.num_attention_heads), ("num_query_groups", m.num_query_groups),
                              ("ffn_hidden_size", m.ffn_hidden_size), ("vocab_size", m.vocab_size)):
-            if value % p.tp:
+            if value is not None and value % p.tp:
                 problems.append(
                     f"model.{field} = {value} is not divisible by parallel.tp = {p.tp}; "
                     f"allowed tp: {_divisors(value)}"

@@ -102,3 +102,241 @@ def init_megatron_cpu(layout: ParallelLayout, *, seed: int = 1234) -> None:
         create_gloo_process_groups=False,
     )
     torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline-parallel forward/backward by hand (Megatron's schedules allocate on CUDA).
+
+
+def stage_forward(model: torch.nn.Module, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
+                  labels: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """Run this rank's pipeline stage; returns (received input or None, stage output).
+
+    ``tokens``/``position_ids``/``labels`` are this CP rank's ``[b, s_local]``. Activations
+    ``[s_local, b, h]`` travel to the next stage with a blocking send (pp = 1: a plain forward).
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_ring.integrations.megatron_model import unwrap
+
+    inp = None
+    config = unwrap(model).config
+    if not ps.is_pipeline_first_stage():
+        b, s = position_ids.shape
+        inp = torch.empty(s, b, config.hidden_size, dtype=config.pipeline_dtype)
+        dist.recv(inp, src=ps.get_pipeline_model_parallel_prev_rank())
+        inp.requires_grad_(torch.is_grad_enabled())
+        model.set_input_tensor(inp)
+    out = model(tokens if ps.is_pipeline_first_stage() else None, position_ids, None, labels=labels)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    return inp, out
+
+
+def stage_backward(inp: Optional[torch.Tensor], out: torch.Tensor, loss_scale: float) -> None:
+    """Backward of :func:`stage_forward` with labels: the last stage starts from ``sum(loss) * loss_scale``."""
+    from megatron.core import parallel_state as ps
+
+    if ps.is_pipeline_last_stage():
+        (out.float().sum() * loss_scale).backward()
+    else:
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        out.backward(grad)
+    if inp is not None:
+        dist.send(inp.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers for the integration tests (module-level so GlooPool can pickle them).
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234,
+                         grads: bool = True) -> dict[str, Any]:
+    """Same weights, same tokens: ``cfg_data``'s model vs the cp = 1 local-attention model.
+
+    Every rank first builds the unsharded reference (tp = pp = cp = 1, attention local, same dtype),
+    runs loss + backward on the whole batch, then builds the configured model, loads the same
+    weights, runs its shard of the batch and compares loss, logits and every parameter gradient
+    (summed over CP ranks, as Megatron's DP x CP reduction does). Returns relative errors.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.integrations.megatron import gather_logits, get_batch_on_this_cp_rank
+    from megatron_ring.integrations.megatron_model import build_gpt_model, full_state_dict, global_name, \
+        load_full_state_dict, shard_of, unwrap
+
+    cfg = GPTConfig.parse(cfg_data)
+    world = dist.get_world_size()
+    ref_cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
+    m = cfg.model
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    labels = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    position_ids = torch.arange(m.seq_length).expand(batch, -1)
+    n_tokens = batch * m.seq_length
+
+    init_megatron_cpu(ParallelLayout(dp=world), seed=seed)
+    ref = build_gpt_model(ref_cfg)
+    ref_loss_tok = ref(tokens, position_ids, None, labels=labels)
+    ref_loss = ref_loss_tok.float().mean()
+    ref_loss.backward()
+    ref_grads = {name: p.grad.float().clone() for name, p in unwrap(ref).named_parameters()}
+    with torch.no_grad():
+        ref_logits = ref(tokens, position_ids, None).float()
+    weights = full_state_dict(ref)
+    del ref
+
+    init_megatron_cpu(cfg.check_world_size(world), seed=seed)
+    model = build_gpt_model(cfg)
+    load_full_state_dict(model, weights)
+    part = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
+    inp, out = stage_forward(model, part["tokens"], part["position_ids"], part["labels"])
+    result: dict[str, Any] = {"rank": dist.get_rank()}
+    cp_group = ps.get_context_parallel_group()
+    if ps.is_pipeline_last_stage():
+        loss_sum = out.detach().float().sum()
+        dist.all_reduce(loss_sum, group=cp_group)
+        result["loss"] = float(loss_sum / n_tokens)
+        result["ref_loss"] = float(ref_loss)
+        result["loss_err"] = abs(result["loss"] - result["ref_loss"]) / abs(result["ref_loss"])
+    if grads:
+        stage_backward(inp, out, 1.0 / n_tokens)
+        worst, worst_name = 0.0, ""
+        for name, param in unwrap(model).named_parameters():
+            grad = param.grad.float().clone()
+            dist.all_reduce(grad, group=cp_group)
+            err = _rel(grad, shard_of(param, ref_grads[global_name(model, name)]))
+            if err > worst:
+                worst, worst_name = err, name
+        result["grad_err"], result["grad_worst"] = worst, worst_name
+    with torch.no_grad():
+        _, logits = stage_forward(model, part["tokens"], part["position_ids"])
+    if ps.is_pipeline_last_stage():
+        result["logits_err"] = _rel(gather_logits(logits.float()), ref_logits)
+    return result
+
+
+def _attention_config(**overrides: Any) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                  attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _expect_error(fn: Callable[[], Any]) -> str:
+    """Run ``fn``; return ``"TypeName: message"`` of the ValueError/TypeError it raises ("" if none)."""
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def core_attention_cp1_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
+    """cp = 1: RingAttention vs Megatron's DotProductAttention on the same q/k/v, and its refusals.
+
+    Returns relative errors per case and the error message of each unsupported call.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.integrations.megatron import RingAttention
+
+    init_megatron_cpu(ParallelLayout(dp=dist.get_world_size()))
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(seq, batch, 4, 16, generator=gen)
+    k = torch.randn(seq, batch, 2, 16, generator=gen)
+    v = torch.randn(seq, batch, 2, 16, generator=gen)
+    causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    errors: dict[str, float] = {}
+    for case, mask_type, scale, mask in (("causal", AttnMaskType.causal, None, None),
+                                         ("no_mask", AttnMaskType.no_mask, None, None),
+                                         ("causal_scale", AttnMaskType.causal, 0.3, None),
+                                         ("causal_explicit_mask", AttnMaskType.causal, None, causal_mask)):
+        config = _attention_config()
+        ref = DotProductAttention(config, 1, mask_type, "self", softmax_scale=scale)
+        ring = RingAttention(config, 1, mask_type, "self", softmax_scale=scale)
+        errors[case] = _rel(ring(q, k, v, mask), ref(q, k, v, mask))
+    ring = RingAttention(_attention_config(), 1, AttnMaskType.causal, "self")
+    training = RingAttention(_attention_config(attention_dropout=0.1), 1, AttnMaskType.causal, "self")
+    training.train()
+    refusals = {
+        "attention_bias": _expect_error(lambda: ring(q, k, v, None, attention_bias=torch.zeros(1))),
+        "arbitrary_mask": _expect_error(lambda: ring(q, k, v, torch.rand(1, 1, seq, seq) > 0.5)),
+        "packed_seq_params": _expect_error(lambda: ring(q, k, v, None, packed_seq_params=object())),
+        "dropout_training": _expect_error(lambda: training(q, k, v, None)),
+        "padding_mask_type": _expect_error(lambda: RingAttention(_attention_config(), 1, AttnMaskType.padding, "self")),
+        "cp_comm_type_a2a": _expect_error(
+            lambda: RingAttention(_attention_config(), 1, AttnMaskType.causal, "self", cp_comm_type="a2a")),
+        "window_size": _expect_error(
+            lambda: RingAttention(_attention_config(window_size=(4, 0)), 1, AttnMaskType.causal, "self")),
+    }
+    training.eval()
+    errors["dropout_eval"] = _rel(training(q, k, v, None), ring(q, k, v, None))
+    return {"errors": errors, "refusals": refusals}
+
+
+def core_attention_mask_cp_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
+    """cp = world: the CP-sharded causal mask is accepted (same output as no mask); others are refused."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.integrations.megatron import RingAttention, get_batch_on_this_cp_rank
+
+    cp = dist.get_world_size()
+    init_megatron_cpu(ParallelLayout(cp=cp))
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(seq // cp, batch, 4, 16, generator=gen) for _ in range(3))
+    full_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    mask = get_batch_on_this_cp_rank({"attention_mask": full_mask})["attention_mask"]
+    ring = RingAttention(_attention_config(num_query_groups=4, context_parallel_size=cp), 1,
+                         AttnMaskType.causal, "self")
+    return {
+        "cp_rank": ps.get_context_parallel_rank(),
+        "mask_err": _rel(ring(q, k, v, mask), ring(q, k, v, None)),
+        "unsharded_mask": _expect_error(lambda: ring(q, k, v, full_mask)),
+        "wrong_mask": _expect_error(lambda: ring(q, k, v, ~mask)),
+    }
+
+
+def batch_split_matches_megatron(seq: int = 16) -> bool:
+    """Our get_batch_on_this_cp_rank equals megatron.core.utils.get_batch_on_this_cp_rank on this rank."""
+    from megatron.core import utils as mcore_utils
+
+    from megatron_ring.integrations.megatron import get_batch_on_this_cp_rank
+
+    init_megatron_cpu(ParallelLayout(cp=dist.get_world_size()))
+    batch = {
+        "tokens": torch.arange(2 * seq).view(2, seq),
+        "labels": torch.arange(2 * seq).view(2, seq) + 1,
+        "loss_mask": torch.rand(2, seq),
+        "position_ids": torch.arange(seq).expand(2, -1),
+        "attention_mask": torch.rand(1, 1, seq, seq) > 0.5,
+    }
+    ours = get_batch_on_this_cp_rank(batch)
+    theirs = mcore_utils.get_batch_on_this_cp_rank(dict(batch))
+    return all(torch.equal(ours[key], theirs[key]) for key in batch)
+
+
+def model_module_types(cfg_data: dict[str, Any]) -> dict[str, Any]:
+    """Build ``cfg_data``'s model on this rank; return ``{module name: class name}`` and parameter names/shapes."""
+    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.integrations.megatron_model import build_gpt_model
+
+    cfg = GPTConfig.parse(cfg_data)
+    init_megatron_cpu(cfg.check_world_size(dist.get_world_size()))
+    model = build_gpt_model(cfg)
+    return {
+        "modules": {name: type(mod).__name__ for name, mod in model.named_modules()},
+        "params": {name: tuple(p.shape) for name, p in model.named_parameters()},
+    }

@@ -1,0 +1,89 @@
+"""configs/megatron: every file validates; bad configs fail naming the field, its value and what is allowed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pydantic")
+pytest.importorskip("yaml")
+
+from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
+from megatron_ring.config.gpt import GPTConfig  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
+TINY = load_mapping(CONFIGS / "tiny_local.yaml")
+
+
+def _with(**changes: object) -> dict:
+    """tiny_local.yaml with dotted-key changes, e.g. ``_with(**{"parallel.tp": 3})``."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY.items()}
+    for dotted, value in changes.items():
+        *path, key = dotted.split(".")
+        target = data
+        for part in path:
+            target = target.setdefault(part, {})
+        target[key] = value
+    return data
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_validates(path: Path) -> None:
+    cfg = GPTConfig.load(path)
+    p = cfg.parallel
+    assert cfg.check_world_size(p.tp * p.pp * p.cp).world_size == p.tp * p.pp * p.cp
+
+
+def test_paper_model_is_the_papers() -> None:
+    for name in ("paper_dense_ring_cp16.yaml", "paper_dense_local_tp8_pp2.yaml"):
+        cfg = GPTConfig.load(CONFIGS / name)
+        m = cfg.model
+        assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels, m.ffn_hidden_size, m.seq_length) == (
+            16, 4096, 32, 128, 16384, 100_000)
+        assert cfg.dtype == "bf16"
+        assert cfg.check_world_size(16).world_size == 16
+    ring = GPTConfig.load(CONFIGS / "paper_dense_ring_cp16.yaml")
+    assert (ring.attention, ring.parallel.cp) == ("ring", 16)
+
+
+def test_local_and_ring_tiny_configs_differ_only_in_attention_and_cp() -> None:
+    local = load_mapping(CONFIGS / "tiny_local.yaml")
+    ring = load_mapping(CONFIGS / "tiny_ring_cp2.yaml")
+    assert local["model"] == ring["model"]
+    assert {k for k in local if local[k] != ring[k]} == {"name", "attention", "parallel"}
+
+
+@pytest.mark.parametrize("changes, needles", [
+    ({"model.num_attention_heads": 6, "model.hidden_size": 96, "parallel.tp": 4},
+     ["model.num_attention_heads = 6", "parallel.tp = 4", "allowed tp: [1, 2, 3, 6]"]),
+    ({"attention": "ring", "parallel.cp": 3, "model.seq_length": 64},
+     ["model.seq_length = 64", "2*parallel.cp = 6"]),
+    ({"attention": "flash"}, ["attention", "'flash'", "'local'", "'ring'"]),
+    ({"attention": "local", "parallel.cp": 2}, ["attention = 'local'", "parallel.cp = 1", "cp = 2"]),
+    ({"model.num_layers": 3, "parallel.pp": 2}, ["model.num_layers = 3", "parallel.pp = 2"]),
+    ({"model.num_query_groups": 3}, ["model.num_attention_heads = 4", "model.num_query_groups = 3"]),
+    ({"parallel.cp_comm_type": "a2a"}, ["parallel.cp_comm_type", "'a2a'", "'p2p'", "'all_gather'"]),
+    ({"model.position_embedding": "alibi"}, ["model.position_embedding", "'alibi'", "'rope'"]),
+    ({"model.num_attention_head": 4}, ["unknown key 'model.num_attention_head'", "did you mean 'num_attention_heads'"]),
+    ({"paralel": {"tp": 2}}, ["unknown key 'paralel'", "did you mean 'parallel'"]),
+])
+def test_bad_config_names_field_and_value(changes: dict, needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        GPTConfig.parse(_with(**changes), where="tiny")
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_world_size_mismatch_names_both_numbers() -> None:
+    cfg = GPTConfig.parse(_with(**{"attention": "ring", "parallel.cp": 2, "parallel.tp": 2}))
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by parallel.tp\*pp\*cp = 2\*1\*2 = 4"):
+        cfg.check_world_size(6)
+    explicit = GPTConfig.parse(_with(**{"attention": "ring", "parallel.cp": 2, "parallel.dp": 1}))
+    with pytest.raises(ConfigError, match=r"tp=1 x cp=2 x dp=1 x pp=1 = 2.*world size 4"):
+        explicit.check_world_size(4)
+    assert cfg.check_world_size(8).dp == 2
+
+
+def test_load_reports_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        GPTConfig.load(tmp_path / "nope.yaml")

@@ -1,0 +1,111 @@
+"""Real megatron-core GPT models on gloo: ring attention with CP (and TP/PP) equals the cp=1 model.
+
+Every case builds, on each rank, the unsharded reference (Megatron's own DotProductAttention,
+tp = pp = cp = 1) and the configured model with the same weights and tokens, then compares loss,
+full logits and every parameter gradient (summed over CP ranks). Workers live in
+megatron_ring/testing/megatron_cpu.py; process pools are shared (tests/conftest.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("pydantic")
+
+from megatron_ring.config import load_mapping  # noqa: E402
+from megatron_ring.testing import megatron_cpu  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
+FP32_TOL, BF16_TOL = 1e-5, 2e-2
+
+
+def _config(name: str, **changes: Any) -> dict[str, Any]:
+    """A configs/megatron file with dotted-key changes."""
+    data = load_mapping(CONFIGS / name)
+    for dotted, value in changes.items():
+        *path, key = dotted.split(".")
+        target = data
+        for part in path:
+            target = target.setdefault(part, {})
+        target[key] = value
+    return data
+
+
+CASES = {
+    "cp2-rope-mha": (2, _config("tiny_ring_cp2.yaml")),
+    "cp2-learned-gqa-allgather": (2, _config("tiny_ring_cp2.yaml", **{
+        "model.position_embedding": "learned_absolute", "model.num_query_groups": 2,
+        "parallel.cp_comm_type": "all_gather"})),
+    "cp2-bf16-rope-gqa": (2, _config("tiny_ring_cp2.yaml", dtype="bf16", **{"model.num_query_groups": 2})),
+    "cp4-rope-gqa": (4, _config("tiny_ring_cp4.yaml", **{"model.num_query_groups": 2})),
+    "tp2-cp2-rope-gqa": (4, _config("tiny_ring_tp2_cp2.yaml")),
+    "pp2-cp2-learned-mha": (4, _config("tiny_ring_cp2.yaml", **{
+        "model.position_embedding": "learned_absolute", "parallel.pp": 2})),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpt_matches_cp1_reference(gloo_pool: Any, case: str) -> None:
+    world, cfg = CASES[case]
+    bf16 = cfg["dtype"] == "bf16"
+    results = gloo_pool(world).run(megatron_cpu.compare_to_reference, cfg, grads=not bf16)
+    tol = BF16_TOL if bf16 else FP32_TOL
+    last_stage = [r for r in results if "loss" in r]
+    assert len(last_stage) == world // cfg["parallel"].get("pp", 1)
+    for r in last_stage:
+        assert r["loss_err"] <= tol, r
+        assert r["logits_err"] <= tol, r
+    if not bf16:
+        for r in results:
+            assert r["grad_err"] <= FP32_TOL, r
+
+
+def test_cp1_ring_attention_matches_dot_product_attention(gloo_pool: Any) -> None:
+    for out in gloo_pool(2).run(megatron_cpu.core_attention_cp1_cases):
+        for case, err in out["errors"].items():
+            assert err <= FP32_TOL, (case, err)
+        refusals = out["refusals"]
+        for case, message in refusals.items():
+            assert message, f"{case} was not refused"
+        assert "attention_bias" in refusals["attention_bias"]
+        assert "attention_mask is not the causal mask" in refusals["arbitrary_mask"]
+        assert "packed_seq_params" in refusals["packed_seq_params"]
+        assert "attention_dropout = 0.1" in refusals["dropout_training"]
+        assert "attn_mask_type = padding" in refusals["padding_mask_type"]
+        assert "cp_comm_type = 'a2a'" in refusals["cp_comm_type_a2a"] and "all_gather" in refusals["cp_comm_type_a2a"]
+        assert "window_size" in refusals["window_size"]
+
+
+def test_cp_sharded_causal_mask_is_accepted_others_refused(gloo_pool: Any) -> None:
+    outs = gloo_pool(2).run(megatron_cpu.core_attention_mask_cp_cases)
+    assert sorted(o["cp_rank"] for o in outs) == [0, 1]
+    for out in outs:
+        assert out["mask_err"] == 0.0
+        assert "attention_mask must be a bool [b, 1, 8, 16]" in out["unsharded_mask"]
+        assert "not the causal mask" in out["wrong_mask"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_batch_split_equals_megatron_get_batch_on_this_cp_rank(gloo_pool: Any, world: int) -> None:
+    assert all(gloo_pool(world).run(megatron_cpu.batch_split_matches_megatron))
+
+
+def test_yaml_attention_swap_changes_only_core_attention(gloo_pool: Any) -> None:
+    local_cfg = _config("tiny_local.yaml")
+    ring_cfg = _config("tiny_local.yaml", attention="ring")
+    local = gloo_pool(2).run(megatron_cpu.model_module_types, local_cfg)[0]
+    ring = gloo_pool(2).run(megatron_cpu.model_module_types, ring_cfg)[0]
+    assert local["params"] == ring["params"]
+    # Children of core_attention (DotProductAttention's softmax and dropout) are its internals.
+    local_mods, ring_mods = ({name: cls for name, cls in out["modules"].items() if ".core_attention." not in name}
+                             for out in (local, ring))
+    assert local_mods.keys() == ring_mods.keys()
+    diff = {name: (local_mods[name], ring_mods[name]) for name in local_mods if local_mods[name] != ring_mods[name]}
+    assert diff and all(name.endswith("self_attention.core_attention") for name in diff), diff
+    assert set(diff.values()) == {("DotProductAttention", "RingAttention")}
+    assert len(diff) == local_cfg["model"]["num_layers"]
