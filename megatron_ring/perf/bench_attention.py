@@ -1,0 +1,365 @@
+"""``megatron-ring bench attention``: ring (p2p) vs all-gather vs single process vs DeepSpeed Ulysses.
+
+Every point runs on ``P`` gloo processes (CPU) started by :class:`~megatron_ring.testing.gloo.GlooPool`
+with ``threads = max(1, cores // P)`` each, so ranks do not oversubscribe the cores while
+``P <= cores``. The single-process baseline is ``ring_attention`` on a world of one rank with one
+thread, i.e. one rank's share of the machine: efficiency ``T_single / (P * T)`` then means what it
+means on GPUs (one device per rank). When ``P > cores`` the ranks share cores and the best
+possible efficiency is ``cores / P``; ``eff/core = T_single / (min(P, cores) * T)`` corrects for that.
+
+Per point: median / min / max over ``repeats`` of the slowest rank's wall time (ranks start
+together after a barrier); exposed communication = the ring's instrumented wait after compute
+(:func:`megatron_ring.attention.instrument.ring_stats`) / wall time (for all-gather, forward only:
+the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
+instrumentation; for Ulysses computed from the four all-to-alls); peak memory per rank.
+
+Note [Peak memory on CPU]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Each worker sets glibc's ``M_MMAP_THRESHOLD`` to 64 KiB (``mallopt``), so every tensor buffer
+above 64 KiB is its own ``mmap`` and returns to the OS when freed: resident memory then follows
+the live tensors. Before one extra, untimed call the worker resets the kernel's high-water mark
+(``/proc/self/clear_refs`` <- 5) and afterwards reads ``VmHWM``; peak memory = ``VmHWM`` minus the
+resident size just before the call (inputs already allocated, so it counts what the call adds:
+buffers, temporaries, outputs, saved tensors and gradients). Buffers under 64 KiB are not seen.
+On CUDA it is ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "ulysses")
+MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_M_MMAP_THRESHOLD = -3
+
+
+def ulysses_available() -> bool:
+    """Whether ``deepspeed.sequence.layer.DistributedAttention`` can be imported."""
+    try:
+        from deepspeed.sequence.layer import DistributedAttention  # noqa: F401
+    except Exception:  # deepspeed missing, or failing to initialise its accelerator
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side (runs in every gloo rank)
+
+
+def _track_mmap() -> None:
+    """Make every allocation above 64 KiB an mmap of its own (see Note [Peak memory on CPU])."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    except OSError:  # not glibc: RSS is then an upper bound
+        pass
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def _measure_peak(call: Callable[[], None], device: torch.device) -> int:
+    """Bytes a call adds at its peak (CUDA allocator, or RSS high-water mark on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        call()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    base = _rss_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    call()
+    return max(0, _rss_bytes("VmHWM") - base)
+
+
+def _make_attention(impl: str, causal: bool, backend: str) -> Callable[..., torch.Tensor]:
+    from megatron_ring import ring_attention
+
+    if impl in ("single", "ring_p2p", "all_gather"):
+        comm = "all_gather" if impl == "all_gather" else "p2p"
+
+        def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ring_attention(q, k, v, causal=causal, comm=comm, backend=backend)
+        return ring
+    import deepspeed.comm
+    from deepspeed.sequence.layer import DistributedAttention
+
+    if not deepspeed.comm.is_initialized():  # adopts the gloo group torch.distributed already has
+        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+    def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        groups = q.shape[2] // k.shape[2]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, enable_gqa=groups > 1)
+        return out.transpose(1, 2)
+
+    dist_attn = DistributedAttention(local, dist.group.WORLD, scatter_idx=2, gather_idx=1)
+
+    def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return dist_attn(q, k, v, 0)
+    return ulysses
+
+
+def _inputs(cfg: dict[str, Any], rank: int, size: int, device: torch.device) -> list[torch.Tensor]:
+    """This rank's q, k, v (and dout): one global tensor per name from a fixed seed, then sharded."""
+    from megatron_ring.attention.sharding import shard_sequence
+
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    b, seq, h, hkv, d = cfg["batch"], cfg["L"], cfg["heads"], cfg["heads_kv"], cfg["head_dim"]
+    shapes = [(b, seq, h, d), (b, seq, hkv, d), (b, seq, hkv, d), (b, seq, h, d)]
+    sharding = "contiguous" if cfg["impl"] == "ulysses" else "zigzag"
+    out = []
+    for shape in shapes:
+        full = torch.randn(shape, generator=gen)
+        local = shard_sequence(full, rank, size, sharding=sharding) if size > 1 else full
+        out.append(local.to(device=device, dtype=DTYPES[cfg["dtype"]]).contiguous())
+    return out
+
+
+def bench_worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Time one point on this rank; returns per-repeat times, instrumentation and peak memory."""
+    from megatron_ring.attention.instrument import ring_stats
+
+    _track_mmap()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    device = torch.device(cfg["device"])
+    q, k, v, dout = _inputs(cfg, rank, size, device)
+    grad = cfg["mode"] == "fwd_bwd"
+    for t in (q, k, v):
+        t.requires_grad_(grad)
+    attn = _make_attention(cfg["impl"], cfg["causal"], cfg["backend"])
+
+    def call() -> None:
+        out = attn(q, k, v)
+        if grad:
+            out.backward(dout)
+            for t in (q, k, v):
+                t.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(cfg["warmup"]):
+        call()
+    times, wait, compute, total, sent, calls = [], 0.0, 0.0, 0.0, 0, 0
+    for _ in range(cfg["repeats"]):
+        dist.barrier()
+        with ring_stats() as stats:
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        wait += stats.wait_s
+        compute += stats.compute_s
+        total += stats.total_s
+        sent += stats.bytes_sent
+        calls += stats.calls
+    dist.barrier()
+    peak = _measure_peak(call, device)
+    return {"times": times, "wait_s": wait, "compute_s": compute, "ring_total_s": total,
+            "bytes_sent": sent / calls if calls else None, "peak_mem_bytes": peak}
+
+
+# ---------------------------------------------------------------------------------------------
+# driver
+
+
+def _ulysses_bytes(cfg: dict[str, Any], size: int) -> float:
+    """Bytes each rank sends in Ulysses' four all-to-alls (q, k, v in; output back), twice with backward."""
+    s = torch.tensor([], dtype=DTYPES[cfg["dtype"]]).element_size()
+    local = cfg["batch"] * cfg["L"] // size * cfg["head_dim"] * s
+    passes = 2 if cfg["mode"] == "fwd_bwd" else 1
+    return passes * (size - 1) / size * local * (2 * cfg["heads"] + 2 * cfg["heads_kv"])
+
+
+def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) -> dict[str, Any]:
+    """One JSON point from every rank's :func:`bench_worker` result."""
+    repeats = len(per_rank[0]["times"])
+    wall = [max(r["times"][i] for r in per_rank) for i in range(repeats)]
+    timed = sum(sum(r["times"]) for r in per_rank)
+    if cfg["impl"] == "ring_p2p":
+        exposed: float | None = sum(r["wait_s"] for r in per_rank) / timed if size > 1 else 0.0
+    elif cfg["impl"] == "all_gather" and cfg["mode"] == "fwd":
+        ring_total = sum(r["ring_total_s"] for r in per_rank)
+        exposed = 1 - sum(r["compute_s"] for r in per_rank) / ring_total if ring_total else None
+    else:
+        exposed = None
+    sent = per_rank[0]["bytes_sent"] if cfg["impl"] != "ulysses" else _ulysses_bytes(cfg, size)
+    keys = ("impl", "mode", "causal", "L", "P", "batch", "heads", "heads_kv", "head_dim", "dtype", "threads",
+            "backend")
+    return {k: cfg[k] for k in keys} | {
+        "median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "times_s": wall,
+        "exposed_fraction": exposed, "bytes_sent": sent,
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
+    }
+
+
+def add_efficiency(points: list[dict[str, Any]], cores: int) -> None:
+    """Fill ``efficiency`` and ``efficiency_per_core`` from the matching single-process points."""
+    single = {(p["mode"], p["causal"], p["L"]): p["median_s"] for p in points if p["impl"] == "single"}
+    for p in points:
+        base = single.get((p["mode"], p["causal"], p["L"]))
+        if base is None or p["impl"] == "single":
+            p["efficiency"] = p["efficiency_per_core"] = 1.0 if p["impl"] == "single" else None
+            continue
+        p["efficiency"] = base / (p["P"] * p["median_s"])
+        p["efficiency_per_core"] = base / (min(p["P"], cores) * p["median_s"])
+
+
+def machine_description() -> dict[str, Any]:
+    """What the numbers ran on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    desc = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "loadavg_1_5_15": list(os.getloadavg())}
+    if torch.cuda.is_available():
+        desc["gpu"] = torch.cuda.get_device_name(0)
+    return desc
+
+
+def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: list[str], causals: list[bool],
+              batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str, repeats: int, warmup: int,
+              backend: str, seed: int = 0, timeout_s: float = 600.0,
+              progress: Callable[[str], None] = print,
+              pools: Callable[[int, int], Any] | None = None) -> list[dict[str, Any]]:
+    """Run every (P, impl, mode, causal, L) point; single-process points run on one 1-thread rank.
+
+    ``pools(P, threads)`` may supply running :class:`~megatron_ring.testing.gloo.GlooPool` s (left
+    open, e.g. a test session's); by default each P gets its own pool, closed after its points.
+    """
+    if batch < 1 or heads < 1 or heads_kv < 1 or head_dim < 1 or heads % heads_kv:
+        raise ValueError(f"batch, heads, heads_kv, head_dim must be >= 1 and heads % heads_kv == 0; got batch={batch}, "
+                         f"heads={heads}, heads_kv={heads_kv}, head_dim={head_dim}")
+    for name, values, allowed in (("impl", impls, IMPLS), ("mode", modes, MODES), ("dtype", [dtype], DTYPES)):
+        bad = [x for x in values if x not in allowed]
+        if bad:
+            raise ValueError(f"{name} {bad} not allowed; allowed: {list(allowed)}")
+    if "ulysses" in impls and not ulysses_available():
+        progress("deepspeed is not installed: skipping ulysses")
+        impls = [i for i in impls if i != "ulysses"]
+    cores = os.cpu_count() or 1
+    plan: dict[int, list[str]] = {}
+    if "single" in impls:
+        plan[1] = ["single"]
+    for p in ranks:
+        if p < 1:
+            raise ValueError(f"P must be >= 1, got {p}")
+        multi = [i for i in impls if i != "single"]
+        if p > 1 and multi:
+            plan.setdefault(p, []).extend(multi)
+    bad_len = [(seq, p) for p in plan for seq in lengths if seq % (2 * p)]
+    if bad_len:
+        seq, p = bad_len[0]
+        raise ValueError(f"L = {seq} is not divisible by 2*P = {2 * p} (zigzag sharding); every L must be")
+    points = []
+    for p, p_impls in sorted(plan.items()):
+        threads = 1 if p == 1 else max(1, cores // p)
+        with borrow_pool(pools, p, threads, timeout_s) as pool:
+            for impl in p_impls:
+                for mode in modes:
+                    for causal in causals:
+                        for seq in lengths:
+                            if impl == "ulysses" and heads_kv % p:
+                                progress(f"skip ulysses P={p}: heads_kv={heads_kv} not divisible by P")
+                                continue
+                            cfg = dict(impl=impl, mode=mode, causal=causal, L=seq, P=p, batch=batch, heads=heads,
+                                       heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
+                                       backend=backend, repeats=repeats, warmup=warmup, seed=seed, device="cpu")
+                            point = summarize(cfg, pool.run(bench_worker, cfg), p)
+                            points.append(point)
+                            progress(f"{impl:10s} {mode:7s} causal={causal!s:5s} L={seq:6d} P={p:2d} "
+                                     f"median {point['median_s'] * 1e3:9.2f} ms")
+    add_efficiency(points, cores)
+    return points
+
+
+@contextmanager
+def borrow_pool(pools: Callable[[int, int], Any] | None, size: int, threads: int, timeout_s: float) -> Iterator[Any]:
+    """A pool of ``size`` ranks: borrowed from ``pools`` (left open) or started and closed here."""
+    from megatron_ring.testing.gloo import GlooPool
+
+    if pools is not None:
+        yield pools(size, threads)
+        return
+    with GlooPool(size, timeout_s=timeout_s, threads=threads) as pool:
+        yield pool
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatron-ring bench attention", description=__doc__.split("\n")[0])
+    ap.add_argument("--L", dest="lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                    help="global sequence lengths (divisible by 2*P)")
+    ap.add_argument("--P", dest="ranks", type=int, nargs="+", default=[2, 4], help="ring sizes (processes)")
+    ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads-kv", type=int, default=0, help="K/V heads (default = heads)")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per point before a rank is declared hung")
+    ap.add_argument("--out", default="results/bench_attention.json", help="JSON output")
+    ap.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
+    ap.add_argument("--no-plots", action="store_true")
+    return ap
+
+
+def bench_attention_main(argv: list[str] | None = None) -> int:
+    """``megatron-ring bench attention``: run the sweep, write JSON, print the table, draw the plots."""
+    args = _parser().parse_args(argv)
+    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    machine_before = machine_description()
+    try:
+        points = run_sweep(lengths=args.lengths, ranks=args.ranks, impls=args.impl, modes=args.mode, causals=causals,
+                           batch=args.batch, heads=args.heads, heads_kv=args.heads_kv or args.heads,
+                           head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
+                           backend=args.backend, timeout_s=args.timeout)
+    except ValueError as err:
+        print(f"megatron-ring bench attention: {err}")
+        return 2
+    write_outputs(points, machine_before, out=Path(args.out), argv=argv,
+                  plots=None if args.no_plots else Path(args.plots) if args.plots else Path(args.out).parent / "plots")
+    return 0
+
+
+def write_outputs(points: list[dict[str, Any]], machine: dict[str, Any], *, out: Path, argv: list[str] | None,
+                  plots: Path | None) -> dict[str, Any]:
+    """Write the JSON, print the table, draw the plots (``plots=None``: none); returns the JSON object."""
+    from megatron_ring.perf import report
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine, "loadavg_after": list(os.getloadavg()), "argv": argv or [], "points": points}
+    out.write_text(json.dumps(result, indent=2))
+    first = points[0] if points else {}
+    report.print_table(f"attention bench ({machine['cpu']}, {machine['cores']} cores, {first.get('dtype')}, batch "
+                       f"{first.get('batch')}, heads {first.get('heads')}/{first.get('heads_kv')}, head_dim "
+                       f"{first.get('head_dim')})", report.BENCH_COLUMNS, report.bench_rows(points))
+    print(f"wrote {out}")
+    if plots is not None:
+        for path in report.plot_attention(points, plots):
+            print(f"wrote {path}")
+    return result
