@@ -205,7 +205,7 @@ def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int 
         loss_sum = out.detach().float().sum()
         dist.all_reduce(loss_sum, group=cp_group)
         result["loss"] = float(loss_sum / n_tokens)
-        result["ref_loss"] = float(ref_loss)
+        result["ref_loss"] = ref_loss.item()
         result["loss_err"] = abs(result["loss"] - result["ref_loss"]) / abs(result["ref_loss"])
     if grads:
         stage_backward(inp, out, 1.0 / n_tokens)
