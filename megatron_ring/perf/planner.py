@@ -38,6 +38,7 @@ from megatron_ring.attention.auto_comm import choose_comm, crossover_tokens, pre
 from megatron_ring.config.strict import ConfigError, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.perf.hardware import DEFAULT_PROFILE, DTYPE_BYTES, HardwareProfile, profile_names
+from megatron_ring.perf.report import fmt_bytes, fmt_time
 
 BWD_COMPUTE_FACTOR = 2.5
 """Backward attention FLOPs / forward attention FLOPs (5 matmuls against 2, scores recomputed)."""
@@ -374,13 +375,13 @@ class Planner:
         total_kv = mem.kv_cache * lay.world_size if p.model.num_kv_heads >= lay.tp else None
         aggregate = hw.memory_bytes * (1 if hw.cpu_cores else lay.world_size)
         if total_kv is not None and total_kv > aggregate:
-            out.append(f"KV cache of the workload is {_bytes(total_kv)} but the {lay.world_size} ranks hold "
-                       f"{_bytes(aggregate)} in all: it cannot fit on any layout of this size")
+            out.append(f"KV cache of the workload is {fmt_bytes(total_kv)} but the {lay.world_size} ranks hold "
+                       f"{fmt_bytes(aggregate)} in all: it cannot fit on any layout of this size")
         if not mem.fits:
-            out.append(f"does NOT fit: {_bytes(mem.total)} per rank (weights {_bytes(mem.weights)}, KV cache "
-                       f"{_bytes(mem.kv_cache)}, activations {_bytes(mem.activations)}) > usable {_bytes(mem.usable)}")
+            out.append(f"does NOT fit: {fmt_bytes(mem.total)} per rank (weights {fmt_bytes(mem.weights)}, KV cache "
+                       f"{fmt_bytes(mem.kv_cache)}, activations {fmt_bytes(mem.activations)}) > usable {fmt_bytes(mem.usable)}")
         else:
-            out.append(f"fits: {_bytes(mem.total)} of {_bytes(mem.usable)} usable per rank")
+            out.append(f"fits: {fmt_bytes(mem.total)} of {fmt_bytes(mem.usable)} usable per rank")
         out.append(f"what fits at prompt_len={w.prompt_len}: batch <= {pred.max_batch}; "
                    f"at batch={w.batch}: prompt_len <= {pred.max_prompt_len}")
         if pred.ring is not None:
@@ -388,7 +389,7 @@ class Planner:
             bound = "compute-bound, communication hidden" if r.tokens_per_rank >= r.crossover_tokens else \
                 "communication-bound"
             out.append(f"ring step: L/P = {r.tokens_per_rank} vs c* = {r.crossover_tokens:.0f} on the {r.link} link "
-                       f"({bound}; compute {1e3 * r.compute_s:.3g} ms, K/V transfer {1e3 * r.comm_s:.3g} ms per step)")
+                       f"({bound}; compute {fmt_time(r.compute_s)}, K/V transfer {fmt_time(r.comm_s)} per step)")
         return out
 
 
@@ -405,13 +406,6 @@ def _largest(ok: Callable[[int], bool]) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,6 +542,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-alternative", action="store_true", help="plan only the given layout")
     ap.add_argument("--measured", help="a bench attention JSON: put its measurements beside the predictions")
     ap.add_argument("--json", dest="json_out", help="write the predictions to this JSON file")
+    ap.add_argument("--markdown", help="write the table and findings as Markdown to this file")
     return ap
 
 
@@ -601,6 +596,9 @@ def plan_main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=2))
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(report.plan_markdown(preds, out.get("measured_vs_predicted")))
     return 0
 
 

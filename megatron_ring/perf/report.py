@@ -108,12 +108,29 @@ def print_plan(inputs: Sequence[Any], preds: Sequence[Any], hw: Any) -> None:
             print(f"  - {line}")
 
 
+def plan_markdown(preds: Sequence[Any], measured: Sequence[dict[str, Any]] | None = None) -> str:
+    """The planner's table, findings and (optionally) the measured-vs-predicted table as Markdown."""
+    parts = [markdown_table(["metric"] + [p.label for p in preds], plan_rows(preds))]
+    for pred in preds:
+        parts.append(f"**{pred.label}**\n\n" + "\n".join(f"- {line}" for line in pred.findings))
+    if measured:
+        parts.append(markdown_table(COMPARISON_COLUMNS, comparison_rows(measured)))
+    return "\n\n".join(parts) + "\n"
+
+
+COMPARISON_COLUMNS = ["impl", "mode", "causal", "L", "P", "dtype", "measured", "predicted", "meas/pred"]
+
+
+def comparison_rows(rows: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """Rows of the measured-vs-predicted table."""
+    return [[r["impl"], r["mode"], "yes" if r["causal"] else "no", r["L"], r["P"], r["dtype"],
+             fmt_time(r["measured_s"]), fmt_time(r["predicted_s"]), f"{r['measured_over_predicted']:.2f}"]
+            for r in rows]
+
+
 def print_comparison(rows: Sequence[dict[str, Any]], hw_name: str) -> None:
     """Measured vs predicted bench points."""
-    cols = ["impl", "mode", "causal", "L", "P", "dtype", "measured", "predicted", "meas/pred"]
-    body = [[r["impl"], r["mode"], r["causal"], r["L"], r["P"], r["dtype"], fmt_time(r["measured_s"]),
-             fmt_time(r["predicted_s"]), f"{r['measured_over_predicted']:.2f}"] for r in rows]
-    print_table(f"measured vs predicted ({hw_name})", cols, body)
+    print_table(f"measured vs predicted ({hw_name})", COMPARISON_COLUMNS, comparison_rows(rows))
 
 
 # ---------------------------------------------------------------------------------------------
