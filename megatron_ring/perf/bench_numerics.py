@@ -135,6 +135,7 @@ def bench_numerics_main(argv: list[str] | None = None) -> int:
     report.print_table(f"relative error vs float64 (L={args.seq}, batch {args.batch}, heads {args.heads}, "
                        f"head_dim {args.head_dim})", report.NUMERICS_COLUMNS, rows)
     if args.markdown:
-        Path(args.markdown).write_text(report.markdown_table(report.NUMERICS_COLUMNS, rows) + "\n")
+        Path(args.markdown).write_text(report.numerics_pivot(points) + "\n\n" +
+                                       report.markdown_table(report.NUMERICS_COLUMNS, rows) + "\n")
     print(f"wrote {out}")
     return 0

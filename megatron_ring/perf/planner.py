@@ -435,9 +435,11 @@ def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[
     p, seq = int(point["P"]), int(point["L"])
     s = DTYPE_BYTES[point.get("dtype", "fp32")]
     impl = point["impl"]
-    ranks = 1 if impl == "single" else p
-    costs = hw.comm_costs(point.get("dtype", "fp32"), ranks=ranks)
     cp = 1 if impl == "single" else p
+    ranks = cp
+    if hw.cpu_cores and point.get("threads"):  # a rank gets min(threads, cores / ranks) cores
+        ranks = max(cp, hw.cpu_cores // int(point["threads"]))
+    costs = hw.comm_costs(point.get("dtype", "fp32"), ranks=ranks)
     args = dict(seq_local=seq // cp, cp_size=cp, batch=int(point["batch"]), heads_q=int(point["heads"]),
                 heads_kv=int(point["heads_kv"]), head_dim=int(point["head_dim"]), causal=bool(point["causal"]),
                 element_size=s, costs=costs)

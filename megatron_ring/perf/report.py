@@ -210,3 +210,25 @@ def numerics_rows(points: Sequence[dict[str, Any]]) -> list[list[str]]:
     """Rows of the numerics table."""
     return [[p["dtype"], p["P"], "yes" if p["causal"] else "no", f"{p['out']:.2e}", f"{p['dq']:.2e}",
              f"{p['dk']:.2e}", f"{p['dv']:.2e}"] for p in points]
+
+
+def numerics_pivot(points: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one row per (dtype, causal, quantity), one column per ring size P."""
+    ranks = sorted({p["P"] for p in points})
+    cells = {(p["dtype"], p["causal"], p["P"]): p for p in points}
+    rows = []
+    for dtype in dict.fromkeys(p["dtype"] for p in points):
+        for causal in (True, False):
+            if not any((dtype, causal, r) in cells for r in ranks):
+                continue
+            for key, name in (("out", "out"), ("grads", "max(dq, dk, dv)")):
+                vals = []
+                for r in ranks:
+                    p = cells.get((dtype, causal, r))
+                    if p is None:
+                        vals.append("-")
+                        continue
+                    v = p["out"] if key == "out" else max(p["dq"], p["dk"], p["dv"])
+                    vals.append(f"{v:.2e}")
+                rows.append([dtype, "yes" if causal else "no", name] + vals)
+    return markdown_table(["dtype", "causal", "rel err of"] + [f"P={r}" for r in ranks], rows)
