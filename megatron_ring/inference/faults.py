@@ -11,9 +11,10 @@ every rank avoids both:
 * the monitor checks each peer every ``interval_s``: a peer on this host whose process is gone (or
   a zombie) is lost at once; any peer whose heartbeat has not moved for ``timeout_s`` is lost;
   a store that stops answering means rank 0, which hosts it, is lost;
-* SIGTERM is blocked in every thread from :meth:`PeerMonitor.start` on and taken by the monitor
-  with ``sigtimedwait``, so a terminated rank also says why, even while its main thread is stuck
-  in a C++ collective that would delay a Python signal handler;
+* a terminated rank also says why: SIGTERM gets a Python handler plus ``signal.set_wakeup_fd``,
+  whose C-level part writes the signal number to a pipe the monitor thread waits on. The monitor
+  wakes at once whichever thread took the signal, even while the main thread is stuck in a C++
+  collective (where the Python handler itself would only run after the collective returns);
 * on a loss the monitor prints ``lost rank K`` to stderr and ends the process with
   :data:`EXIT_PEER_LOST` (``os._exit``: nothing else runs, in particular no result file is written).
 
@@ -24,6 +25,7 @@ The result file is written only by rank 0 after every rank is done, atomically
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import sys
@@ -60,8 +62,8 @@ def _process_gone(pid: int) -> bool:
 class PeerMonitor:
     """Watches the other ranks of a job from a daemon thread; see Note [Lost ranks].
 
-    Use: :meth:`start` first thing (blocks SIGTERM in every later thread), :meth:`attach` once the
-    process group (and its store) exists, :meth:`done` when this rank's work is over.
+    Use: :meth:`start` from the main thread before the run (takes over SIGTERM), :meth:`attach`
+    once the process group (and its store) exists, :meth:`done` when this rank's work is over.
     """
 
     def __init__(self, *, timeout_s: float = 20.0, interval_s: float = 0.25) -> None:
@@ -77,12 +79,17 @@ class PeerMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._host = socket.gethostname()
+        self._wake_r = self._wake_w = -1
+        self._saved: tuple[Any, int] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> "PeerMonitor":
-        """Block SIGTERM (this and every later thread) and start the monitor thread."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        """Take over SIGTERM (see the Note) and start the monitor thread; call from the main thread."""
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        previous_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._saved = (signal.signal(signal.SIGTERM, lambda *_: self._exit_terminated()), previous_fd)
         self._thread = threading.Thread(target=self._loop, name="megatron_ring-peer-monitor", daemon=True)
         self._thread.start()
         return self
@@ -112,7 +119,13 @@ class PeerMonitor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval_s + 1)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        if self._saved is not None:
+            handler, previous_fd = self._saved
+            signal.signal(signal.SIGTERM, handler)
+            signal.set_wakeup_fd(previous_fd)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._saved = None
 
     def lost(self, wait_s: float = 0.0) -> list[str]:
         """Reasons of the peers found lost so far, waiting up to ``wait_s`` for a verdict."""
@@ -127,32 +140,35 @@ class PeerMonitor:
     def _loop(self) -> None:
         beat = 0
         while not self._stop.is_set():
-            if signal.sigtimedwait([signal.SIGTERM], self.interval_s) is not None:
+            ready, _, _ = select.select([self._wake_r], [], [], self.interval_s)
+            if ready and signal.SIGTERM in os.read(self._wake_r, 64):
                 self._exit_terminated()
             if self._stop.is_set() or not self._attached.is_set():
                 continue
             beat += 1
             try:
                 self._store.set(f"{_PREFIX}/beat/{self.rank}", str(beat))
-            except Exception as err:
-                self._lost.append(f"rank 0 (hosts the rendezvous store, which stopped answering: {err})")
+            except Exception:  # rank 0 (the store's host) or another peer is gone: _check_peers says which
+                pass
             self._check_peers()
             if self._lost:
                 self._exit_lost()
 
     def _check_peers(self) -> None:
+        """Record lost peers: processes gone on this host first (exact), then silent heartbeats."""
         if not self._attached.is_set() or self._lost:
             return
-        now = time.monotonic()
         for r, (host, pid) in self._peers.items():
             if host == self._host and _process_gone(pid) and not self._peer_done(r):
                 self._lost.append(f"rank {r} (pid {pid} on {host} exited)")
-                continue
+        if self._lost:
+            return
+        now = time.monotonic()
+        for r in self._peers:
             try:
                 value = self._store.get(f"{_PREFIX}/beat/{r}")
             except Exception as err:
-                if r == 0 or not self._lost:
-                    self._lost.append(f"rank 0 (hosts the rendezvous store, which stopped answering: {err})")
+                self._lost.append(f"rank 0 (hosts the rendezvous store, which stopped answering: {err})")
                 return
             if value == b"done":
                 continue

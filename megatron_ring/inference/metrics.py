@@ -105,8 +105,10 @@ _SENT: dict[str, Callable[[tuple, dict], float]] = {
     "all_gather": lambda a, k: (_size(_arg(a, k, 2, "group")) - 1) * _nbytes(_arg(a, k, 1, "tensor")),
     "all_gather_into_tensor": lambda a, k: (_size(_arg(a, k, 2, "group")) - 1)
     * _nbytes(_arg(a, k, 1, "input_tensor")),
+    "all_gather_single": lambda a, k: (_size(_arg(a, k, 2, "group")) - 1) * _nbytes(_arg(a, k, 1, "input_tensor")),
     "reduce_scatter": lambda a, k: (_size(_arg(a, k, 3, "group")) - 1) * _nbytes(_arg(a, k, 0, "output")),
     "reduce_scatter_tensor": lambda a, k: (_size(_arg(a, k, 3, "group")) - 1) * _nbytes(_arg(a, k, 0, "output")),
+    "reduce_scatter_single": lambda a, k: (_size(_arg(a, k, 3, "group")) - 1) * _nbytes(_arg(a, k, 0, "output")),
     "all_to_all_single": lambda a, k: (_size(_arg(a, k, 4, "group")) - 1) / _size(_arg(a, k, 4, "group"))
     * _nbytes(_arg(a, k, 1, "input")),
     "broadcast": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")) if _size(_arg(a, k, 2, "group")) > 1 else 0,
@@ -123,21 +125,29 @@ class CommCounter:
     ``batch_isend_irecv`` pass through it and still validate), for the span of :meth:`active`
     only. It sees every call made through the module attribute (``dist.all_reduce(...)``), which
     is how torch, Megatron-core and this package call them; a function imported by name before
-    the counter was activated is not seen. Volumes follow the ring algorithms (see ``_SENT``), so
-    they compare layouts, not wire-level bytes of a particular library.
+    the counter was activated is not seen. Only the outermost counted call counts, so a deprecated
+    alias that forwards to its new name (``all_gather_into_tensor`` -> ``all_gather_single``) or an
+    object collective built on a tensor one is counted once. Volumes follow the ring algorithms
+    (see ``_SENT``), so they compare layouts, not wire-level bytes of a particular library.
     """
 
     def __init__(self) -> None:
         self.phase = "idle"
         self.sent: dict[str, dict[str, float]] = {}
+        self._depth = 0
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         size_of = _SENT[name]
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            by_op = self.sent.setdefault(self.phase, {})
-            by_op[name] = by_op.get(name, 0.0) + size_of(args, kwargs)
-            return fn(*args, **kwargs)
+            if self._depth == 0:
+                by_op = self.sent.setdefault(self.phase, {})
+                by_op[name] = by_op.get(name, 0.0) + size_of(args, kwargs)
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
         counted.__name__ = counted.__qualname__ = name
         counted.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -146,7 +156,7 @@ class CommCounter:
     @contextmanager
     def active(self) -> Iterator["CommCounter"]:
         """Count inside the block; the original functions are restored on exit."""
-        saved = {name: getattr(c10d, name) for name in _SENT}
+        saved = {name: getattr(c10d, name) for name in _SENT if hasattr(c10d, name)}
         try:
             for name, fn in saved.items():
                 wrapped = self._wrap(name, fn)

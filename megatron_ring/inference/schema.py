@@ -6,7 +6,7 @@ A config file for ``launch/infer.py`` is DeepSpeed's inference JSON plus one sec
       "dtype": "bf16",                          <- DeepSpeed's keys, validated by DeepSpeed
       "replace_with_kernel_inject": false,
       "megatron_ring": {                        <- ours, validated here
-        "model":    {"runner": "megatron", "config": "configs/megatron/paper_dense_16l.yaml"},
+        "model":    {"runner": "megatron", "config": "../megatron/paper_dense_ring_cp16.yaml"},
         "layout":   {"tp": 1, "pp": 1, "cp": 16, "dp": 1},
         "workload": {"batch": 128, "prompt_len": 100000, "new_tokens": 64,
                      "warmup": 1, "repeats": 3, "seed": 1234},
@@ -44,8 +44,8 @@ class ModelSection(StrictModel):
 
     runner: str = Field("megatron", description=f"one of {sorted(RUNNERS)}")
     config: Union[str, dict[str, Any]] = Field(
-        ..., description="path of a model YAML/JSON (relative to the working directory or to this config "
-        "file), or the mapping itself")
+        ..., description="path of a model YAML/JSON (relative to this config file's directory, then to the "
+        "working directory), or the mapping itself")
 
 
 class LayoutSection(StrictModel):
@@ -78,6 +78,7 @@ class WorkloadSection(StrictModel):
 class RingSection(StrictModel):
     """The whole ``megatron_ring`` section."""
 
+    description: Optional[str] = Field(None, description="free text, copied into the result")
     model: ModelSection
     layout: LayoutSection
     workload: WorkloadSection
@@ -123,18 +124,21 @@ def runner_module(name: str) -> Any:
 def load_model_mapping(section: ModelSection, base: Path | None) -> dict[str, Any]:
     """The model description: the inline mapping, or the file it names.
 
-    A relative path is tried against the working directory first, then against ``base`` (the
-    directory of the config file).
+    A relative path is resolved against ``base`` (the directory of the config file, so configs
+    work from any working directory), then against the working directory.
     """
     if isinstance(section.config, dict):
         return dict(section.config)
-    path = Path(section.config)
-    if not path.is_absolute() and not path.exists() and base is not None and (base / path).exists():
-        path = base / path
-    if not path.exists():
-        raise ConfigError(f"megatron_ring.model.config = {section.config!r}: file not found "
-                          f"(tried the working directory{' and ' + str(base) if base else ''})")
-    return load_mapping(path)
+    given = Path(section.config)
+    if given.is_absolute():
+        tried = [given]
+    else:
+        tried = ([base / given] if base is not None else []) + [Path.cwd() / given]
+    for path in tried:
+        if path.is_file():
+            return load_mapping(path)
+    raise ConfigError(f"megatron_ring.model.config = {section.config!r}: file not found; tried "
+                      f"{', '.join(str(p) for p in tried)}")
 
 
 def validate(ring_data: Any, deepspeed: dict[str, Any], *, world_size: int, path: Path | None = None) -> InferenceSpec:

@@ -8,7 +8,7 @@ independent). Model config (``model.config`` of a ``"runner": "toy"`` config)::
     {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
      "ffn_hidden_size": 128, "vocab_size": 128}
 
-Pre-norm blocks (RMSNorm, GQA attention with RoPE at global positions, GELU MLP), tied embedding.
+Pre-norm blocks (RMSNorm, GQA attention with RoPE at global positions, GELU MLP), separate LM head.
 Weights are drawn in fp32 on the CPU from ``seed``, so every layout holds the same model.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
         "runner": "toy", "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads, "num_query_groups": cfg.heads_kv,
         "ffn_hidden_size": cfg.ffn_hidden_size, "vocab_size": cfg.vocab_size,
-        "parameters": cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size,
+        "parameters": cfg.num_layers * per_layer + 2 * cfg.vocab_size * cfg.hidden_size,
     }
 
 
@@ -85,7 +85,8 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
 
 
 class ToyGPT(torch.nn.Module):
-    """The weights: ``emb [vocab, hidden]`` and per layer wq/wk/wv/wo/w1/w2 as ``[in, out]``."""
+    """The weights: ``emb [vocab, hidden]``, ``head [hidden, vocab]`` and per layer wq/wk/wv/wo/w1/w2
+    as ``[in, out]``."""
 
     def __init__(self, cfg: ToyModelConfig, seed: int) -> None:
         super().__init__()
@@ -96,6 +97,7 @@ class ToyGPT(torch.nn.Module):
 
         h, d = cfg.hidden_size, cfg.head_dim
         self.emb = param(1, cfg.vocab_size, h)
+        self.head = param(h, h, cfg.vocab_size)
         self.layers = torch.nn.ModuleList()
         for _ in range(cfg.num_layers):
             layer = torch.nn.Module()
@@ -156,7 +158,7 @@ class ToyRunner:
 
     def _next_ids(self, x_last: torch.Tensor) -> torch.Tensor:
         """Greedy ids ``[batch]`` from the hidden state of the last token ``[batch, hidden]``."""
-        logits = _rms_norm(x_last).float() @ self.module.emb.float().t()
+        logits = _rms_norm(x_last).float() @ self.module.head.float()
         return logits.argmax(dim=-1)
 
     @torch.no_grad()

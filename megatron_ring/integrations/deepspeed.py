@@ -72,10 +72,14 @@ def launch_env() -> dict[str, int]:
 
 def select_device(local_rank: int) -> tuple[torch.device, str]:
     """(device, backend): ``cuda:<local_rank>`` + nccl when a GPU is usable and ``DS_ACCELERATOR`` is
-    not ``cpu``; else ``cpu`` + gloo."""
+    not ``cpu``; else ``cpu`` + gloo, with the cores shared between this host's ranks (the
+    launchers set ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (DeepSpeed))."""
     if os.environ.get("DS_ACCELERATOR", "") != "cpu" and torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores, or N ranks oversubscribe them N-fold
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     return torch.device("cpu"), "gloo"
 
 

@@ -1,0 +1,130 @@
+"""``megatron-ring compare``: run the baseline and the ring config of a pair, print them side by side.
+
+Each config runs under a real launcher (the DeepSpeed launcher by default, torchrun on request)
+with as many processes as its layout needs, one after the other; the result JSONs are then put in
+one table with a ``ring / baseline`` ratio column, and the greedy tokens of both runs compared::
+
+    megatron-ring compare cpu                       # cpu_baseline_tp2_pp2 vs cpu_ring_cp4, 4 CPU processes
+    megatron-ring compare cpu-tp2-cp2
+    megatron-ring compare paper                     # 16 GPUs
+    megatron-ring compare A.json B.json --launcher torchrun
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from megatron_ring.config import ConfigError, load_mapping
+from megatron_ring.inference.metrics import format_table
+from megatron_ring.integrations.deepspeed import split_config
+from megatron_ring.inference.schema import LayoutSection
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
+PAIRS: dict[str, tuple[str, str]] = {
+    "cpu": ("cpu_baseline_tp2_pp2.json", "cpu_ring_cp4.json"),
+    "cpu-tp2-cp2": ("cpu_baseline_tp2_pp2.json", "cpu_ring_tp2_cp2.json"),
+    "paper": ("paper_baseline_tp8_pp2.json", "paper_ring_cp16.json"),
+}
+"""Pair name -> (baseline, ring) file names in ``configs/deepspeed/``."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def world_size_of(config: Path) -> int:
+    """Processes the config's layout needs (checked again, fully, by the run itself)."""
+    _, ours = split_config(load_mapping(config), where=f"config {str(config)!r}")
+    layout = ours.get("layout") if isinstance(ours, dict) else None
+    return LayoutSection.parse(layout or {}, where=f"megatron_ring.layout of {str(config)!r}").layout().world_size
+
+
+def launch_command(config: Path, output: Path, *, nprocs: int, launcher: str) -> list[str]:
+    """The command that runs ``config`` on ``nprocs`` local processes and writes ``output``."""
+    bindir = Path(sys.executable).parent
+    args = ["--deepspeed_config", str(config), "--output", str(output)]
+    if launcher == "deepspeed":
+        exe = shutil.which("deepspeed", path=str(bindir)) or shutil.which("deepspeed") or "deepspeed"
+        return [exe, "--num_gpus", str(nprocs), "--master_port", str(_free_port()),
+                "--module", "megatron_ring.inference.main", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
+            "--master_port", str(_free_port()), "-m", "megatron_ring.inference.main", *args]
+
+
+def run_config(config: Path, out_dir: Path, *, launcher: str) -> dict:
+    """Run one config to completion; return its result (RuntimeError with the log's tail on failure)."""
+    nprocs = world_size_of(config)
+    output = out_dir / f"{config.stem}.json"
+    log = out_dir / f"{config.stem}.log"
+    output.unlink(missing_ok=True)
+    env = dict(os.environ)
+    if "DS_ACCELERATOR" not in env:
+        import torch
+
+        if not torch.cuda.is_available():
+            env["DS_ACCELERATOR"] = "cpu"
+    cmd = launch_command(config, output, nprocs=nprocs, launcher=launcher)
+    print(f"[compare] {config.name}: {nprocs} processes via {launcher} (log: {log})", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+    print(f"[compare] {config.name}: exit {code} after {time.perf_counter() - start:.1f}s", flush=True)
+    if code != 0 or not output.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise RuntimeError(f"{config.name} failed (exit {code}); last lines of {log}:\n{tail}")
+    return json.loads(output.read_text())
+
+
+def resolve_pair(names: Sequence[str]) -> tuple[Path, Path]:
+    """``[pair]`` or ``[baseline.json, ring.json]`` -> two config paths."""
+    if len(names) == 1:
+        if names[0] not in PAIRS:
+            raise ConfigError(f"unknown pair {names[0]!r}; allowed: {sorted(PAIRS)} or two config paths")
+        base, ring = PAIRS[names[0]]
+        return CONFIG_DIR / base, CONFIG_DIR / ring
+    if len(names) == 2:
+        paths = tuple(Path(n) for n in names)
+        for p in paths:
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} does not exist")
+        return paths  # type: ignore[return-value]
+    raise ConfigError(f"give one pair name ({sorted(PAIRS)}) or two config paths, got {list(names)}")
+
+
+def compare_main(argv: Sequence[str] | None = None) -> int:
+    """Entry of ``megatron-ring compare``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="megatron-ring compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("configs", nargs="+", metavar="PAIR|CONFIG",
+                        help=f"a pair name ({', '.join(sorted(PAIRS))}) or baseline and ring config paths")
+    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    parser.add_argument("--out-dir", default="results/compare", help="where results and logs go")
+    args = parser.parse_args(argv)
+    try:
+        baseline_cfg, ring_cfg = resolve_pair(args.configs)
+        out_dir = Path(args.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        results = [run_config(c, out_dir, launcher=args.launcher) for c in (baseline_cfg, ring_cfg)]
+    except (ConfigError, RuntimeError) as err:
+        print(f"[compare] {err}", file=sys.stderr)
+        return 1
+    print()
+    print(format_table(results, ratios=True))
+    same = results[0]["generated"] == results[1]["generated"]
+    print(f"\ngreedy tokens identical: {'yes' if same else 'NO'} "
+          f"({results[0]['workload']['batch']} sequences x {results[0]['workload']['new_tokens']} tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(compare_main())

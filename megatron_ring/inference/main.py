@@ -1,0 +1,171 @@
+"""One inference run on one rank: validate, start, build, serve, measure, report.
+
+Started on every rank by a launcher (``launch/infer.py`` or ``python -m
+megatron_ring.inference.main``)::
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 4 launch/infer.py --deepspeed_config configs/deepspeed/cpu_ring_cp4.json
+    torchrun --nproc_per_node 4 launch/infer.py --deepspeed_config configs/deepspeed/cpu_ring_cp4.json
+
+Order matters: the whole config (DeepSpeed's keys, our section, the layout against the world
+size, the model against the layout) is validated before any process group or model exists; the
+peer monitor starts before any thread (see Note [Lost ranks]); the result file is written by
+rank 0 after every rank is done, atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.config import ConfigError, load_mapping
+from megatron_ring.inference.faults import EXIT_PEER_LOST, PeerMonitor
+from megatron_ring.inference.loop import job_timings, run_requests
+from megatron_ring.inference.metrics import (format_table, median_metrics, peak_memory, progress,
+                                             request_metrics, write_json_atomic)
+from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
+from megatron_ring.integrations import deepspeed as ds_glue
+from megatron_ring.parallel.groups import init_parallel
+
+RESULT_SCHEMA = "megatron_ring.inference.result/1"
+EXIT_CONFIG = 2
+"""Exit status of a rank whose config was rejected (before anything started)."""
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="launch/infer.py",
+        description="Prefill + greedy decode under TP/PP/CP from a DeepSpeed inference config with a "
+        "'megatron_ring' section; prints a metrics table and writes a JSON result.")
+    parser.add_argument("--deepspeed_config", "--config", dest="config", required=True, metavar="JSON",
+                        help="config file (configs/deepspeed/*.json)")
+    parser.add_argument("--output", default=None, help="result JSON path (overrides megatron_ring.output)")
+    parser.add_argument("--local_rank", type=int, default=None,
+                        help="set by the deepspeed launcher; LOCAL_RANK from the environment is used")
+    return parser.parse_args(argv)
+
+
+def load_spec(path: str | Path, *, world_size: int) -> InferenceSpec:
+    """Load and validate a full config for ``world_size`` ranks; build nothing."""
+    path = Path(path)
+    raw = load_mapping(path)
+    ds, ours = ds_glue.split_config(raw, where=f"config {str(path)!r}")
+    ds_glue.check_deepspeed_config(ds, where=f"config {str(path)!r}")
+    return validate(ours, ds, world_size=world_size, path=path)
+
+
+def _rank_info(rank: int, coords: dict[str, int], device: torch.device, loop: Any) -> dict[str, Any]:
+    mem = peak_memory(device)
+    return {
+        "rank": rank, "coords": coords,
+        "peak_mem_bytes": mem["peak_device_bytes"] if mem["peak_device_bytes"] is not None else mem["peak_rss_bytes"],
+        **mem,
+        "kv_cache_bytes": loop.kv_cache_bytes,
+        "comm_prefill_bytes": loop.comm_bytes["prefill"],
+        "comm_decode_bytes": loop.comm_bytes["decode"],
+        "timings": [{"prefill_s": t.prefill_s, "step_s": t.step_s} for t in loop.timings],
+        "generated": loop.generated,
+    }
+
+
+def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: torch.device, backend: str,
+                 dtype: torch.dtype, started: datetime, wall_s: float) -> dict[str, Any]:
+    """The result document from every rank's :func:`_rank_info` (rank order)."""
+    from megatron_ring.inference.metrics import RequestTiming
+
+    layout, work = spec.layout, spec.ring.workload
+    per_rank = [[RequestTiming(t["prefill_s"], list(t["step_s"])) for t in r["timings"]] for r in ranks]
+    requests = [request_metrics(t, sequences=layout.dp * work.batch, prompt_len=work.prompt_len)
+                for t in job_timings(per_rank)]
+    return {
+        "schema": RESULT_SCHEMA,
+        "name": spec.name,
+        "config": str(spec.path) if spec.path else None,
+        "description": spec.ring.description,
+        "setup": "ring" if layout.cp > 1 else "baseline",
+        "layout": layout.sizes(),
+        "layout_text": layout.describe(),
+        "world_size": layout.world_size,
+        "device": device.type, "backend": backend, "dtype": str(dtype).replace("torch.", ""),
+        "model": spec.model_summary,
+        "workload": spec.ring.workload.model_dump(),
+        "metrics": median_metrics(requests),
+        "requests": requests,
+        "ranks": [{k: v for k, v in r.items() if k not in ("timings", "generated")} for r in ranks],
+        "generated": ranks[0]["generated"],
+        "started_at": started.isoformat(timespec="seconds"),
+        "wall_s": wall_s,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "deepspeed": _version("deepspeed"), "megatron-core": _version("megatron-core")},
+    }
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return None
+
+
+def infer_main(argv: Sequence[str] | None = None) -> int:
+    """Run one inference job on this rank; return the exit status."""
+    args = parse_args(argv)
+    env = ds_glue.launch_env()
+    try:
+        spec = load_spec(args.config, world_size=env["world_size"])
+    except ConfigError as err:
+        if env["rank"] == 0:
+            print(f"[megatron_ring] config error, nothing was started:\n{err}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    ring = spec.ring
+    monitor = PeerMonitor(timeout_s=ring.peer_timeout_s).start()
+    started, t0 = datetime.now(timezone.utc), time.perf_counter()
+    try:
+        device, backend = ds_glue.init_distributed(timeout=timedelta(seconds=ring.collective_timeout_s))
+        rank = dist.get_rank()
+        monitor.attach(dist.distributed_c10d._get_default_store(), rank, dist.get_world_size())
+        groups = init_parallel(spec.layout, timeout=timedelta(seconds=ring.collective_timeout_s))
+        dtype = ds_glue.torch_dtype(spec.deepspeed)
+        work = ring.workload
+        runner = runner_module(ring.model.runner).build_runner(
+            spec.model, groups, dtype=dtype, device=device, seed=work.seed, batch=work.batch,
+            prompt_len=work.prompt_len, new_tokens=work.new_tokens)
+        ds_glue.init_inference(runner.module, spec.deepspeed)
+        bar = progress((work.warmup + work.repeats) * work.new_tokens, enabled=rank == 0,
+                       desc=f"{spec.name} ({spec.layout.describe()})")
+        loop = run_requests(runner, batch=work.batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
+                            warmup=work.warmup, repeats=work.repeats, seed=work.seed, barrier=dist.barrier, bar=bar)
+        bar.close()
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, _rank_info(rank, groups.coords, device, loop))
+        monitor.done()
+        dist.barrier()
+    except Exception:
+        lost = monitor.lost(wait_s=3 * monitor.interval_s + 1)
+        if lost:
+            print(f"[megatron_ring] rank {monitor.rank}: lost {'; '.join(lost)}; stopping (exit "
+                  f"{EXIT_PEER_LOST}), no result is written", file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_LOST)
+        raise
+    if rank == 0:
+        result = build_result(spec, ranks, device=device, backend=backend, dtype=dtype, started=started,
+                              wall_s=time.perf_counter() - t0)
+        print(format_table([result]), flush=True)
+        output = args.output or ring.output
+        if output:
+            print(f"[megatron_ring] result written to {write_json_atomic(output, result)}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(infer_main())

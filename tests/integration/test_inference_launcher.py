@@ -1,0 +1,201 @@
+"""launch/infer.py under the real DeepSpeed launcher (CPU processes, gloo).
+
+End to end runs of the CPU pair and of the toy reference, config errors caught before anything is
+built, and a rank killed mid-run (Note [Lost ranks]).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None and DEEPSPEED.exists()
+HAVE_MEGATRON_RUNNER = (ROOT / "megatron_ring" / "inference" / "megatron_runner.py").exists()
+needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed launcher not installed")
+
+TOY_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 128, "vocab_size": 128}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def toy_config(tmp_path: Path, name: str, *, cp: int, dp: int = 1, **workload: int) -> Path:
+    work = {"batch": 2, "prompt_len": 32, "new_tokens": 6, "warmup": 1, "repeats": 2, "seed": 3}
+    work.update(workload)
+    cfg = {"dtype": "fp32", "replace_with_kernel_inject": False,
+           "megatron_ring": {"model": {"runner": "toy", "config": TOY_MODEL}, "layout": {"cp": cp, "dp": dp},
+                             "workload": work, "output": str(tmp_path / f"{name}.json")}}
+    path = tmp_path / f"{name}_config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def launch_cmd(config: Path, nprocs: int, *extra: str) -> list[str]:
+    return [str(DEEPSPEED), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
+            str(ROOT / "launch" / "infer.py"), "--deepspeed_config", str(config), *extra]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def launch(config: Path, nprocs: int, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_cmd(config, nprocs, *extra), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+METRIC_KEYS = {"ttft_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "prefill_tps", "decode_tps",
+               "overall_tps", "e2e_per_token_ms", "prefill_s", "decode_s"}
+RANK_KEYS = {"rank", "coords", "peak_mem_bytes", "peak_device_bytes", "peak_rss_bytes", "kv_cache_bytes",
+             "comm_prefill_bytes", "comm_decode_bytes"}
+
+
+def check_result(path: Path, world: int, *, repeats: int, batch: int, new_tokens: int) -> dict:
+    result = json.loads(path.read_text())
+    assert set(result["metrics"]) == METRIC_KEYS
+    assert all(v > 0 for v in result["metrics"].values())
+    assert len(result["requests"]) == repeats
+    assert [r["rank"] for r in result["ranks"]] == list(range(world))
+    for rank in result["ranks"]:
+        assert set(rank) == RANK_KEYS and rank["peak_mem_bytes"] > 0 and rank["kv_cache_bytes"] > 0
+    assert len(result["generated"]) == batch and all(len(s) == new_tokens for s in result["generated"])
+    return result
+
+
+@needs_deepspeed
+def test_toy_ring_cp2_end_to_end(tmp_path: Path) -> None:
+    """The whole path with the reference runner: table on stdout, complete JSON, ring traffic counted."""
+    proc = launch(toy_config(tmp_path, "toy_cp2", cp=2), 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TPOT p99" in proc.stdout and "result written to" in proc.stdout
+    result = check_result(tmp_path / "toy_cp2.json", 2, repeats=2, batch=2, new_tokens=6)
+    assert result["setup"] == "ring" and result["layout"]["cp"] == 2
+    for rank in result["ranks"]:
+        assert rank["comm_prefill_bytes"] > 0 and rank["comm_decode_bytes"] > 0
+    assert not list(tmp_path.glob(".*.tmp")), "temporary result file left behind"
+
+
+@needs_deepspeed
+@pytest.mark.skipif(not HAVE_MEGATRON_RUNNER, reason="megatron_ring/inference/megatron_runner.py not written yet")
+@pytest.mark.parametrize("name", ["cpu_baseline_tp2_pp2", "cpu_ring_cp4"])
+def test_cpu_pair_end_to_end(tmp_path: Path, name: str) -> None:
+    """The README's pair: each config runs on 4 processes and writes every metric."""
+    out = tmp_path / f"{name}.json"
+    proc = launch(ROOT / "configs" / "deepspeed" / f"{name}.json", 4, "--output", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cfg = json.loads((ROOT / "configs" / "deepspeed" / f"{name}.json").read_text())["megatron_ring"]["workload"]
+    check_result(out, 4, repeats=cfg["repeats"], batch=cfg["batch"], new_tokens=cfg["new_tokens"])
+
+
+def test_bad_configs_fail_before_anything_is_built(tmp_path: Path) -> None:
+    """Unknown keys (ours and DeepSpeed's), model vs layout: exit 2 at once with the reason.
+
+    Validation runs before any process group exists, so one process with the launcher's
+    environment (RANK, WORLD_SIZE) is enough; the launcher case is the next test.
+    """
+    unknown = json.loads(toy_config(tmp_path, "a", cp=2).read_text())
+    unknown["megatron_ring"]["workload"]["promt_len"] = unknown["megatron_ring"]["workload"].pop("prompt_len")
+    ds_unknown = json.loads(toy_config(tmp_path, "b", cp=2).read_text())
+    ds_unknown["dtpye"] = "fp32"
+    bad_model = json.loads(toy_config(tmp_path, "c", cp=2).read_text())
+    bad_model["megatron_ring"]["model"]["config"]["num_query_groups"] = 3
+    cases = {
+        "unknown": (unknown, ["unknown key 'workload.promt_len'", "did you mean 'prompt_len'"]),
+        "ds_unknown": (ds_unknown, ["unknown key 'dtpye'", "did you mean 'dtype'"]),
+        "model": (bad_model, ["num_query_groups = 3", "num_attention_heads = 4"]),
+    }
+    procs = {}
+    for name, (cfg, _) in cases.items():
+        path = tmp_path / f"bad_{name}.json"
+        path.write_text(json.dumps(cfg))
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(ROOT / "launch" / "infer.py"), "--deepspeed_config", str(path)], cwd=ROOT,
+            env={**env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 2, out
+        assert "config error, nothing was started" in out, out[-2000:]
+        for needle in cases[name][1]:
+            assert needle in out, f"{name}: {needle!r} missing from\n{out[-2000:]}"
+    assert not list(tmp_path.glob("[abc].json")), "a result was written for a rejected config"
+
+
+@needs_deepspeed
+def test_layout_not_matching_launched_world_fails_on_every_rank(tmp_path: Path) -> None:
+    """cp=4 launched on 2 processes: every rank exits before rendezvous, rank 0 says why."""
+    proc = launch(toy_config(tmp_path, "world", cp=4), 2, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "config error, nothing was started" in out and "layout world size 4" in out \
+        and "process world size 2" in out, out[-2000:]
+    assert not (tmp_path / "world.json").exists()
+
+
+def _rank_pid(launcher_pid: int, local_rank: int) -> int | None:
+    import psutil
+
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if f"--local_rank={local_rank}" in child.cmdline() and "infer.py" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+@needs_deepspeed
+def test_killed_rank_stops_every_other_rank(tmp_path: Path) -> None:
+    """SIGKILL rank 2 of 4 mid-run: the others exit non-zero within 30 s naming rank 2; no result file."""
+    import psutil
+
+    config = toy_config(tmp_path, "fault", cp=4, new_tokens=400, repeats=3, warmup=0, prompt_len=64)
+    proc = subprocess.Popen(launch_cmd(config, 4), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b"")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 150
+        while b"request 1/3" not in b"".join(chunks):  # rank 0's progress bar: decoding has started
+            assert proc.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the run never reached its first request"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        victim = _rank_pid(proc.pid, 2)
+        survivors = [_rank_pid(proc.pid, r) for r in (0, 1, 3)]
+        assert victim and all(survivors)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        gone, alive = psutil.wait_procs([psutil.Process(p) for p in survivors if psutil.pid_exists(p)], timeout=30)
+        assert not alive, f"ranks still running 30 s after the kill: {[p.pid for p in alive]}"
+        assert time.monotonic() - killed_at < 30
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=5)
+    out = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode != 0
+    for rank in (0, 1, 3):
+        lines = [ln for ln in out.splitlines() if f"[megatron_ring] rank {rank}:" in ln]
+        assert lines and all("rank 2" in ln for ln in lines), f"rank {rank} did not name rank 2:\n{out[-3000:]}"
+    assert not (tmp_path / "fault.json").exists(), "a result file was written by a failed run"
+    assert not list(tmp_path.glob(".*.tmp"))
