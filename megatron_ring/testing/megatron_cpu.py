@@ -340,3 +340,45 @@ def model_module_types(cfg_data: dict[str, Any]) -> dict[str, Any]:
         "modules": {name: type(mod).__name__ for name, mod in model.named_modules()},
         "params": {name: tuple(p.shape) for name, p in model.named_parameters()},
     }
+
+
+def generate_with_runner(cfg_data: dict[str, Any], layout: ParallelLayout, *, batch: int = 2, prompt_len: int = 16,
+                         new_tokens: int = 6, seed: int = 1234, dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Greedy tokens ``[batch][new_tokens]`` from :class:`MegatronRunner` (prefill + decode) for ``layout``."""
+    from megatron_ring.inference.megatron_runner import build_runner
+    from megatron_ring.parallel.groups import init_parallel
+
+    groups = init_parallel(layout)
+    runner = build_runner(cfg_data, groups, dtype=dtype, device=torch.device("cpu"), seed=seed, batch=batch,
+                          prompt_len=prompt_len, new_tokens=new_tokens)
+    prompt = torch.randint(0, runner.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    out = [runner.prefill(prompt)]
+    for _ in range(new_tokens - 1):
+        out.append(runner.decode(out[-1]))
+    return torch.stack(out, dim=1).tolist()
+
+
+def generate_without_cache(cfg_data: dict[str, Any], *, batch: int = 2, prompt_len: int = 16, new_tokens: int = 6,
+                           seed: int = 1234) -> list[list[int]]:
+    """Reference greedy tokens: Megatron's plain GPTModel forward over the whole sequence at every step.
+
+    tp = pp = cp = 1 on every rank, local attention, no KV cache, weights of
+    :func:`megatron_ring.inference.megatron_runner.draw_weights`.
+    """
+    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.inference.megatron_runner import draw_weights
+    from megatron_ring.integrations.megatron_model import build_gpt_model
+
+    cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
+    init_megatron_cpu(ParallelLayout(dp=dist.get_world_size()), seed=seed)
+    model = build_gpt_model(cfg)
+    model.eval()
+    draw_weights(model, seed)
+    vocab = cfg.model.vocab_size
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            positions = torch.arange(ids.shape[1]).expand(batch, -1)
+            logits = model(ids, positions, None)
+            ids = torch.cat([ids, logits[:, -1].float().argmax(dim=-1, keepdim=True)], dim=1)
+    return ids[:, prompt_len:].tolist()

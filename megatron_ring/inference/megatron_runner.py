@@ -1,0 +1,301 @@
+"""A Megatron-core GPT served by the inference loop: TP/PP baseline or ring attention over CP.
+
+The model is a real ``GPTModel`` built from a ``configs/megatron`` YAML (see
+:mod:`megatron_ring.integrations.megatron_model`): ``attention: local`` gives Megatron's own
+``DotProductAttention`` (the baseline: tensor parallel heads, pipeline stages, full sequence on
+every rank), ``attention: ring`` gives :class:`~megatron_ring.integrations.megatron.RingAttention`
+(the prompt sharded zigzag over the CP group). Each layer's ``core_attention`` is wrapped by
+:class:`CachedCoreAttention`, which owns that layer's share of the KV cache; everything else
+(layer norms, QKV and output projections with their TP collectives, MLP) is Megatron's code.
+
+Note [Sharded KV cache]
+~~~~~~~~~~~~~~~~~~~~~~~
+Prefill: rank r of the CP group holds prompt chunks r and 2P-1-r; ring attention computes its
+queries against every chunk, and the K/V of its own tokens stay in its cache. Decode step t: the
+new token is computed on every CP rank (weights are replicated over CP), its K/V are appended on
+CP rank t % P only (so the shards never differ by more than one token), and each rank attends the
+query to its own shard; :func:`megatron_ring.decode_attention` merges the partial results by
+log-sum-exp in one small collective. No K/V moves during decode::
+
+    prompt 0..7, P = 2     rank 0 cache: 0 1 6 7 | 8 10 ..     rank 1 cache: 2 3 4 5 | 9 11 ..
+
+Pipeline parallel: each stage runs its layers and sends the activations ``[s, b, h]`` to the next
+stage with send/recv; the last stage picks the greedy token and broadcasts it back along the PP
+group, so every rank returns the same ids.
+
+Weights are drawn per parameter from ``(seed, global parameter name)`` in the unsharded layout
+and then cut for this rank's TP shard and PP stage, so every layout serves the same global model.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_ring.attention.decode import decode_attention
+from megatron_ring.attention.sharding import local_positions, shard_sequence
+from megatron_ring.config import ConfigError
+from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.integrations.megatron import RingAttention
+from megatron_ring.integrations.megatron_model import build_gpt_model, global_name, shard_of, unwrap
+from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.parallel.layout import ParallelLayout
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _parse(model: dict[str, Any]) -> GPTConfig:
+    return GPTConfig.parse(model, where="megatron model config (megatron_ring.model.config)")
+
+
+def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
+                new_tokens: int) -> dict[str, Any]:
+    """Validate a ``configs/megatron`` model against ``layout`` and the workload (see ``RunnerModule``)."""
+    cfg = _parse(model)
+    for axis in ("tp", "pp", "cp"):
+        if getattr(cfg.parallel, axis) != getattr(layout, axis):
+            raise ConfigError(
+                f"model config {cfg.name!r}: parallel.{axis} = {getattr(cfg.parallel, axis)} but "
+                f"megatron_ring.layout.{axis} = {getattr(layout, axis)}; they must be equal"
+            )
+    cfg.check_world_size(layout.world_size)
+    total = prompt_len + new_tokens - 1
+    if total > cfg.model.seq_length:
+        raise ConfigError(
+            f"megatron_ring.workload: prompt_len + new_tokens - 1 = {prompt_len} + {new_tokens} - 1 = {total} "
+            f"exceeds model.seq_length = {cfg.model.seq_length} of model config {cfg.name!r}"
+        )
+    m = cfg.model
+    qkv = m.hidden_size * (m.num_attention_heads + 2 * m.query_groups) * m.kv_channels
+    per_layer = qkv + m.num_attention_heads * m.kv_channels * m.hidden_size + 2 * m.hidden_size * m.ffn_hidden_size
+    embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+    return {
+        "runner": "megatron", "name": cfg.name, "attention": cfg.attention, "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads, "head_dim": m.kv_channels,
+        "num_query_groups": m.query_groups, "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": m.vocab_size,
+        "seq_length": m.seq_length, "position_embedding": m.position_embedding,
+        "parameters": m.num_layers * per_layer + embeddings,
+    }
+
+
+class CachedCoreAttention(torch.nn.Module):
+    """A layer's ``core_attention`` plus this rank's KV cache for it (Note [Sharded KV cache]).
+
+    Cache: K and V ``[capacity, batch, ng, hn]`` (Megatron's layout; ng = this TP rank's K/V heads).
+    The runner sets :attr:`decoding` and :attr:`owner` before each forward.
+    """
+
+    def __init__(self, inner: torch.nn.Module, *, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.inner = inner
+        self.batch, self.capacity, self.dtype, self.device = batch, capacity, dtype, device
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+        self.length = 0
+        self.decoding = False
+        self.owner = False
+
+    def _ensure(self, key: torch.Tensor) -> None:
+        if self.k is None:
+            shape = (self.capacity, self.batch, *key.shape[2:])
+            self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
+        """``[sq, b, np, hn]``, ``[sq, b, ng, hn]`` x2 -> ``[sq, b, np * hn]``; sq = 1 when decoding."""
+        self._ensure(key)
+        sq, b = key.shape[:2]
+        if not self.decoding:
+            if sq > self.capacity:
+                raise ValueError(f"prompt shard of {sq} tokens exceeds the KV cache capacity {self.capacity}")
+            self.k[:sq, :b], self.v[:sq, :b] = key, value
+            self.length = sq
+            return self.inner(query, key, value, None, attn_mask_type=AttnMaskType.causal)
+        if self.owner:
+            if self.length >= self.capacity:
+                raise RuntimeError(f"KV cache full ({self.capacity} tokens per rank); more new tokens than built for")
+            self.k[self.length, :b], self.v[self.length, :b] = key[0], value[0]
+            self.length += 1
+        k, v = self.k[:self.length, :b], self.v[:self.length, :b]
+        if isinstance(self.inner, RingAttention):
+            out = decode_attention(query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.inner.cp_group,
+                                   softmax_scale=self.inner.softmax_scale)
+            return out.transpose(0, 1).reshape(sq, b, -1)
+        # Megatron's DotProductAttention applies no mask to a single query (sq = 1).
+        return self.inner(query, k.contiguous(), v.contiguous(), None, attn_mask_type=AttnMaskType.no_mask)
+
+
+def _init_megatron(layout: ParallelLayout, device: torch.device, seed: int) -> None:
+    """Initialise Megatron's parallel_state for ``layout`` (CPU: with the CUDA shims) unless it matches."""
+    ps = parallel_state
+    if device.type == "cpu":
+        from megatron_ring.testing.megatron_cpu import apply_cpu_shims
+
+        apply_cpu_shims()
+    sizes = (layout.tp, layout.pp, layout.cp)
+    if not ps.model_parallel_is_initialized() or sizes != (
+            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size()):
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                     context_parallel_size=layout.cp, create_gloo_process_groups=False)
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+@torch.no_grad()
+def draw_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill ``model`` (any TP/PP layout) with the global model of ``seed``.
+
+    Each parameter is drawn whole, from a generator seeded by ``seed`` and its global name, then
+    cut to this rank's TP shard: matrices ``N(0, 1/fan_in)`` (embeddings ``N(0, 1)``), norm
+    weights 1, biases 0.
+    """
+    inner = unwrap(model)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for name, param in inner.named_parameters():
+        key = global_name(inner, name)
+        shape = list(param.shape)
+        if getattr(param, "tensor_model_parallel", False):
+            shape[param.partition_dim] *= tp
+        if param.dim() == 1:
+            full = torch.ones(shape) if "norm" in key and key.endswith("weight") else torch.zeros(shape)
+        else:
+            gen = torch.Generator(device=param.device).manual_seed(seed + zlib.crc32(key.encode()))
+            full = torch.randn(shape, generator=gen, device=param.device, dtype=torch.float32)
+            if "embedding" not in key:
+                full /= math.sqrt(shape[1])
+        param.copy_(shard_of(param, full.to(param.device)))
+
+
+class MegatronRunner:
+    """:class:`~megatron_ring.inference.runner.ModelRunner` of a Megatron-core GPT (Note [Sharded KV cache])."""
+
+    def __init__(self, cfg: GPTConfig, groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
+                 seed: int, batch: int, prompt_len: int, new_tokens: int) -> None:
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype} is not supported; allowed: {list(_DTYPE_NAMES)}")
+        self.cfg = cfg.model_copy(update={"dtype": _DTYPE_NAMES[dtype]})
+        self.groups = groups
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = cfg.model.vocab_size
+        _init_megatron(groups.layout, device, seed)
+        ps = parallel_state
+        self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.module = unwrap(build_gpt_model(self.cfg))
+        self.module.eval()
+        draw_weights(self.module, seed)
+        self.capacity = prompt_len // self.cp_size + -(-(new_tokens - 1) // self.cp_size)
+        self.caches = []
+        for layer in self.module.decoder.layers:
+            attention = layer.self_attention
+            attention.core_attention = CachedCoreAttention(
+                attention.core_attention, batch=batch, capacity=self.capacity, dtype=dtype, device=device)
+            self.caches.append(attention.core_attention)
+        self._rope = None  # [seq_length, 1, 1, head_dim] RoPE angles of every global position
+        if cfg.model.position_embedding == "rope":
+            self._rope = self.module.rotary_pos_emb.get_emb(cfg.model.seq_length).to(device)
+        self._pos = -1
+        self._step = 0
+
+    # -- pieces of GPTModel.forward, with explicit global positions -----------------------------
+
+    def _stage(self, ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """This PP stage on ``ids`` ``[b, s]`` at global ``positions`` ``[s]``; last stage returns hidden ``[s, b, h]``."""
+        b, s = ids.shape
+        model = self.module
+        if self.first:
+            hidden = model.embedding(input_ids=ids, position_ids=positions.expand(b, -1))
+        else:
+            hidden = torch.empty(s, b, model.config.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+        rope = None if self._rope is None else self._rope[positions]
+        for layer in model.decoder.layers:
+            hidden, _ = layer(hidden, attention_mask=None, rotary_pos_emb=rope)
+        if not self.last:
+            dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+        return model.decoder.final_layernorm(hidden)
+
+    def _greedy(self, hidden: Optional[torch.Tensor], src_cp_rank: Optional[int], b: int) -> torch.Tensor:
+        """Greedy ids ``[b]`` on all ranks from the last stage's ``hidden`` ``[1, b, h]``.
+
+        ``src_cp_rank``: the CP rank whose ``hidden`` counts (None: all CP ranks agree already).
+        """
+        ps = parallel_state
+        ids = torch.empty(b, dtype=torch.int64, device=self.device)
+        if self.last:
+            model = self.module
+            weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+            logits, _ = model.output_layer(hidden, weight=weight)
+            logits = logits[-1].float()
+            tp_group = ps.get_tensor_model_parallel_group()
+            if tp_group.size() > 1:
+                parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
+                dist.all_gather(parts, logits.contiguous(), group=tp_group)
+                logits = torch.cat(parts, dim=-1)
+            ids.copy_(logits.argmax(dim=-1))
+            if src_cp_rank is not None and self.cp_size > 1:
+                cp_group = ps.get_context_parallel_group()
+                dist.broadcast(ids, src=dist.get_global_rank(cp_group, src_cp_rank), group=cp_group)
+        pp_group = ps.get_pipeline_model_parallel_group()
+        if pp_group.size() > 1:
+            dist.broadcast(ids, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
+        return ids
+
+    # -- ModelRunner -----------------------------------------------------------------------------
+
+    def kv_cache_bytes(self) -> int:
+        return sum(cache.nbytes() for cache in self.caches)
+
+    def reset(self) -> None:
+        for cache in self.caches:
+            cache.length, cache.decoding = 0, False
+        self._pos, self._step = -1, 0
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        b, length = prompt_ids.shape
+        self.reset()
+        ids = shard_sequence(prompt_ids.to(self.device), self.cp_rank, self.cp_size)
+        positions = local_positions(length, self.cp_rank, self.cp_size, device=self.device)
+        hidden = self._stage(ids, positions)
+        self._pos = length
+        # Zigzag puts the last global token (chunk 2P-1) last on CP rank 0.
+        return self._greedy(None if hidden is None else hidden[-1:], 0, b)
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._pos < 0:
+            raise RuntimeError("decode() before prefill(): call reset() then prefill(prompt) first")
+        owner = self._step % self.cp_size == self.cp_rank
+        for cache in self.caches:
+            cache.decoding, cache.owner = True, owner
+        positions = torch.tensor([self._pos], device=self.device)
+        hidden = self._stage(ids.to(self.device)[:, None], positions)
+        self._pos += 1
+        self._step += 1
+        # Every CP rank computed the same token, so the ids agree without a CP broadcast.
+        return self._greedy(hidden, None, ids.shape[0])
+
+
+def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
+                 seed: int, batch: int, prompt_len: int, new_tokens: int) -> MegatronRunner:
+    """:class:`~megatron_ring.inference.runner.RunnerFactory` of a ``configs/megatron`` GPT."""
+    return MegatronRunner(_parse(model), groups, dtype=dtype, device=device, seed=seed, batch=batch,
+                          prompt_len=prompt_len, new_tokens=new_tokens)
