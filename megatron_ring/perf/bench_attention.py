@@ -2,13 +2,15 @@
 
 Every point runs on ``P`` gloo processes (CPU) started by :class:`~megatron_ring.testing.gloo.GlooPool`
 with ``threads = max(1, cores // P)`` each, so ranks do not oversubscribe the cores while
-``P <= cores``. The single-process baseline is ``ring_attention`` on a world of one rank with one
-thread, i.e. one rank's share of the machine: efficiency ``T_single / (P * T)`` then means what it
-means on GPUs (one device per rank). When ``P > cores`` the ranks share cores and the best
-possible efficiency is ``cores / P``; ``eff/core = T_single / (min(P, cores) * T)`` corrects for that.
+``P <= cores``. The single-process baseline is ``ring_attention`` on rank 0 alone (a one-rank
+group) with the same threads, i.e. one rank's share of the machine: efficiency
+``T_single / (P * T)`` then means what it means on GPUs (one device per rank). When ``P > cores``
+the ranks share cores and the best possible efficiency is ``cores / P``;
+``eff/core = T_single / (min(P, cores) * T)`` corrects for that.
 
-Per point: median / min / max over ``repeats`` of the slowest rank's wall time (ranks start
-together after a barrier); exposed communication = the ring's instrumented wait after compute
+The implementations of one point are interleaved (repeat r runs each once, in turn), so on a
+shared machine they all see the same load. Per point: median / min / max over ``repeats`` of the
+slowest rank's wall time (ranks start together after a barrier); exposed communication = the ring's instrumented wait after compute
 (:func:`megatron_ring.attention.instrument.ring_stats`) / wall time (for all-gather, forward only:
 the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
 instrumentation; for Ulysses computed from the four all-to-alls); peak memory per rank.
@@ -90,14 +92,26 @@ def _measure_peak(call: Callable[[], None], device: torch.device) -> int:
     return max(0, _rss_bytes("VmHWM") - base)
 
 
+def _solo_group() -> dist.ProcessGroup:
+    """A group holding only rank 0, for the single-process baseline inside a P-rank pool (collective, cached)."""
+    global _SOLO
+    if _SOLO is None:
+        _SOLO = dist.new_group([0])
+    return _SOLO
+
+
+_SOLO: dist.ProcessGroup | None = None
+
+
 def _make_attention(impl: str, causal: bool, backend: str) -> Callable[..., torch.Tensor]:
     from megatron_ring import ring_attention
 
     if impl in ("single", "ring_p2p", "all_gather"):
         comm = "all_gather" if impl == "all_gather" else "p2p"
+        group = _solo_group() if impl == "single" else None
 
         def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q, k, v, causal=causal, comm=comm, backend=backend)
+            return ring_attention(q, k, v, group, causal=causal, comm=comm, backend=backend)
         return ring
     import deepspeed.comm
     from deepspeed.sequence.layer import DistributedAttention
@@ -119,7 +133,10 @@ def _make_attention(impl: str, causal: bool, backend: str) -> Callable[..., torc
 
 
 def _inputs(cfg: dict[str, Any], rank: int, size: int, device: torch.device) -> list[torch.Tensor]:
-    """This rank's q, k, v (and dout): one global tensor per name from a fixed seed, then sharded."""
+    """This rank's q, k, v (and dout): one global tensor per name from a fixed seed, then sharded.
+
+    The single-process baseline gets the global tensors (on rank 0; the other ranks idle).
+    """
     from megatron_ring.attention.sharding import shard_sequence
 
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -129,51 +146,79 @@ def _inputs(cfg: dict[str, Any], rank: int, size: int, device: torch.device) -> 
     out = []
     for shape in shapes:
         full = torch.randn(shape, generator=gen)
-        local = shard_sequence(full, rank, size, sharding=sharding) if size > 1 else full
+        local = shard_sequence(full, rank, size, sharding=sharding) if size > 1 and cfg["impl"] != "single" else full
         out.append(local.to(device=device, dtype=DTYPES[cfg["dtype"]]).contiguous())
     return out
 
 
-def bench_worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Time one point on this rank; returns per-repeat times, instrumentation and peak memory."""
-    from megatron_ring.attention.instrument import ring_stats
+class _Case:
+    """One implementation of one point on this rank: inputs, the call, and what it measured."""
 
-    _track_mmap()
-    rank, size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(cfg["device"])
-    q, k, v, dout = _inputs(cfg, rank, size, device)
-    grad = cfg["mode"] == "fwd_bwd"
-    for t in (q, k, v):
-        t.requires_grad_(grad)
-    attn = _make_attention(cfg["impl"], cfg["causal"], cfg["backend"])
+    def __init__(self, cfg: dict[str, Any], rank: int, size: int) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg["device"])
+        self.active = cfg["impl"] != "single" or rank == 0
+        self.grad = cfg["mode"] == "fwd_bwd"
+        self.attn = _make_attention(cfg["impl"], cfg["causal"], cfg["backend"])
+        self.tensors = _inputs(cfg, rank, size, self.device) if self.active else []
+        for t in self.tensors[:3]:
+            t.requires_grad_(self.grad)
+        self.times: list[float] = []
+        self.wait = self.compute = self.total = 0.0
+        self.sent = self.calls = 0
 
-    def call() -> None:
-        out = attn(q, k, v)
-        if grad:
+    def call(self) -> None:
+        if not self.active:
+            return
+        q, k, v, dout = self.tensors
+        out = self.attn(q, k, v)
+        if self.grad:
             out.backward(dout)
             for t in (q, k, v):
                 t.grad = None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
-    for _ in range(cfg["warmup"]):
-        call()
-    times, wait, compute, total, sent, calls = [], 0.0, 0.0, 0.0, 0, 0
-    for _ in range(cfg["repeats"]):
-        dist.barrier()
+    def timed(self) -> None:
+        from megatron_ring.attention.instrument import ring_stats
+
         with ring_stats() as stats:
             t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        wait += stats.wait_s
-        compute += stats.compute_s
-        total += stats.total_s
-        sent += stats.bytes_sent
-        calls += stats.calls
-    dist.barrier()
-    peak = _measure_peak(call, device)
-    return {"times": times, "wait_s": wait, "compute_s": compute, "ring_total_s": total,
-            "bytes_sent": sent / calls if calls else None, "peak_mem_bytes": peak}
+            self.call()
+            self.times.append(time.perf_counter() - t0)
+        self.wait += stats.wait_s
+        self.compute += stats.compute_s
+        self.total += stats.total_s
+        self.sent += stats.bytes_sent
+        self.calls += stats.calls
+
+    def result(self, peak: int) -> dict[str, Any]:
+        return {"active": self.active, "times": self.times, "wait_s": self.wait, "compute_s": self.compute,
+                "ring_total_s": self.total, "bytes_sent": self.sent / self.calls if self.calls else None,
+                "peak_mem_bytes": peak}
+
+
+def bench_worker(cfgs: list[dict[str, Any]], repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """Time several implementations of one point on this rank, interleaved.
+
+    Repeat r runs every implementation once (after a barrier each), so all of them see the same
+    machine load; returns per implementation the times, instrumentation and peak memory.
+    """
+    _track_mmap()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cases = [_Case(cfg, rank, size) for cfg in cfgs]
+    for case in cases:
+        for _ in range(warmup):
+            case.call()
+    for _ in range(repeats):
+        for case in cases:
+            dist.barrier()
+            case.timed()
+    results = []
+    for case in cases:
+        dist.barrier()
+        results.append(case.result(_measure_peak(case.call, case.device)))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,32 +234,34 @@ def _ulysses_bytes(cfg: dict[str, Any], size: int) -> float:
 
 
 def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) -> dict[str, Any]:
-    """One JSON point from every rank's :func:`bench_worker` result."""
-    repeats = len(per_rank[0]["times"])
-    wall = [max(r["times"][i] for r in per_rank) for i in range(repeats)]
-    timed = sum(sum(r["times"]) for r in per_rank)
+    """One JSON point from every rank's :func:`bench_worker` result for ``cfg`` (idle ranks ignored)."""
+    active = [r for r in per_rank if r["active"]]
+    repeats = len(active[0]["times"])
+    wall = [max(r["times"][i] for r in active) for i in range(repeats)]
+    timed = sum(sum(r["times"]) for r in active)
+    ranks = len(active)
     if cfg["impl"] == "ring_p2p":
-        exposed: float | None = sum(r["wait_s"] for r in per_rank) / timed if size > 1 else 0.0
+        exposed: float | None = sum(r["wait_s"] for r in active) / timed if ranks > 1 else 0.0
     elif cfg["impl"] == "all_gather" and cfg["mode"] == "fwd":
-        ring_total = sum(r["ring_total_s"] for r in per_rank)
-        exposed = 1 - sum(r["compute_s"] for r in per_rank) / ring_total if ring_total else None
+        ring_total = sum(r["ring_total_s"] for r in active)
+        exposed = 1 - sum(r["compute_s"] for r in active) / ring_total if ring_total else None
     else:
         exposed = None
-    sent = per_rank[0]["bytes_sent"] if cfg["impl"] != "ulysses" else _ulysses_bytes(cfg, size)
-    keys = ("impl", "mode", "causal", "L", "P", "batch", "heads", "heads_kv", "head_dim", "dtype", "threads",
-            "backend")
+    sent = active[0]["bytes_sent"] if cfg["impl"] != "ulysses" else _ulysses_bytes(cfg, size)
+    keys = ("impl", "mode", "causal", "L", "batch", "heads", "heads_kv", "head_dim", "dtype", "threads", "backend")
     return {k: cfg[k] for k in keys} | {
+        "P": ranks, "pool_P": size,
         "median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "times_s": wall,
-        "exposed_fraction": exposed, "bytes_sent": sent,
-        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
+        "exposed_fraction": exposed, "bytes_sent": sent or 0,
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in active),
     }
 
 
 def add_efficiency(points: list[dict[str, Any]], cores: int) -> None:
-    """Fill ``efficiency`` and ``efficiency_per_core`` from the matching single-process points."""
-    single = {(p["mode"], p["causal"], p["L"]): p["median_s"] for p in points if p["impl"] == "single"}
+    """Fill ``efficiency`` and ``efficiency_per_core`` from the single-process point timed in the same pool."""
+    single = {(p["mode"], p["causal"], p["L"], p["pool_P"]): p["median_s"] for p in points if p["impl"] == "single"}
     for p in points:
-        base = single.get((p["mode"], p["causal"], p["L"]))
+        base = single.get((p["mode"], p["causal"], p["L"], p["pool_P"]))
         if base is None or p["impl"] == "single":
             p["efficiency"] = p["efficiency_per_core"] = 1.0 if p["impl"] == "single" else None
             continue
@@ -242,7 +289,10 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
               backend: str, seed: int = 0, timeout_s: float = 600.0,
               progress: Callable[[str], None] = print,
               pools: Callable[[int, int], Any] | None = None) -> list[dict[str, Any]]:
-    """Run every (P, impl, mode, causal, L) point; single-process points run on one 1-thread rank.
+    """Run every (P, impl, mode, causal, L) point, the implementations of a point interleaved.
+
+    The single-process baseline runs on rank 0 of each P-rank pool (the others idle), with that
+    pool's threads per rank, so it is timed under the same load as the points it is compared to.
 
     ``pools(P, threads)`` may supply running :class:`~megatron_ring.testing.gloo.GlooPool` s (left
     open, e.g. a test session's); by default each P gets its own pool, closed after its points.
@@ -258,37 +308,33 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
         progress("deepspeed is not installed: skipping ulysses")
         impls = [i for i in impls if i != "ulysses"]
     cores = os.cpu_count() or 1
-    plan: dict[int, list[str]] = {}
-    if "single" in impls:
-        plan[1] = ["single"]
-    for p in ranks:
-        if p < 1:
-            raise ValueError(f"P must be >= 1, got {p}")
-        multi = [i for i in impls if i != "single"]
-        if p > 1 and multi:
-            plan.setdefault(p, []).extend(multi)
-    bad_len = [(seq, p) for p in plan for seq in lengths if seq % (2 * p)]
+    if any(p < 1 for p in ranks):
+        raise ValueError(f"every P must be >= 1, got {ranks}")
+    pool_sizes = sorted({p for p in ranks if p > 1}) or [1]
+    bad_len = [(seq, p) for p in pool_sizes for seq in lengths if seq % (2 * p)]
     if bad_len:
         seq, p = bad_len[0]
         raise ValueError(f"L = {seq} is not divisible by 2*P = {2 * p} (zigzag sharding); every L must be")
     points = []
-    for p, p_impls in sorted(plan.items()):
-        threads = 1 if p == 1 else max(1, cores // p)
+    for p in pool_sizes:
+        threads = max(1, cores // p)
+        p_impls = [i for i in impls if i == "single" or p > 1]
+        if "ulysses" in p_impls and heads_kv % p:
+            progress(f"skip ulysses P={p}: heads_kv={heads_kv} not divisible by P")
+            p_impls.remove("ulysses")
         with borrow_pool(pools, p, threads, timeout_s) as pool:
-            for impl in p_impls:
-                for mode in modes:
-                    for causal in causals:
-                        for seq in lengths:
-                            if impl == "ulysses" and heads_kv % p:
-                                progress(f"skip ulysses P={p}: heads_kv={heads_kv} not divisible by P")
-                                continue
-                            cfg = dict(impl=impl, mode=mode, causal=causal, L=seq, P=p, batch=batch, heads=heads,
-                                       heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
-                                       backend=backend, repeats=repeats, warmup=warmup, seed=seed, device="cpu")
-                            point = summarize(cfg, pool.run(bench_worker, cfg), p)
+            for mode in modes:
+                for causal in causals:
+                    for seq in lengths:
+                        cfgs = [dict(impl=impl, mode=mode, causal=causal, L=seq, batch=batch, heads=heads,
+                                     heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
+                                     backend=backend, seed=seed, device="cpu") for impl in p_impls]
+                        per_rank = pool.run(bench_worker, cfgs, repeats, warmup)
+                        for i, cfg in enumerate(cfgs):
+                            point = summarize(cfg, [r[i] for r in per_rank], p)
                             points.append(point)
-                            progress(f"{impl:10s} {mode:7s} causal={causal!s:5s} L={seq:6d} P={p:2d} "
-                                     f"median {point['median_s'] * 1e3:9.2f} ms")
+                            progress(f"{cfg['impl']:10s} {mode:7s} causal={causal!s:5s} L={seq:6d} P={point['P']:2d} "
+                                     f"(pool {p}) median {point['median_s'] * 1e3:9.2f} ms")
     add_efficiency(points, cores)
     return points
 

@@ -136,7 +136,7 @@ def print_comparison(rows: Sequence[dict[str, Any]], hw_name: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # benchmarks
 
-BENCH_COLUMNS = ["impl", "mode", "causal", "L", "P", "median", "min", "max", "eff", "eff/core",
+BENCH_COLUMNS = ["impl", "mode", "causal", "L", "P", "pool", "median", "min", "max", "eff", "eff/core",
                  "exposed %", "peak mem/rank", "bytes sent/rank"]
 
 
@@ -148,7 +148,8 @@ def bench_rows(points: Sequence[dict[str, Any]]) -> list[list[str]]:
     def num(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    return [[p["impl"], p["mode"], "yes" if p["causal"] else "no", p["L"], p["P"], fmt_time(p["median_s"]),
+    return [[p["impl"], p["mode"], "yes" if p["causal"] else "no", p["L"], p["P"], p.get("pool_P", p["P"]),
+             fmt_time(p["median_s"]),
              fmt_time(p["min_s"]), fmt_time(p["max_s"]), num(p.get("efficiency")), num(p.get("efficiency_per_core")),
              pct(p.get("exposed_fraction")), fmt_bytes(p["peak_mem_bytes"]),
              "-" if p.get("bytes_sent") is None else fmt_bytes(p["bytes_sent"])] for p in points]
@@ -173,15 +174,16 @@ def plot_attention(points: Sequence[dict[str, Any]], out_dir: str | Path) -> lis
         for p in points:
             if p.get(y_key) is None:
                 continue
-            label = " ".join(f"{k}={p[k]}" if k in ("P", "L") else str(p[k] if k != "causal" else
+            label = " ".join(f"{k}={p.get(k)}" if k in ("P", "L", "pool_P") else str(p[k] if k != "causal" else
                              ("causal" if p[k] else "full")) for k in group_keys)
             lines.setdefault(label, []).append((p[x_key], p[y_key]))
         return lines
 
     for name, x_key, y_key, groups, ylabel, logy in (
-        ("time_vs_L.png", "L", "median_s", ("impl", "mode", "causal", "P"), "median time (s)", True),
+        ("time_vs_L.png", "L", "median_s", ("impl", "mode", "causal", "P", "pool_P"), "median time (s)", True),
         ("efficiency_vs_P.png", "P", "efficiency", ("impl", "mode", "causal", "L"), "T_single / (P * T)", False),
-        ("memory_vs_L.png", "L", "peak_mem_bytes", ("impl", "mode", "causal", "P"), "peak memory per rank (bytes)",
+        ("memory_vs_L.png", "L", "peak_mem_bytes", ("impl", "mode", "causal", "P", "pool_P"),
+         "peak memory per rank (bytes)",
          True),
     ):
         fig, ax = plt.subplots(figsize=(9, 5.5))

@@ -41,6 +41,7 @@ def test_bench_attention_smoke(tmp_path: Path, gloo_pool: Any) -> None:
         if p["impl"] == "ring_p2p":
             assert p["P"] == 2 and 0.0 <= p["exposed_fraction"] <= 1.0
     fwd = {p["impl"]: p for p in points if p["mode"] == "fwd"}
+    assert fwd["single"]["P"] == 1 and fwd["single"]["pool_P"] == 2  # timed beside the ring, on rank 0
     assert fwd["ring_p2p"]["bytes_sent"] == 2 * 16 * 2 * 8 * 4  # k and v of 16 local tokens, fp32, one step
     for name in ("time_vs_L.png", "efficiency_vs_P.png", "memory_vs_L.png"):
         assert (tmp_path / "p" / name).stat().st_size > 0
