@@ -27,7 +27,8 @@ from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed import split_config
 from megatron_ring.inference.schema import LayoutSection
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO / "configs" / "deepspeed"
 PAIRS: dict[str, tuple[str, str]] = {
     "cpu": ("cpu_baseline_tp2_pp2.json", "cpu_ring_cp4.json"),
     "cpu-tp2-cp2": ("cpu_baseline_tp2_pp2.json", "cpu_ring_tp2_cp2.json"),
@@ -68,6 +69,7 @@ def run_config(config: Path, out_dir: Path, *, launcher: str) -> dict:
     log = out_dir / f"{config.stem}.log"
     output.unlink(missing_ok=True)
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     if "DS_ACCELERATOR" not in env:
         import torch
 
