@@ -87,7 +87,7 @@ DEFAULT_COSTS: dict[str, CommCosts] = {
                       step_latency_s=25e-6, collective_latency_s=40e-6),
     # One CPU core per rank, fp32, gloo on loopback; equals
     # HardwareProfile.load("cpu-gloo").comm_costs("fp32", ranks=2).
-    "cpu": CommCosts(flops_per_s=69e9 * 0.5, p2p_bytes_per_s=1.1e9, allgather_bytes_per_s=1.1e9,
+    "cpu": CommCosts(flops_per_s=69e9 * 0.84, p2p_bytes_per_s=1.1e9, allgather_bytes_per_s=1.1e9,
                      step_latency_s=200e-6, collective_latency_s=400e-6),
 }
 """Costs used by ``comm="auto"`` when the caller gives none, keyed by device type."""
