@@ -1,0 +1,207 @@
+"""Training data: byte-level tokens from local text, packed, split over DP ranks, zigzag over CP ranks.
+
+The path of a training sequence:
+
+1. :class:`ByteTokenizer` turns text into ids with no download: id = byte value, the last id of
+   the vocabulary is end-of-document (EOD).
+2. :func:`text_corpus` reads the configured files (folders searched for suffixes, sorted order),
+   joins their token streams with EOD; :class:`PackedSequences` cuts the stream into samples of
+   ``seq_len + 1`` tokens (sample i starts at ``i * seq_len``: inputs are its first ``seq_len``
+   tokens, labels the last ``seq_len``). :class:`SyntheticSequences` is the explicit alternative.
+3. :class:`TrainData` fixes which samples every step sees: the k-th sample of the run is sample
+   ``perm_e[k mod n]`` of epoch ``e = k // n`` (a seeded permutation per epoch), so the data
+   position is a function of the step alone and a resumed run continues exactly where the saved
+   one stopped. Step s uses run samples ``s*G .. s*G+G-1`` (G = global batch); within a step,
+   sample ``j = (m * dp + d) * micro + i`` is row i of micro-batch m on data-parallel rank d.
+4. Each row is cut zigzag for this CP rank (chunks r and 2P-1-r of 2P, Megatron's
+   ``get_batch_on_this_cp_rank``): tokens, labels, loss mask and global position ids alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+from megatron_ring.attention.sharding import check_divisible, shard_sequence
+
+
+class ByteTokenizer:
+    """Bytes as token ids; the last id of the vocabulary marks the end of a document.
+
+    With ``vocab_size >= 257`` every byte keeps its value and EOD is 256. A smaller vocabulary
+    (>= 128, e.g. a CPU-sized model with 128 ids) keeps the bytes below its EOD id and maps the
+    others to ``'?'``: ASCII text survives unchanged.
+    """
+
+    UNKNOWN = ord("?")
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 128:
+            raise ValueError(f"vocab_size = {vocab_size}: the byte tokenizer needs at least 128 ids (ASCII + EOD)")
+        self.vocab_size = vocab_size
+        self.eod_id = min(vocab_size, 257) - 1
+        table = torch.arange(256)
+        table[table >= self.eod_id] = self.UNKNOWN
+        self._table = table
+
+    def encode(self, text: str | bytes) -> torch.Tensor:
+        """``[n]`` int64 ids of the UTF-8 bytes of ``text`` (no EOD appended)."""
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.empty(0, dtype=torch.long)
+        return self._table[raw]
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Text of ``ids``; EOD becomes a newline, undecodable bytes the replacement character."""
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return bytes(10 if i == self.eod_id else i for i in values).decode("utf-8", errors="replace")
+
+
+def corpus_files(paths: Sequence[str | Path], suffixes: Sequence[str]) -> list[Path]:
+    """The text files named by ``paths``: files as given, folders searched recursively for ``suffixes``."""
+    files: list[Path] = []
+    for entry in paths:
+        path = Path(entry)
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes
+                                and not any(part.startswith(".") or part == "__pycache__" for part in p.parts)))
+        else:
+            raise ValueError(f"data.paths entry {str(path)!r} is neither a file nor a folder")
+    if not files:
+        raise ValueError(f"data.paths {list(map(str, paths))} hold no file ending in {list(suffixes)}")
+    return files
+
+
+def text_corpus(files: Sequence[Path], tokenizer: ByteTokenizer) -> torch.Tensor:
+    """``[n]`` int64: every file's tokens followed by EOD, in the given order."""
+    eod = torch.tensor([tokenizer.eod_id])
+    return torch.cat([t for f in files for t in (tokenizer.encode(f.read_bytes()), eod)])
+
+
+class Samples(Protocol):
+    """Indexable samples of ``seq_len + 1`` tokens."""
+
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+
+class PackedSequences:
+    """A token stream cut into samples of ``seq_len + 1`` tokens (consecutive samples share one token)."""
+
+    def __init__(self, stream: torch.Tensor, seq_len: int) -> None:
+        self.stream = stream
+        self.seq_len = seq_len
+        self._len = (stream.numel() - 1) // seq_len
+        if self._len < 1:
+            raise ValueError(f"the corpus has {stream.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        start = index * self.seq_len
+        return self.stream[start:start + self.seq_len + 1]
+
+
+class SyntheticSequences:
+    """``count`` samples of uniform random ids in ``[0, vocab_size)``, sample i drawn from ``seed + i``."""
+
+    def __init__(self, vocab_size: int, seq_len: int, count: int, seed: int) -> None:
+        self.vocab_size, self.seq_len, self.count, self.seed = vocab_size, seq_len, count, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed + index)
+        return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen)
+
+
+@dataclass
+class Batch:
+    """One micro-batch on one rank; every tensor is ``[micro, seq_len / cp]`` (this CP rank's zigzag part).
+
+    ``position_ids`` are the tokens' global positions (for RoPE / learned embeddings).
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.tokens, self.labels, self.loss_mask, self.position_ids)))
+
+
+class TrainData:
+    """Which samples each step, data-parallel rank and micro-batch sees; see the module docstring."""
+
+    def __init__(self, samples: Samples, *, micro_batch: int, grad_accum: int, dp: int, dp_rank: int,
+                 cp: int, cp_rank: int, shuffle: bool, seed: int) -> None:
+        check_divisible(samples.seq_len, cp, "zigzag", what="seq_len")
+        if not 0 <= dp_rank < dp or not 0 <= cp_rank < cp:
+            raise ValueError(f"dp_rank = {dp_rank} / cp_rank = {cp_rank} out of range for dp = {dp}, cp = {cp}")
+        self.samples = samples
+        self.micro_batch, self.grad_accum, self.dp, self.dp_rank = micro_batch, grad_accum, dp, dp_rank
+        self.cp, self.cp_rank = cp, cp_rank
+        self.shuffle, self.seed = shuffle, seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    def tokens_per_step(self) -> int:
+        """Tokens (inputs) of the whole global batch of one step."""
+        return self.global_batch * self.samples.seq_len
+
+    def sample_index(self, k: int) -> int:
+        """Index into ``samples`` of the k-th sample of the run."""
+        n = len(self.samples)
+        epoch, pos = divmod(k, n)
+        if not self.shuffle:
+            return pos
+        perm = self._perms.get(epoch)
+        if perm is None:
+            self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))}
+            perm = self._perms[epoch]
+        return int(perm[pos])
+
+    def step_sample_ids(self, step: int) -> list[list[int]]:
+        """Sample indices of this DP rank for ``step``: one list of ``micro`` per micro-batch."""
+        base = step * self.global_batch
+        return [[self.sample_index(base + (m * self.dp + self.dp_rank) * self.micro_batch + i)
+                 for i in range(self.micro_batch)] for m in range(self.grad_accum)]
+
+    def step_batches(self, step: int) -> list[Batch]:
+        """This rank's ``grad_accum`` micro-batches of ``step``, sharded zigzag for its CP rank."""
+        return [self._batch(ids) for ids in self.step_sample_ids(step)]
+
+    def _batch(self, ids: list[int]) -> Batch:
+        rows = torch.stack([self.samples[i] for i in ids])  # [micro, seq_len + 1]
+        seq_len = self.samples.seq_len
+        full = {
+            "tokens": rows[:, :-1],
+            "labels": rows[:, 1:],
+            "loss_mask": torch.ones(len(ids), seq_len, dtype=torch.float32),
+            "position_ids": torch.arange(seq_len).expand(len(ids), -1),
+        }
+        part = {k: shard_sequence(v, self.cp_rank, self.cp, dim=1).contiguous() for k, v in full.items()}
+        return Batch(**part)
+
+
+def build_samples(kind: str, *, vocab_size: int, seq_len: int, files: Sequence[Path] = (),
+                  synthetic_samples: int = 0, seed: int = 0) -> Samples:
+    """The samples of a ``data`` section: packed byte tokens of ``files`` or synthetic ones."""
+    if kind == "synthetic":
+        return SyntheticSequences(vocab_size, seq_len, synthetic_samples, seed)
+    if kind == "text":
+        return PackedSequences(text_corpus(files, ByteTokenizer(vocab_size)), seq_len)
+    raise ValueError(f"data.kind = {kind!r}; allowed: 'text', 'synthetic'")

@@ -1,0 +1,342 @@
+"""The training loop: a Megatron GPT with ring attention inside DeepSpeed's engine.
+
+One rank's run (:func:`train_main`, started by ``launch/train.py``):
+
+1. validate the whole config (:func:`megatron_ring.training.schema.load_train_spec`) — a bad
+   config stops every rank before a process group or a model exists;
+2. start the peer monitor (:class:`megatron_ring.inference.faults.PeerMonitor`) and
+   torch.distributed from the launcher's environment, then Megatron's ``parallel_state`` for the
+   layout (its groups equal :class:`~megatron_ring.parallel.layout.ParallelLayout`'s);
+3. build the GPT model from the ``configs/megatron`` YAML, hand it to ``deepspeed.initialize``
+   with our :class:`~megatron_ring.training.mpu.DeepSpeedMPU`;
+4. resume from the latest *complete* checkpoint if there is one; then per step: this rank's
+   micro-batches (zigzag over CP, split over DP), forward + backward + ``engine.step()``, one
+   metrics line, and a checkpoint every ``save_interval`` steps and at the end.
+
+Note [The loss of a context-parallel rank]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The step loss is the mean over every valid token of the global batch: ``L = sum_tokens / N``.
+A rank sees only its CP share of its DP share, and DeepSpeed (see the Note in
+:mod:`megatron_ring.training.mpu`) sums gradients over CP, averages them over DP and divides each
+micro-batch's loss by the gradient accumulation steps. So each micro-batch backpropagates
+``local_sum * dp * grad_accum / N``, with ``N`` all-reduced over dp x cp once per step before the
+first forward. The gradient is then exactly that of ``L`` whatever the layout, which is what makes
+cp = 2 (or tp = 2 x cp = 2) train to the same weights as cp = 1 on the same global batch.
+
+Note [Complete checkpoints]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``engine.save_checkpoint`` writes each rank's files into ``<dir>/<tag>/`` and ends with a
+barrier. Only after that barrier does rank 0 write ``<tag>/complete.json`` (atomically) and then
+DeepSpeed's ``latest`` file (atomically). Resume takes the highest step whose marker exists, so a
+save interrupted by a lost rank (some files written, no marker) is never taken for the latest.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Sequence, TextIO
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.config import ConfigError
+from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files
+from megatron_ring.training.mpu import DeepSpeedMPU
+from megatron_ring.training.schema import TrainSpec, check_deepspeed_training, load_train_spec
+
+EXIT_CONFIG = 2
+"""Exit status of every rank when the config is invalid (nothing was started)."""
+COMPLETE = "complete.json"
+"""Marker file of a checkpoint every rank finished writing (see Note [Complete checkpoints])."""
+
+
+# --- process groups, model, engine -------------------------------------------------------------
+
+def init_deepspeed_comm() -> None:
+    """Give DeepSpeed its comm backend on top of our already started torch.distributed.
+
+    Note [DeepSpeed's comm backend without the shared-memory op]: the engine needs
+    ``deepspeed.comm`` (its ``TorchBackend``), whose constructor JIT-compiles a shared-memory
+    all-reduce op on the CPU accelerator (about 80 s and a C++ toolchain on every fresh machine).
+    That op serves only ``inference_all_reduce``, never training's collectives, so while the
+    backend is created ``build_shm_op`` answers "not available"; every collective then goes
+    through ``torch.distributed`` as usual. (Inference avoids ``deepspeed.comm`` altogether, see
+    :mod:`megatron_ring.integrations.deepspeed`.)
+    """
+    import importlib
+
+    import deepspeed.comm as ds_comm
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # the attribute ds_comm.torch is torch itself
+
+    if ds_comm.is_initialized():
+        return
+    build_shm_op = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    finally:
+        ds_torch.build_shm_op = build_shm_op
+
+
+def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups:
+    """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups."""
+    from megatron_ring.integrations.megatron import parallel_from_megatron
+
+    layout = spec.layout
+    if device.type == "cpu":
+        from megatron_ring.testing.megatron_cpu import init_megatron_cpu
+
+        init_megatron_cpu(layout, seed=spec.train.seed)
+    else:
+        from megatron.core import parallel_state, tensor_parallel
+
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                                 pipeline_model_parallel_size=layout.pp,
+                                                 context_parallel_size=layout.cp)
+        torch.manual_seed(spec.train.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(spec.train.seed)
+    return parallel_from_megatron()
+
+
+def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
+    """The GPT model of ``spec.model`` inside a DeepSpeed engine reducing over dp x cp."""
+    import deepspeed
+
+    from megatron_ring.integrations.megatron_model import build_gpt_model
+
+    mpu = DeepSpeedMPU(groups)
+    init_deepspeed_comm()
+    check_deepspeed_training(spec, mpu)
+    model = build_gpt_model(spec.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
+                                           config=copy.deepcopy(spec.deepspeed), mpu=mpu)
+    return engine
+
+
+def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
+    """This rank's view of the training data (DP rank and CP rank from ``groups``)."""
+    d, m = spec.train.data, spec.model.model
+    files = corpus_files([spec.path(p) for p in d.paths], d.suffixes) if d.kind == "text" else ()
+    samples = build_samples(d.kind, vocab_size=m.vocab_size, seq_len=spec.train.seq_len, files=files,
+                            synthetic_samples=d.synthetic_samples, seed=d.seed)
+    return TrainData(samples, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, dp=spec.layout.dp,
+                     dp_rank=groups.coords["dp"], cp=spec.layout.cp, cp_rank=groups.cp_rank,
+                     shuffle=d.shuffle, seed=d.seed)
+
+
+# --- one step ----------------------------------------------------------------------------------
+
+def masked_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``per_token`` ``[b, s_local]`` losses over valid tokens (``loss_mask`` 1), in fp32."""
+    return (per_token.float() * loss_mask).sum()
+
+
+def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, device: torch.device) -> float:
+    """One optimizer step over this rank's micro-batches; returns the global mean token loss.
+
+    See Note [The loss of a context-parallel rank] for the scaling of each backward.
+    """
+    count = torch.stack([b.loss_mask.sum() for b in batches]).sum().to(device)
+    dist.all_reduce(count, group=groups.dp_cp)
+    if count.item() == 0:
+        raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
+    scale = groups.layout.dp * len(batches) / count
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        b = batch.to(device)
+        per_token = engine(b.tokens, b.position_ids, None, labels=b.labels)
+        local = masked_loss(per_token, b.loss_mask)
+        engine.backward(local * scale)
+        engine.step()
+        total += local.detach()
+    dist.all_reduce(total, group=groups.dp_cp)
+    return float(total / count)
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: the allocator peak on a GPU, the process's peak RSS on CPU."""
+    from megatron_ring.inference.metrics import peak_memory
+
+    peak = peak_memory(device)
+    return int(peak["peak_device_bytes"] if device.type == "cuda" else peak["peak_rss_bytes"])
+
+
+def gather_ints(value: int, device: torch.device) -> list[int]:
+    """``value`` of every rank, in rank order (one small all-gather)."""
+    mine = torch.tensor([value], dtype=torch.long, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(v) for v in every]
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+def checkpoint_tag(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Optional[str]:
+    """Tag of the highest-step checkpoint in ``ckpt_dir`` with a :data:`COMPLETE` marker, or None."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return None
+    tags = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step") and (p / COMPLETE).is_file()]
+    return max(tags, key=lambda t: int(t[4:]), default=None)
+
+
+def save_checkpoint(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any]) -> str:
+    """Save step ``step`` on every rank; mark it complete only when all ranks are done."""
+    from megatron_ring.inference.metrics import write_json_atomic
+
+    tag = checkpoint_tag(step)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    if dist.get_rank() == 0:  # save_checkpoint ended with a barrier: every rank's files exist
+        write_json_atomic(ckpt_dir / tag / COMPLETE, {"tag": tag, **client_state})
+        tmp = ckpt_dir / ".latest.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, ckpt_dir / "latest")
+    dist.barrier()
+    return tag
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+@dataclass
+class TrainRun:
+    """What :func:`train` leaves: the engine, the step it resumed from, and one record per step."""
+
+    engine: Any
+    start_step: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+class StepLog:
+    """Rank 0's JSON-lines log (one line per step, flushed) and progress bar; silent elsewhere."""
+
+    def __init__(self, spec: TrainSpec, rank: int, start_step: int) -> None:
+        from megatron_ring.inference.metrics import progress
+
+        self._file: Optional[TextIO] = None
+        if rank == 0 and spec.train.log.jsonl:
+            path = spec.path(spec.train.log.jsonl)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a" if start_step else "w")
+        self._bar = progress(spec.train.steps, enabled=rank == 0 and spec.train.log.progress,
+                             desc=f"{spec.train.name} ({spec.layout.describe()})")
+        self._bar.update(start_step)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.write(record)
+        self._bar.update(1)
+        self._bar.set_postfix_str(f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s")
+
+    def close(self) -> None:
+        self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> TrainRun:
+    """Build the engine, resume if a complete checkpoint exists, and train to ``spec.train.steps``."""
+    engine = build_engine(spec, groups)
+    data = build_data(spec, groups)
+    ck = spec.train.checkpoint
+    ckpt_dir = spec.path(ck.dir) if ck.dir else None
+    start = 0
+    if ckpt_dir is not None and ck.resume and (tag := latest_checkpoint(ckpt_dir)) is not None:
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        start = int(client["step"])
+    run = TrainRun(engine=engine, start_step=start)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    log = StepLog(spec, rank, start)
+    log.write({"event": "start", "step": start, "layout": spec.layout.sizes(), "world_size": world,
+               "global_batch": spec.global_batch, "seq_len": spec.train.seq_len, "resumed_from": start or None,
+               "pids": gather_ints(os.getpid(), device)})
+    try:
+        for step in range(start, spec.train.steps):
+            t0 = time.perf_counter()
+            loss = train_step(engine, data.step_batches(step), groups, device)
+            seconds = time.perf_counter() - t0
+            record = {
+                "step": step + 1, "loss": loss, "lr": float(engine.get_lr()[0]),
+                "tokens": data.tokens_per_step(), "step_s": seconds,
+                "tokens_per_s": data.tokens_per_step() / seconds,
+                "consumed_samples": (step + 1) * spec.global_batch,
+                "memory_bytes_per_rank": gather_ints(memory_bytes(device), device),
+            }
+            run.records.append(record)
+            log.step(record)
+            last = step + 1 == spec.train.steps
+            if ckpt_dir is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
+                state = {"step": step + 1, "consumed_samples": (step + 1) * spec.global_batch,
+                         "layout": spec.layout.sizes(), "data_seed": spec.train.data.seed}
+                tag = save_checkpoint(engine, ckpt_dir, step + 1, state)
+                log.write({"event": "checkpoint", "step": step + 1, "tag": tag})
+    finally:
+        log.close()
+    return run
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Train a Megatron GPT with ring attention under DeepSpeed.")
+    parser.add_argument("--deepspeed_config", "--config", dest="config", required=True,
+                        help="DeepSpeed training JSON with a 'megatron_ring' section")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (unused)")
+    return parser.parse_args(argv)
+
+
+def train_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one training job on this rank; return the exit status."""
+    from megatron_ring.inference.faults import EXIT_PEER_LOST, PeerMonitor
+    from megatron_ring.integrations import deepspeed as ds_glue
+
+    args = parse_args(argv)
+    env = ds_glue.launch_env()
+    try:
+        spec = load_train_spec(args.config, world_size=env["world_size"])
+    except ConfigError as err:
+        if env["rank"] == 0:
+            print(f"[megatron_ring] config error, nothing was started:\n{err}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    monitor = PeerMonitor(timeout_s=spec.train.peer_timeout_s).start()
+    try:
+        device, _ = ds_glue.init_distributed(timeout=timedelta(seconds=spec.train.collective_timeout_s))
+        rank = dist.get_rank()
+        monitor.attach(dist.distributed_c10d._get_default_store(), rank, dist.get_world_size())
+        groups = init_model_parallel(spec, device)
+        run = train(spec, groups, device)
+        monitor.done()
+        dist.barrier()
+    except ConfigError as err:
+        monitor.done()
+        print(f"[megatron_ring] rank {env['rank']}: config error:\n{err}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except Exception:
+        lost = monitor.lost(wait_s=3 * monitor.interval_s + 1)
+        if lost:
+            print(f"[megatron_ring] rank {monitor.rank}: lost {'; '.join(lost)}; stopping (exit {EXIT_PEER_LOST})",
+                  file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_LOST)
+        raise
+    if rank == 0 and run.records:
+        first, last = run.records[0], run.records[-1]
+        print(f"[megatron_ring] steps {run.start_step + 1}..{last['step']}: loss {first['loss']:.4f} -> "
+              f"{last['loss']:.4f}, {last['tokens_per_s']:,.0f} tok/s", flush=True)
+    dist.destroy_process_group()
+    return 0

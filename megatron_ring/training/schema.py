@@ -1,0 +1,276 @@
+"""Schema of a training config: DeepSpeed's training JSON plus our ``megatron_ring`` section.
+
+A config for ``launch/train.py`` is one JSON file::
+
+    {
+      "train_batch_size": 4,                       <- DeepSpeed's keys: batch, optimizer, ZeRO, dtype
+      "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": 1,
+      "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": true}},
+      "zero_optimization": {"stage": 1},
+      "megatron_ring": {                           <- ours, validated here
+        "model": "../megatron/tiny_ring_cp2.yaml",
+        "layout": {"tp": 1, "pp": 1, "cp": 2, "dp": 2},
+        "seq_len": 64,
+        "steps": 40,
+        "data": {"kind": "text", "paths": ["../../docs", "../../README.md"]},
+        "checkpoint": {"dir": "runs/train_cp2/ckpt", "save_interval": 20},
+        "log": {"jsonl": "runs/train_cp2/train.jsonl"}
+      }
+    }
+
+:func:`load_train_spec` checks everything that can be checked without a process group or a
+model, so a bad config stops every rank before anything is built: unknown keys in our section
+(did-you-mean), unknown top-level DeepSpeed keys (did-you-mean against DeepSpeed's own key
+names), the layout against the launched world size, ``seq_len`` against ``2 * cp`` (zigzag),
+``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, and
+the model YAML with the layout and sequence length written into it (heads divisible by tp, ...).
+Each error names the field, its value and what is allowed. Importing this module needs pydantic
+only; DeepSpeed's deeper schema check (:func:`check_deepspeed_training`) imports DeepSpeed.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import Field
+
+from megatron_ring.config import ConfigError, StrictModel, load_mapping
+from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.parallel.layout import ParallelLayout
+
+SECTION = "megatron_ring"
+"""Key of our section in the DeepSpeed training JSON."""
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""DeepSpeed's batch keys: global batch = micro batch x gradient accumulation x dp (sequences)."""
+
+DEEPSPEED_TRAINING_KEYS: frozenset[str] = frozenset({
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+    "optimizer", "scheduler", "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
+    "fp16", "bf16", "amp", "torch_autocast", "data_types", "communication_data_type",
+    "seq_parallel_communication_data_type", "wall_clock_breakdown", "memory_breakdown", "dump_state",
+    "activation_checkpointing", "checkpoint", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet",
+    "comms_logger", "compile", "aio", "autotuning", "elasticity", "curriculum_learning", "data_efficiency",
+    "pipeline", "sparse_attention", "dataloader_drop_last", "disable_allgather", "zero_legacy_stage1",
+    "graph_harvesting", "use_data_before_expert_parallel_", "use_node_local_storage", "load_universal_checkpoint",
+    "timers", "weight_quantization", "compression_training", "nebula", "hybrid_engine", "eigenvalue",
+    "progressive_layer_drop", "quantize_training", "gradient_accumulation_dtype", "expert_parallel",
+    "tensor_parallel", "sequence_parallel_size",
+})
+"""Top-level keys of a DeepSpeed training config that we pass through (DeepSpeed itself ignores
+unknown top-level keys, so a typo such as ``gradient_clip`` would be silently dropped)."""
+
+
+class LayoutSection(StrictModel):
+    """Sizes of the parallel axes; tp*pp*cp*dp must equal the launched world size."""
+
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, le=1, description="pipeline parallelism needs DeepSpeed's PipelineEngine: 1 only")
+    cp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp)
+
+
+class DataSection(StrictModel):
+    """Where training tokens come from.
+
+    ``kind: text`` reads ``paths`` (files, or folders searched recursively for ``suffixes``), in
+    sorted order, through the byte-level tokenizer; ``kind: synthetic`` draws uniform random
+    tokens from ``seed`` (explicitly opted into, never a silent fallback).
+    """
+
+    kind: Literal["text", "synthetic"] = "text"
+    paths: list[str] = Field(default_factory=list, description="text files or folders (relative to the config file)")
+    suffixes: list[str] = Field(default_factory=lambda: [".md", ".txt", ".py", ".rst"])
+    shuffle: bool = True
+    seed: int = 1234
+    synthetic_samples: int = Field(4096, ge=1, description="number of distinct sequences for kind: synthetic")
+
+
+class CheckpointSection(StrictModel):
+    """DeepSpeed checkpoints: every ``save_interval`` steps (0: only at the end) and at the last step."""
+
+    dir: Optional[str] = Field(None, description="checkpoint directory; None: no checkpoints")
+    save_interval: int = Field(0, ge=0)
+    resume: bool = Field(True, description="continue from the latest complete checkpoint in dir, if any")
+
+
+class LogSection(StrictModel):
+    """Per-step metrics: a JSON line per step (rank 0, flushed) and a progress bar on rank 0."""
+
+    jsonl: Optional[str] = Field(None, description="path of the JSON-lines log; None: no file")
+    progress: bool = True
+
+
+class TrainSection(StrictModel):
+    """Our ``megatron_ring`` section of a training config."""
+
+    name: str = "train"
+    model: str = Field(..., description="path of a configs/megatron YAML (relative to this config file, "
+                                        "then to the working directory)")
+    attention: Optional[Literal["local", "ring"]] = Field(None, description="override the model file's attention")
+    layout: LayoutSection = Field(default_factory=LayoutSection)
+    seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
+    steps: int = Field(..., ge=1, description="optimizer steps of the whole run")
+    data: DataSection = Field(default_factory=DataSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    log: LogSection = Field(default_factory=LogSection)
+    seed: int = 1234
+    collective_timeout_s: float = Field(300.0, gt=0)
+    peer_timeout_s: float = Field(20.0, gt=0, description="a peer silent this long is declared lost")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """A validated training config: DeepSpeed's part, our section, the model and the layout."""
+
+    deepspeed: dict[str, Any]
+    train: TrainSection
+    model: GPTConfig
+    layout: ParallelLayout
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    base_dir: Path
+
+    def path(self, value: str) -> Path:
+        """A path of the config resolved against the config file's directory (absolute paths unchanged)."""
+        return _resolve(value, self.base_dir, must_exist=False)
+
+
+def _resolve(value: str, base: Path, *, must_exist: bool) -> Path:
+    """``value`` relative to ``base``, else to the working directory when only that exists."""
+    path = Path(value)
+    if path.is_absolute():
+        return path
+    if must_exist and not (base / path).exists() and path.exists():
+        return path.resolve()
+    return (base / path).resolve()
+
+
+def check_batch(ds: dict[str, Any], dp: int) -> tuple[int, int, int]:
+    """``(micro, grad_accum, global)`` from DeepSpeed's batch keys; ConfigError naming the keys.
+
+    Like DeepSpeed, any two of the three keys determine the third (grad accumulation alone
+    defaults to 1); all three must satisfy ``global = micro * grad_accum * dp``.
+    """
+    given = {k: ds.get(k) for k in BATCH_KEYS}
+    for key, value in given.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{key} = {value!r}: must be a positive integer")
+    glob, micro, accum = given["train_batch_size"], given["train_micro_batch_size_per_gpu"], \
+        given["gradient_accumulation_steps"]
+    if micro is None and glob is None:
+        raise ConfigError("set train_batch_size or train_micro_batch_size_per_gpu (sequences per step / per rank)")
+    if glob is None:
+        accum = accum or 1
+        glob = micro * accum * dp
+    elif micro is None:
+        accum = accum or 1
+        if glob % (accum * dp):
+            raise ConfigError(f"train_batch_size = {glob} is not divisible by gradient_accumulation_steps * dp = "
+                              f"{accum} * {dp}; allowed: a multiple of {accum * dp}")
+        micro = glob // (accum * dp)
+    elif accum is None:
+        if glob % (micro * dp):
+            raise ConfigError(f"train_batch_size = {glob} is not divisible by train_micro_batch_size_per_gpu * dp = "
+                              f"{micro} * {dp}; allowed: a multiple of {micro * dp}")
+        accum = glob // (micro * dp)
+    if glob != micro * accum * dp:
+        raise ConfigError(
+            f"train_batch_size = {glob} != train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp = "
+            f"{micro} * {accum} * {dp} = {micro * accum * dp}; the global batch counts sequences over the "
+            f"data-parallel ranks only (cp and tp ranks share a sequence)"
+        )
+    return micro, accum, glob
+
+
+def deepspeed_dtype(ds: dict[str, Any]) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"``: the training dtype DeepSpeed's keys select."""
+    for name in ("bf16", "fp16"):
+        section = ds.get(name)
+        if isinstance(section, dict) and section.get("enabled", False):
+            return name
+    return "fp32"
+
+
+def check_deepspeed_keys(ds: dict[str, Any]) -> None:
+    """ConfigError for a top-level key DeepSpeed would silently ignore (with a did-you-mean)."""
+    for key in ds:
+        if key not in DEEPSPEED_TRAINING_KEYS:
+            near = difflib.get_close_matches(key, sorted(DEEPSPEED_TRAINING_KEYS | {SECTION}), n=1, cutoff=0.6)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ConfigError(f"unknown DeepSpeed key '{key}'{hint}; DeepSpeed would ignore it. Known keys: "
+                              f"{', '.join(sorted(DEEPSPEED_TRAINING_KEYS))}")
+
+
+def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, where: str = "config") -> TrainSpec:
+    """Validate a whole training config mapping for ``world_size`` processes (see module docstring)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
+    if SECTION not in raw:
+        raise ConfigError(f"{where} has no '{SECTION}' section; keys present: {sorted(raw)}")
+    ds = {k: v for k, v in raw.items() if k != SECTION}
+    train = TrainSection.parse(raw[SECTION], where=f"'{SECTION}' section of {where}")
+    check_deepspeed_keys(ds)
+    layout = train.layout.layout()
+    if layout.world_size != world_size:
+        raise ConfigError(
+            f"{SECTION}.layout = {layout.describe()} does not match the world size {world_size}; "
+            "the product tp*pp*cp*dp must equal the number of launched processes"
+        )
+    if train.seq_len % (2 * layout.cp):
+        raise ConfigError(
+            f"{SECTION}.seq_len = {train.seq_len} is not divisible by 2 * layout.cp = {2 * layout.cp} "
+            f"(zigzag sharding over cp = {layout.cp}); allowed: a multiple of {2 * layout.cp}"
+        )
+    micro, accum, glob = check_batch(ds, layout.dp)
+    model = _model_config(train, base_dir, where)
+    ds_dtype = deepspeed_dtype(ds)
+    if ds_dtype != model.dtype:
+        raise ConfigError(
+            f"DeepSpeed trains in {ds_dtype} (bf16.enabled / fp16.enabled) but the model file {train.model!r} "
+            f"has dtype = {model.dtype!r}; make them agree (fp32: neither bf16 nor fp16 enabled)"
+        )
+    if train.data.kind == "text" and not train.data.paths:
+        raise ConfigError(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
+    return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
+                     global_batch=glob, base_dir=base_dir)
+
+
+def _model_config(train: TrainSection, base_dir: Path, where: str) -> GPTConfig:
+    """The model YAML with our layout, sequence length (and attention, if set) written into it."""
+    path = _resolve(train.model, base_dir, must_exist=True)
+    data = copy.deepcopy(load_mapping(path))
+    lay = train.layout
+    data["parallel"] = {**data.get("parallel", {}), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
+    if isinstance(data.get("model"), dict):
+        data["model"]["seq_length"] = train.seq_len
+    if train.attention is not None:
+        data["attention"] = train.attention
+    return GPTConfig.parse(data, where=f"model {str(path)!r} with {SECTION}.layout/seq_len of {where}")
+
+
+def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
+    """Read and validate a training config file (relative paths inside resolve against its folder)."""
+    path = Path(path)
+    return parse_train_spec(load_mapping(path), world_size=world_size, base_dir=path.resolve().parent,
+                            where=f"config {str(path)!r}")
+
+
+def check_deepspeed_training(spec: TrainSpec, mpu: Any) -> None:
+    """Run DeepSpeed's own config parser on DeepSpeed's part (sub-sections, ZeRO keys) -> ConfigError."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedConfig(copy.deepcopy(spec.deepspeed), mpu=mpu)
+    except (ValidationError, AssertionError, ValueError) as err:
+        raise ConfigError(f"DeepSpeed rejects the training keys: {err}") from None

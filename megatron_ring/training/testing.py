@@ -1,0 +1,72 @@
+"""Workers for the training tests, run on every rank of a :class:`megatron_ring.testing.gloo.GlooPool`.
+
+They take a whole training config mapping (DeepSpeed keys + ``megatron_ring`` section), run it on
+the pool's already initialised gloo group (CPU, Megatron shims applied) and return what the tests
+compare: per-step losses, and the full (TP-gathered) fp32 weights on rank 0.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.training.loop import init_model_parallel, train
+from megatron_ring.training.schema import parse_train_spec
+
+
+def full_weights(module: torch.nn.Module, tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """fp32 copies of every parameter, TP shards concatenated along their partition dim."""
+    out: dict[str, torch.Tensor] = {}
+    tp = tp_group.size()
+    for name, param in module.named_parameters():
+        value = param.detach().float()
+        if tp > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(value) for _ in range(tp)]
+            dist.all_gather(parts, value.contiguous(), group=tp_group)
+            value = torch.cat(parts, dim=param.partition_dim)
+        out[name] = value.clone()
+    return out
+
+
+def run_config(raw: dict[str, Any], base_dir: str, *, weights: bool = True) -> dict[str, Any]:
+    """Train ``raw`` to its last step on this rank; ``{"losses", "start_step", "weights"}``.
+
+    ``weights`` (rank 0 only, else None) are the full model weights after the last step.
+    """
+    # what a launcher would have set (DeepSpeed's engine insists on LOCAL_RANK); one host
+    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
+                      WORLD_SIZE=str(dist.get_world_size()))
+    spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
+    device = torch.device("cpu")
+    groups = init_model_parallel(spec, device)
+    run = train(spec, groups, device)
+    full: Optional[dict[str, torch.Tensor]] = None
+    if weights:
+        full = full_weights(run.engine.module, groups.tp)
+        if dist.get_rank() != 0:
+            full = None
+    result = {"losses": [r["loss"] for r in run.records], "start_step": run.start_step, "weights": full}
+    run.engine.destroy()
+    return result
+
+
+def group_ranks(layout: dict[str, int]) -> dict[str, dict[str, list[int]]]:
+    """This rank's groups two ways, axis -> global ranks: :func:`~megatron_ring.training.mpu.
+    process_group_collection` of our own :func:`~megatron_ring.init_parallel` groups, and Megatron's
+    ``ProcessGroupCollection.use_mpu_process_groups()`` after ``initialize_model_parallel``."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_ring.parallel.groups import init_parallel
+    from megatron_ring.parallel.layout import ParallelLayout
+    from megatron_ring.testing.megatron_cpu import init_megatron_cpu
+    from megatron_ring.training.mpu import process_group_collection
+
+    init_megatron_cpu(ParallelLayout(**layout))
+    ours = process_group_collection(init_parallel(ParallelLayout(**layout)))
+    megatron = ProcessGroupCollection.use_mpu_process_groups()
+    axes = ("tp", "pp", "cp", "dp", "dp_cp", "tp_cp", "mp")
+    return {name: {axis: dist.get_process_group_ranks(getattr(pgs, axis)) for axis in axes}
+            for name, pgs in (("ours", ours), ("megatron", megatron))}

@@ -1,0 +1,152 @@
+"""Training configs, data and checkpoint bookkeeping, without processes: bad configs fail before
+anything is built (naming the field), the data pipeline shards exactly, resume positions are
+deterministic, an interrupted checkpoint is never the latest, and the mpu reports dp x cp."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("pydantic")
+
+from megatron_ring.attention.sharding import unshard_sequence  # noqa: E402
+from megatron_ring.config import ConfigError  # noqa: E402
+from megatron_ring.parallel.groups import ParallelGroups  # noqa: E402
+from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_ring.training.data import ByteTokenizer, PackedSequences, TrainData  # noqa: E402
+from megatron_ring.training.loop import COMPLETE, EXIT_CONFIG, latest_checkpoint, train_main  # noqa: E402
+from megatron_ring.training.mpu import DeepSpeedMPU  # noqa: E402
+from megatron_ring.training.schema import load_train_spec, parse_train_spec  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((ROOT / "configs" / "deepspeed").glob("train_*.json"))
+
+
+def good() -> dict[str, Any]:
+    return json.loads((ROOT / "configs" / "deepspeed" / "train_cp2.json").read_text())
+
+
+def parse(raw: dict[str, Any], world_size: int = 4) -> Any:
+    return parse_train_spec(raw, world_size=world_size, base_dir=ROOT / "configs" / "deepspeed")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path: Path) -> None:
+    spec = load_train_spec(path, world_size=4)
+    assert spec.global_batch == spec.micro_batch * spec.grad_accum * spec.layout.dp
+    assert spec.model.model.seq_length == spec.train.seq_len and spec.model.attention == "ring"
+
+
+def _change(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(raw)
+    *path, key = dotted.split(".")
+    target = raw
+    for part in path:
+        target = target[part]
+    if value is None:
+        del target[key]
+    else:
+        target[key] = value
+    return raw
+
+
+BAD = {
+    "unknown key (ours)": ("megatron_ring.seq_lenght", 128, ["seq_lenght", "did you mean 'seq_len'"]),
+    "unknown nested key": ("megatron_ring.checkpoint.save_intervall", 5, ["save_intervall", "save_interval"]),
+    "unknown DeepSpeed key": ("gradient_clip", 1.0, ["gradient_clip", "did you mean 'gradient_clipping'"]),
+    "global batch": ("train_batch_size", 6, ["train_batch_size = 6", "2 * 2 * 2 = 8"]),
+    "layout vs world": ("megatron_ring.layout", {"tp": 1, "pp": 1, "cp": 2, "dp": 4},
+                        ["megatron_ring.layout", "world size 4", "= 8"]),
+    "seq_len vs 2*cp": ("megatron_ring.seq_len", 126, ["megatron_ring.seq_len = 126", "2 * layout.cp = 4"]),
+    "pipeline": ("megatron_ring.layout", {"pp": 2, "cp": 2}, ["layout.pp", "2"]),
+    "heads vs tp": ("megatron_ring.layout", {"tp": 3, "cp": 1, "dp": 1}, ["num_attention_heads = 4", "tp = 3"]),
+    "missing model": ("megatron_ring.model", "../megatron/nope.yaml", ["nope.yaml", "does not exist"]),
+    "dtype vs model": ("bf16", {"enabled": True}, ["DeepSpeed trains in bf16", "dtype = 'fp32'"]),
+    "attention kind": ("megatron_ring.attention", "flash", ["attention", "flash"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_config_names_the_field(case: str) -> None:
+    dotted, value, needles = BAD[case]
+    raw = _change(good(), dotted, value)
+    world = 3 if case == "heads vs tp" else 4
+    if case == "heads vs tp":
+        raw["train_batch_size"] = 4  # dp = 1
+    with pytest.raises(ConfigError) as err:
+        parse(raw, world_size=world)
+    for needle in needles:
+        assert needle in str(err.value), f"{needle!r} not in: {err.value}"
+
+
+def test_train_main_stops_before_anything_starts(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    raw = _change(good(), "train_batch_size", 6)
+    raw["megatron_ring"]["model"] = str(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml")
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert train_main(["--deepspeed_config", str(path)]) == EXIT_CONFIG
+    assert "train_batch_size = 6" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_byte_tokenizer() -> None:
+    tok = ByteTokenizer(128)
+    ids = tok.encode("ring é")
+    assert tok.eod_id == 127 and ids.tolist()[:4] == [ord(c) for c in "ring"]
+    assert tok.decode(ids) == "ring ??" and int(ids.max()) < 128
+    assert ByteTokenizer(300).eod_id == 256 and ByteTokenizer(300).decode(ByteTokenizer(300).encode("é")) == "é"
+
+
+def test_batches_cover_the_global_batch_once_and_shard_zigzag() -> None:
+    samples = PackedSequences(torch.arange(1000) % 97, seq_len=16)
+    kw = dict(micro_batch=2, grad_accum=2, shuffle=True, seed=3)
+    step = 5
+    seen: list[int] = []
+    for d in range(2):
+        parts = [TrainData(samples, dp=2, dp_rank=d, cp=2, cp_rank=c, **kw).step_batches(step) for c in range(2)]
+        ids = TrainData(samples, dp=2, dp_rank=d, cp=2, cp_rank=0, **kw).step_sample_ids(step)
+        seen += [i for micro in ids for i in micro]
+        for m, micro in enumerate(ids):
+            full = {k: unshard_sequence([getattr(parts[c][m], k) for c in range(2)]) for k in ("tokens", "labels",
+                                                                                                "position_ids")}
+            rows = torch.stack([samples[i] for i in micro])
+            assert torch.equal(full["tokens"], rows[:, :-1]) and torch.equal(full["labels"], rows[:, 1:])
+            assert torch.equal(full["position_ids"], torch.arange(16).expand(2, -1))
+    ref = TrainData(samples, dp=1, dp_rank=0, cp=1, cp_rank=0, micro_batch=8, grad_accum=1, shuffle=True, seed=3)
+    assert sorted(seen) == sorted(ref.step_sample_ids(step)[0]), "dp x micro x accum must cover the global batch"
+    again = TrainData(samples, dp=2, dp_rank=1, cp=2, cp_rank=1, **kw)
+    assert again.step_sample_ids(step) == TrainData(samples, dp=2, dp_rank=1, cp=2, cp_rank=1, **kw).step_sample_ids(step)
+
+
+def test_interrupted_checkpoint_is_never_latest(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    for step, complete in ((10, True), (20, True), (30, False)):
+        tag = tmp_path / f"step{step:08d}"
+        tag.mkdir()
+        (tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+        if complete:
+            (tag / COMPLETE).write_text("{}")
+    assert latest_checkpoint(tmp_path) == "step00000020"
+
+
+def test_mpu_reports_dp_cp_for_gradients_and_dp_for_batches() -> None:
+    layout = ParallelLayout(tp=2, cp=2, dp=2)
+    rank = 5  # tp 1, cp 0, dp 1
+    ranks = {axis: layout.group_of(axis, rank) for axis in ("tp", "cp", "dp", "pp", "dp-cp", "tp-cp")}
+    groups = ParallelGroups(layout=layout, rank=rank, groups={a: a for a in ranks}, ranks=ranks)  # type: ignore
+    mpu = DeepSpeedMPU(groups)
+    assert (mpu.get_data_parallel_world_size(), mpu.get_sequence_parallel_world_size(),
+            mpu.get_sequence_data_parallel_world_size(), mpu.get_model_parallel_world_size()) == (2, 2, 4, 2)
+    assert mpu.get_sequence_data_parallel_group() == "dp-cp" and mpu.get_data_parallel_group() == "dp"
+    assert ranks["dp-cp"] == [1, 3, 5, 7] and mpu.get_sequence_data_parallel_rank() == 2
+    assert (mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank(), mpu.get_sequence_parallel_rank()) \
+        == (1, 1, 0)
+    assert not hasattr(mpu, "initialize_sequence_parallel")
