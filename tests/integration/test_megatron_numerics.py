@@ -22,6 +22,9 @@ pytestmark = pytest.mark.integration
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 FP32_TOL, BF16_TOL = 1e-5, 2e-2
+BF16_GRAD_TOL = 5e-2
+"""bf16 gradients are compared by relative L2 norm per parameter; bf16 rounding of the gradients
+themselves (both models) puts them at ~2.2e-2 on the cp2 case, so the bound is looser than for outputs."""
 
 
 def _config(name: str, **changes: Any) -> dict[str, Any]:
@@ -53,16 +56,15 @@ CASES = {
 def test_gpt_matches_cp1_reference(gloo_pool: Any, case: str) -> None:
     world, cfg = CASES[case]
     bf16 = cfg["dtype"] == "bf16"
-    results = gloo_pool(world).run(megatron_cpu.compare_to_reference, cfg, grads=not bf16)
+    results = gloo_pool(world).run(megatron_cpu.compare_to_reference, cfg)
     tol = BF16_TOL if bf16 else FP32_TOL
     last_stage = [r for r in results if "loss" in r]
     assert len(last_stage) == world // cfg["parallel"].get("pp", 1)
     for r in last_stage:
         assert r["loss_err"] <= tol, r
         assert r["logits_err"] <= tol, r
-    if not bf16:
-        for r in results:
-            assert r["grad_err"] <= FP32_TOL, r
+    for r in results:
+        assert r["grad_err"] <= (BF16_GRAD_TOL if bf16 else FP32_TOL), r
 
 
 def test_cp1_ring_attention_matches_dot_product_attention(gloo_pool: Any) -> None:
