@@ -388,3 +388,21 @@ def generate_without_cache(cfg_data: dict[str, Any], *, batch: int = 2, prompt_l
             logits = model(ids, positions, None)
             ids = torch.cat([ids, logits[:, -1].float().argmax(dim=-1, keepdim=True)], dim=1)
     return ids[:, prompt_len:].tolist()
+
+
+def parallel_view_matches_layout(layout: ParallelLayout) -> dict[str, Any]:
+    """``parallel_from_megatron()`` after Megatron's init for ``layout``: its ranks and ring vs ``layout``'s."""
+    from megatron_ring.integrations.megatron import parallel_from_megatron
+
+    init_megatron_cpu(layout)
+    view = parallel_from_megatron()
+    rank = dist.get_rank()
+    expected = {axis: layout.group_of(axis, rank) for axis in view.ranks}
+    ring = layout.group_of("cp", rank)
+    me = ring.index(rank)
+    return {
+        "layout_equal": view.layout == layout,
+        "ranks_equal": view.ranks == expected,
+        "ring_equal": (view.cp_rank, view.ring_next, view.ring_prev)
+        == (me, ring[(me + 1) % len(ring)], ring[(me - 1) % len(ring)]),
+    }

@@ -111,3 +111,11 @@ def test_yaml_attention_swap_changes_only_core_attention(gloo_pool: Any) -> None
     assert diff and all(name.endswith("self_attention.core_attention") for name in diff), diff
     assert set(diff.values()) == {("DotProductAttention", "RingAttention")}
     assert len(diff) == local_cfg["model"]["num_layers"]
+
+
+@pytest.mark.parametrize("sizes", [{"tp": 2, "cp": 2}, {"cp": 2, "pp": 2}, {"cp": 4}], ids=str)
+def test_parallel_from_megatron_equals_our_layout(gloo_pool: Any, sizes: dict[str, int]) -> None:
+    from megatron_ring.parallel.layout import ParallelLayout
+
+    for out in gloo_pool(4).run(megatron_cpu.parallel_view_matches_layout, ParallelLayout(**sizes)):
+        assert all(out.values()), out
