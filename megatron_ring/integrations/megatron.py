@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -70,17 +71,15 @@ class RingAttention(MegatronModule):
         self.attention_type = attention_type
         self.attn_mask_type = _check_mask_type(attn_mask_type)
         self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.hidden_size_per_attention_head = config.kv_channels
         self.softmax_scale = (
             1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
         )
         self.cp_comm_type = _resolve_comm(cp_comm_type, config, self.layer_number)
         self.cp_group = _resolve_cp_group(pg_collection)
-        cp_size = 1 if self.cp_group is None else self.cp_group.size()
-        if cp_size != config.context_parallel_size:
+        if self.cp_size != config.context_parallel_size:
             raise ValueError(
                 f"context_parallel_size = {config.context_parallel_size} in the TransformerConfig but the CP "
-                f"process group has {cp_size} ranks; they must agree (RoPE positions depend on it)"
+                f"process group has {self.cp_size} ranks; they must agree (RoPE positions depend on it)"
             )
         for field, bad in (("window_size", config.window_size is not None),
                            ("softmax_type", config.softmax_type != "vanilla"),
@@ -223,11 +222,10 @@ def _swap(node: Any, owner: Any) -> bool:
     for field in dataclasses.fields(node):
         value = getattr(node, field.name)
         if field.name == "core_attention" and value is not None:
-            name = getattr(owner, "__name__", str(owner))
-            if "MLA" in name:
+            if isinstance(owner, type) and issubclass(owner, MultiLatentAttention):
                 raise ValueError(
-                    f"core_attention of {name} (multi-latent attention) is not supported by RingAttention; "
-                    "allowed: SelfAttention / CrossAttention specs"
+                    f"core_attention of {owner.__name__} (multi-latent attention) is not supported by "
+                    "RingAttention; allowed: SelfAttention / CrossAttention specs"
                 )
             setattr(node, field.name, RingAttention)
             found = True
