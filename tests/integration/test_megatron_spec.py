@@ -64,3 +64,25 @@ def test_transformer_engine_spec() -> None:
 
     spec = use_ring_attention(get_gpt_layer_with_transformer_engine_spec())
     assert spec.submodules.self_attention.submodules.core_attention is RingAttention
+
+
+def test_ring_attention_without_torch_distributed_is_plain_attention() -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dist.is_initialized() or parallel_state.model_parallel_is_initialized():
+        pytest.skip("needs a process without torch.distributed / parallel_state")
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, use_cpu_initialization=True)
+    ring = RingAttention(config, 1, AttnMaskType.causal, "self")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(12, 2, 4, 8, generator=gen), torch.randn(12, 2, 2, 8, generator=gen), torch.randn(12, 2, 2, 8, generator=gen)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.repeat_interleave(2, 2).permute(1, 2, 0, 3), v.repeat_interleave(2, 2).permute(1, 2, 0, 3),
+        is_causal=True)
+    out = ring(q, k, v, None)
+    assert out.shape == (12, 2, 32)
+    torch.testing.assert_close(out, ref.permute(2, 0, 1, 3).reshape(12, 2, 32), rtol=1e-5, atol=1e-6)
