@@ -1,7 +1,10 @@
-"""Hugging Face transformers with ring attention: re-export of :mod:`megatron_ring.integrations.transformers`.
+"""Hugging Face transformers with ring attention: re-export of :mod:`megatron_ring.integrations.transformers`
+(and :func:`init_autotp` from :mod:`megatron_ring.integrations.hf_autotp` for TP x CP with DeepSpeed).
 
 Importing it registers ``attn_implementation="ring"`` with transformers (needs ``transformers``).
+See docs/transformers.md.
 """
+from megatron_ring.integrations.hf_autotp import init_autotp
 from megatron_ring.integrations.transformers import (
     ATTN_IMPLEMENTATION,
     CPContext,
@@ -19,6 +22,7 @@ __all__ = [
     "RingCache",
     "cp_context",
     "enable_ring_attention",
+    "init_autotp",
     "register",
     "ring_forward",
     "ring_generate",

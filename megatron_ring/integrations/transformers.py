@@ -51,6 +51,7 @@ from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import chunks_per_rank, shard_sequence, unshard_sequence
 
 ATTN_IMPLEMENTATION = "ring"
+SHARDING = "zigzag"  # causal LMs: zigzag balances the ring (Note [Zigzag sharding] in attention/sharding.py)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -83,7 +84,6 @@ class CPContext:
     phase: str = "prefill"
     cache: "RingCache | None" = None
     total_len: int = 0
-    sharding: str = "zigzag"
 
 
 _ACTIVE: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("megatron_ring_cp_context", default=None)
@@ -246,7 +246,7 @@ def _mask_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torc
             torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1))
 
 
-def _check_module_call(module: torch.nn.Module, ctx: CPContext, dropout: float, kwargs: dict[str, Any]) -> None:
+def _check_module_call(module: torch.nn.Module, seq_len: int, dropout: float, kwargs: dict[str, Any]) -> None:
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported with ring attention (weights are never materialised)")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -257,9 +257,9 @@ def _check_module_call(module: torch.nn.Module, ctx: CPContext, dropout: float, 
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}={kwargs[name]!r} is not supported with ring attention; allowed: None")
     window = kwargs.get("sliding_window")
-    if window is not None and ctx.total_len > window:
+    if window is not None and seq_len > window:
         raise ValueError(
-            f"sliding_window={window} is shorter than the sequence ({ctx.total_len} tokens); ring attention is exact "
+            f"sliding_window={window} is shorter than the sequence ({seq_len} tokens); ring attention is exact "
             "full causal attention, so it supports sliding windows only when the whole sequence fits in the window"
         )
 
@@ -271,30 +271,30 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
     query ``[batch, heads_q, q_len, head_dim]``, key/value ``[batch, heads_kv, kv_len, head_dim]``
     (this rank's tokens), attention_mask the 2-D padding mask from :func:`ring_mask` or None.
-    Returns ``([batch, q_len, heads_q, head_dim], None)``.
+    Returns ``([batch, q_len, heads_q, head_dim], None)``. Whether a mask is given must agree on all
+    ranks (the wrappers pass None exactly when the global mask has no padding): the masked path
+    changes the shapes that the ranks exchange.
     """
     ctx = _active()
-    _check_module_call(module, ctx, dropout, kwargs)
+    _check_module_call(module, ctx.total_len or query.shape[2] * ctx.size, dropout, kwargs)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if ctx.phase == "decode" and ctx.cache is None:
+        raise ValueError("the decode phase needs the RingCache of the running generate in the CP context")
     key_mask = attention_mask
     if key_mask is not None:
         if key_mask.dim() != 2:
             raise ValueError(f"ring attention takes a 2-D padding mask [batch, seq], got shape {tuple(key_mask.shape)}")
         if ctx.phase == "decode":
-            if ctx.cache is None:
-                raise ValueError("decode phase needs a RingCache in the CP context")
             columns = ctx.cache.layers[module.layer_idx].columns
             key_mask = key_mask[:, columns.to(key_mask.device)] if columns is not None else key_mask[:, :0]
-        if bool(key_mask.all()):
-            key_mask = None
     d = q.shape[-1]
     if key_mask is not None:
         q, k, v = _mask_keys(q, k, v, key_mask.bool(), scale)
     if ctx.phase == "decode":
         out = decode_attention(q, k, v, ctx.group, softmax_scale=scale)
     else:
-        out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=ctx.sharding)
+        out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING)
     return out[..., :d], None
 
 
@@ -381,12 +381,11 @@ def _check_ids(input_ids: object, attention_mask: object) -> tuple[torch.Tensor,
 
 
 def _shard(ctx: CPContext, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [shard_sequence(t, ctx.rank, ctx.size, dim=1, sharding=ctx.sharding) for t in tensors]
+    return [shard_sequence(t, ctx.rank, ctx.size, dim=1, sharding=SHARDING) for t in tensors]
 
 
 def _local_columns(ctx: CPContext, seq_len: int, device: torch.device) -> torch.Tensor:
-    return shard_sequence(torch.arange(seq_len, device=device)[None], ctx.rank, ctx.size, dim=1,
-                          sharding=ctx.sharding)[0]
+    return shard_sequence(torch.arange(seq_len, device=device)[None], ctx.rank, ctx.size, dim=1, sharding=SHARDING)[0]
 
 
 def _gather_seq(ctx: CPContext, local: torch.Tensor) -> torch.Tensor:
@@ -395,7 +394,7 @@ def _gather_seq(ctx: CPContext, local: torch.Tensor) -> torch.Tensor:
         return local
     parts = [torch.empty_like(local) for _ in range(ctx.size)]
     dist.all_gather(parts, local.contiguous(), group=ctx.group)
-    return unshard_sequence(parts, dim=1, sharding=ctx.sharding)
+    return unshard_sequence(parts, dim=1, sharding=SHARDING)
 
 
 @torch.no_grad()
@@ -415,10 +414,10 @@ def ring_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     with cp_context(group) as ctx:
-        ids, mask, pos, pad = _pad_left(input_ids, attention_mask, position_ids, 2 * ctx.size if ctx.sharding == "zigzag" else ctx.size,
-                                        _pad_id(model))
-        ctx.total_len = ids.shape[1]
-        _check_window(model, ids.shape[1])
+        ids, mask, pos, pad = _pad_left(input_ids, attention_mask, position_ids,
+                                        chunks_per_rank(SHARDING) * ctx.size, _pad_id(model))
+        ctx.total_len = input_ids.shape[1]
+        _check_window(model, ctx.total_len)
         local_ids, local_mask, local_pos = _shard(ctx, ids, mask, pos)
         out = model(input_ids=local_ids, attention_mask=None if bool(mask.all()) else local_mask,
                     position_ids=local_pos, use_cache=False)
@@ -439,6 +438,7 @@ def _pad_id(model: PreTrainedModel) -> int:
     return 0
 
 
+DEFAULT_NEW_TOKENS = 20  # generate's own default when neither max_new_tokens nor max_length is set
 GREEDY_ONLY: dict[str, tuple[object, ...]] = {"num_beams": (None, 1), "do_sample": (None, False),
                                               "prefill_chunk_size": (None,)}
 
@@ -474,13 +474,16 @@ def ring_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     # generate's own positions: count of real tokens so far (left padding gets 0)
     position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
     with cp_context(group) as ctx:
-        multiple = 2 * ctx.size if ctx.sharding == "zigzag" else ctx.size
-        ids, mask, pos, pad = _pad_left(input_ids, attention_mask, position_ids, multiple, _pad_id(model))
+        ids, mask, pos, pad = _pad_left(input_ids, attention_mask, position_ids,
+                                        chunks_per_rank(SHARDING) * ctx.size, _pad_id(model))
         seq = ids.shape[1]
-        if config.max_new_tokens is None:
-            config.max_length += pad
-        ctx.total_len = config.max_length if config.max_new_tokens is None else seq + config.max_new_tokens
-        _check_window(model, ctx.total_len - pad)
+        if config.max_new_tokens is None:  # lengths count the prompt, which gained `pad` tokens
+            config.max_new_tokens = config.max_length - input_ids.shape[1] if config.max_length else DEFAULT_NEW_TOKENS
+            config.max_length = None
+        if config.min_length:
+            config.min_length += pad
+        ctx.total_len = input_ids.shape[1] + config.max_new_tokens
+        _check_window(model, ctx.total_len)
         text_config = model.config.get_text_config()
         cache = RingCache(text_config.num_hidden_layers, ctx.rank, ctx.size)
         local_ids, local_mask, local_pos = _shard(ctx, ids, mask, pos)

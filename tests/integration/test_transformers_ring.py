@@ -1,0 +1,174 @@
+"""transformers models with ring attention on gloo: logits and greedy generate equal single process.
+
+Tiny Llama, Qwen2 and Mistral (GQA 4/2 heads, RoPE, random weights). Each CP size runs every case
+in one call on a shared pool; the parent compares with single-process ``eager`` and ``sdpa``.
+Logits: fp32 relative error <= 1e-5 on the real (non-padding) tokens. Tokens: exactly equal.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
+from megatron_ring.testing.reference import rel_err  # noqa: E402
+from megatron_ring.testing.tiny_hf import FAMILIES, tiny_model  # noqa: E402
+
+TOL = 1e-5
+NEW_TOKENS = 5
+
+
+def _prompts() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """``plain``: length 16, no mask (no padding anywhere for cp 2/4); ``padded``: length 13, row 1 left-padded."""
+    gen = torch.Generator().manual_seed(1)
+    plain = torch.randint(0, 256, (2, 16), generator=gen)
+    padded = torch.randint(0, 256, (2, 13), generator=gen)
+    mask = torch.ones_like(padded)
+    mask[1, :5] = 0
+    padded[1, :5] = 258
+    return {"plain": (plain, None), "padded": (padded, mask)}
+
+
+def run_cases() -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
+    """On every rank: (logits, generated ids) per (family, prompt) under the world as CP group."""
+    out = {}
+    for family in FAMILIES:
+        model = tiny_model(family, attn_implementation="ring")
+        for name, (ids, mask) in _prompts().items():
+            logits = ring_forward(model, ids, mask)
+            tokens = ring_generate(model, ids, mask, max_new_tokens=NEW_TOKENS)
+            out[family, name] = (logits, tokens)
+    return out
+
+
+def run_autotp_cases() -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
+    """On every rank of a world of 4: DeepSpeed AutoTP over tp=2, ring attention over cp=2."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from megatron_ring import ParallelLayout, init_parallel
+    from megatron_ring.integrations.hf_autotp import init_autotp
+
+    groups = init_parallel(ParallelLayout(tp=2, cp=2))
+    out = {}
+    for family in FAMILIES:
+        model = init_autotp(tiny_model(family, attn_implementation="ring"), groups.tp, {"dtype": "fp32"})
+        for name, (ids, mask) in _prompts().items():
+            out[family, name] = (ring_forward(model, ids, mask, group=groups.cp),
+                                 ring_generate(model, ids, mask, group=groups.cp, max_new_tokens=NEW_TOKENS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_results(gloo_pool):
+    cache: dict[int, list] = {}
+
+    def get(size: int) -> list:
+        if size not in cache:
+            cache[size] = gloo_pool(size).run(run_cases)
+        return cache[size]
+    return get
+
+
+@pytest.fixture(scope="module")
+def references():
+    """(logits per attn implementation, generated ids) per (family, prompt), single process."""
+    refs = {}
+    for family in FAMILIES:
+        models = {impl: tiny_model(family, attn_implementation=impl) for impl in ("eager", "sdpa")}
+        for name, (ids, mask) in _prompts().items():
+            with torch.no_grad():
+                logits = {impl: m(ids, attention_mask=mask).logits for impl, m in models.items()}
+                tokens = models["eager"].generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+            refs[family, name] = (logits, tokens, mask)
+    return refs
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_generate_match_single_process(cp_results, references, size, family):
+    per_rank = cp_results(size)
+    for name in ("plain", "padded"):
+        ref_logits, ref_tokens, mask = references[family, name]
+        real = mask.bool() if mask is not None else torch.ones(ref_tokens.shape[0], 16, dtype=torch.bool)
+        for rank, results in enumerate(per_rank):
+            logits, tokens = results[family, name]
+            for impl, expected in ref_logits.items():
+                err = rel_err(logits[real], expected[real])
+                assert err <= TOL, f"{family} {name} cp={size} rank {rank} vs {impl}: rel err {err:.2e}"
+            assert torch.equal(tokens, ref_tokens), f"{family} {name} cp={size} rank {rank}: {tokens} != {ref_tokens}"
+
+
+def test_autotp_tp2_x_cp2_matches_single_process(gloo_pool, references):
+    pytest.importorskip("deepspeed")
+    per_rank = gloo_pool(4).run(run_autotp_cases)
+    for (family, name), (ref_logits, ref_tokens, mask) in references.items():
+        real = mask.bool() if mask is not None else torch.ones_like(ref_tokens[:, :16], dtype=torch.bool)
+        for rank, results in enumerate(per_rank):
+            logits, tokens = results[family, name]
+            err = rel_err(logits[real], ref_logits["eager"][real])
+            assert err <= TOL, f"{family} {name} tp2 x cp2 rank {rank}: rel err {err:.2e}"
+            assert torch.equal(tokens, ref_tokens), f"{family} {name} tp2 x cp2 rank {rank}: {tokens} != {ref_tokens}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_process_ring_matches_eager(references, family):
+    model = tiny_model(family, attn_implementation="ring")
+    for name, (ids, mask) in _prompts().items():
+        ref_logits, ref_tokens, _ = references[family, name]
+        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        assert rel_err(ring_forward(model, ids, mask)[real], ref_logits["eager"][real]) <= TOL
+        assert torch.equal(ring_generate(model, ids, mask, max_new_tokens=NEW_TOKENS), ref_tokens)
+
+
+def test_sliding_window_that_covers_the_sequence_is_exact():
+    ids = _prompts()["plain"][0]
+    ring = tiny_model("mistral", attn_implementation="ring", sliding_window=32)
+    eager = tiny_model("mistral", attn_implementation="eager", sliding_window=32)
+    with torch.no_grad():
+        assert rel_err(ring_forward(ring, ids), eager(ids).logits) <= TOL
+        assert torch.equal(ring_generate(ring, ids, max_new_tokens=NEW_TOKENS),
+                           eager.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, ids: ring_forward(tiny_model("mistral", attn_implementation="ring", sliding_window=8), ids),
+     r"config.sliding_window=8 .*16 tokens"),
+    (lambda m, ids: ring_generate(tiny_model("mistral", attn_implementation="ring", sliding_window=18), ids,
+                                  max_new_tokens=NEW_TOKENS), r"config.sliding_window=18 .*21 tokens"),
+    (lambda m, ids: ring_forward(tiny_model("llama", attn_implementation="ring", is_causal=False), ids),
+     r"causal decoder-only .*is_causal=False"),
+    (lambda m, ids: ring_forward(tiny_model("llama", attn_implementation="eager"), ids),
+     r"attn_implementation='eager'.*'ring'"),
+    (lambda m, ids: ring_forward(tiny_model("llama", attn_implementation="ring", attention_dropout=0.1).train(), ids),
+     r"dropout must be 0 with ring attention, got 0.1"),
+    (lambda m, ids: ring_generate(m, ids, max_new_tokens=2, num_beams=2), r"greedy .*num_beams=2, allowed: \[None, 1\]"),
+    (lambda m, ids: ring_generate(m, ids, max_new_tokens=2, do_sample=True), r"greedy .*do_sample=True"),
+    (lambda m, ids: ring_generate(m, ids, max_new_tokens=2, use_cache=False), r"use_cache=False"),
+    (lambda m, ids: ring_generate(m, ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True),
+     r"output_attentions=True"),
+    (lambda m, ids: ring_forward(m, ids[0]), r"input_ids must be a 2-D tensor"),
+    (lambda m, ids: ring_forward(m, ids, torch.ones(2, 3)), r"attention_mask must be a 2-D tensor shaped like"),
+], ids=["window-forward", "window-generate", "non-causal", "not-ring", "dropout", "beams", "sampling",
+        "no-cache", "output-attentions", "1d-ids", "mask-shape"])
+def test_unsupported_cases_raise_clear_errors(call, match):
+    model = tiny_model("llama", attn_implementation="ring")
+    with pytest.raises(ValueError, match=match):
+        call(model, _prompts()["plain"][0])
+
+
+def test_output_attentions_and_missing_context_raise():
+    model = tiny_model("llama", attn_implementation="ring")
+    ids = _prompts()["plain"][0]
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"), cp_context():
+        model(ids, output_attentions=True)
+    with pytest.raises(RuntimeError, match="needs a context-parallel context"):
+        model(ids)
+
+
+def test_enable_ring_attention_switches_implementation():
+    model = enable_ring_attention(tiny_model("qwen2", attn_implementation="sdpa"))
+    assert model.config._attn_implementation == "ring"
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        enable_ring_attention(torch.nn.Linear(2, 2))
