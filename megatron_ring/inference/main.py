@@ -123,8 +123,9 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = load_spec(args.config, world_size=env["world_size"])
     except ConfigError as err:
-        if env["rank"] == 0:
-            print(f"[megatron_ring] config error, nothing was started:\n{err}", file=sys.stderr, flush=True)
+        # Every rank says it: the launcher stops the others as soon as one rank exits.
+        print(f"[megatron_ring] rank {env['rank']}: config error, nothing was started:\n{err}", file=sys.stderr,
+              flush=True)
         return EXIT_CONFIG
     ring = spec.ring
     monitor = PeerMonitor(timeout_s=ring.peer_timeout_s).start()

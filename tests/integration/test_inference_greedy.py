@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from megatron_ring.config import load_mapping
-from megatron_ring.testing.gloo import run_gloo
 from tests.integration.inference_workers import greedy_tokens
 
 pytestmark = pytest.mark.integration
@@ -36,7 +35,7 @@ def test_toy_greedy_tokens_match_for_cp_1_2_4(gloo_pool) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 @pytest.mark.skipif(not (ROOT / "megatron_ring" / "inference" / "megatron_runner.py").exists(),
                     reason="megatron_runner.py not written yet")
-def test_megatron_greedy_tokens_match_cp1_ring_cp2_cp4_and_tp2_pp2() -> None:
+def test_megatron_greedy_tokens_match_cp1_ring_cp2_cp4_and_tp2_pp2(gloo_pool) -> None:
     """Megatron GPT from the same seed: local attention cp=1, ring cp=2 and cp=4, TP2 x PP2 baseline."""
     cases = {"cp1": ("tiny_local.yaml", {}), "cp2": ("tiny_ring_cp2.yaml", {"cp": 2}),
              "cp4": ("tiny_ring_cp4.yaml", {"cp": 4}), "tp2pp2": ("tiny_local_tp2_pp2.yaml", {"tp": 2, "pp": 2})}
@@ -46,7 +45,7 @@ def test_megatron_greedy_tokens_match_cp1_ring_cp2_cp4_and_tp2_pp2() -> None:
         world = 1
         for size in layout.values():
             world *= size
-        per_rank = run_gloo(greedy_tokens, world, "megatron", model, layout, WORK, timeout_s=300)
+        per_rank = gloo_pool(world).run(greedy_tokens, "megatron", model, layout, WORK, timeout_s=300)
         assert all(r == per_rank[0] for r in per_rank), f"{name}: ranks disagree"
         outs[name] = per_rank[0]
     assert len(set(outs["cp1"][0])) > 1, "degenerate generation"

@@ -94,14 +94,22 @@ def test_toy_ring_cp2_end_to_end(tmp_path: Path) -> None:
 
 @needs_deepspeed
 @pytest.mark.skipif(not HAVE_MEGATRON_RUNNER, reason="megatron_ring/inference/megatron_runner.py not written yet")
-@pytest.mark.parametrize("name", ["cpu_baseline_tp2_pp2", "cpu_ring_cp4"])
-def test_cpu_pair_end_to_end(tmp_path: Path, name: str) -> None:
-    """The README's pair: each config runs on 4 processes and writes every metric."""
-    out = tmp_path / f"{name}.json"
-    proc = launch(ROOT / "configs" / "deepspeed" / f"{name}.json", 4, "--output", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cfg = json.loads((ROOT / "configs" / "deepspeed" / f"{name}.json").read_text())["megatron_ring"]["workload"]
-    check_result(out, 4, repeats=cfg["repeats"], batch=cfg["batch"], new_tokens=cfg["new_tokens"])
+def test_cpu_pair_end_to_end(tmp_path: Path) -> None:
+    """The README's pair, both at once on 4 processes each: every metric written, same greedy tokens."""
+    names = ("cpu_baseline_tp2_pp2", "cpu_ring_cp4")
+    procs = {name: subprocess.Popen(launch_cmd(ROOT / "configs" / "deepspeed" / f"{name}.json", 4,
+                                               "--output", str(tmp_path / f"{name}.json")),
+                                    cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name in names}
+    results = {}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=400)
+        assert proc.returncode == 0, out[-4000:]
+        work = json.loads((ROOT / "configs" / "deepspeed" / f"{name}.json").read_text())["megatron_ring"]["workload"]
+        results[name] = check_result(tmp_path / f"{name}.json", 4, repeats=work["repeats"], batch=work["batch"],
+                                     new_tokens=work["new_tokens"])
+    assert results["cpu_ring_cp4"]["setup"] == "ring" and results["cpu_baseline_tp2_pp2"]["setup"] == "baseline"
+    assert results["cpu_ring_cp4"]["generated"] == results["cpu_baseline_tp2_pp2"]["generated"]
 
 
 def test_bad_configs_fail_before_anything_is_built(tmp_path: Path) -> None:
