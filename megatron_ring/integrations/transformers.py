@@ -28,8 +28,10 @@ Note [Padding]
 ``ring_attention`` and ``decode_attention`` take no key mask yet. A padding mask is applied
 exactly by one extra head dimension: queries get a 1, keys get 0 (kept) or ``-big`` (padding),
 values get 0, so a padded key's score is ``score - scale * big`` and its softmax weight underflows
-to exactly 0. It runs only for batches that have padding, and costs one copy of q/k/v. Prompts
-whose length is not a multiple of ``2 * cp`` are left-padded the same way.
+to exactly 0 (real keys' scores gain an exact 0). The extra dims are padded with zeros to keep
+``head_dim`` a multiple of 8 for the fused kernels. It runs only for batches that have padding, and
+costs one copy of q/k/v (of the local cache, per decode step). Prompts whose length is not a
+multiple of ``2 * cp`` are left-padded the same way.
 """
 from __future__ import annotations
 
@@ -235,15 +237,18 @@ def _big(scale: float, dtype: torch.dtype) -> float:
 
 def _mask_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold a key mask (bool ``[batch, s_k]``, True = attend) into one extra head dim (Note [Padding]).
+    """Fold a key mask (bool ``[batch, s_k]``, True = attend) into extra head dims (Note [Padding]).
 
-    q ``[b, s_q, hq, d]``, k/v ``[b, s_k, hkv, d]`` -> the same with ``d + 1``.
+    q ``[b, s_q, hq, d]``, k/v ``[b, s_k, hkv, d]`` -> the same with ``d + e``, ``e`` in 1..8 so that
+    ``d + e`` stays a multiple of 8 (fused kernels need it). Only the first extra dim is non-zero.
     """
-    bias = torch.zeros(k.shape[:-1] + (1,), dtype=k.dtype, device=k.device)
-    bias.masked_fill_(~key_mask.to(k.device)[:, :, None, None], -_big(scale, k.dtype))
-    return (torch.cat([q, q.new_ones(q.shape[:-1] + (1,))], dim=-1),
-            torch.cat([k, bias], dim=-1),
-            torch.cat([v, v.new_zeros(v.shape[:-1] + (1,))], dim=-1))
+    extra = 8 - q.shape[-1] % 8
+    q_extra = q.new_zeros(q.shape[:-1] + (extra,))
+    q_extra[..., 0] = 1
+    k_extra = k.new_zeros(k.shape[:-1] + (extra,))
+    k_extra[..., 0].masked_fill_(~key_mask.to(k.device)[:, :, None], -_big(scale, k.dtype))
+    return (torch.cat([q, q_extra], dim=-1), torch.cat([k, k_extra], dim=-1),
+            torch.cat([v, v.new_zeros(v.shape[:-1] + (extra,))], dim=-1))
 
 
 def _check_module_call(module: torch.nn.Module, seq_len: int, dropout: float, kwargs: dict[str, Any]) -> None:
