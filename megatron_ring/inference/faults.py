@@ -9,8 +9,8 @@ every rank avoids both:
 
 * every rank publishes ``host:pid`` and a heartbeat counter in the job's rendezvous store;
 * the monitor checks each peer every ``interval_s``: a peer on this host whose process is gone (or
-  a zombie) is lost at once; any peer whose heartbeat has not moved for ``timeout_s`` is lost;
-  a store that stops answering means rank 0, which hosts it, is lost;
+  a zombie) is lost at once; a peer on another host whose heartbeat has not moved for
+  ``timeout_s`` is lost; a store that stops answering means rank 0, which hosts it, is lost;
 * a terminated rank also says why: SIGTERM gets a Python handler plus ``signal.set_wakeup_fd``,
   whose C-level part writes the signal number to a pipe the monitor thread waits on. The monitor
   wakes at once whichever thread took the signal, even while the main thread is stuck in a C++
@@ -164,7 +164,9 @@ class PeerMonitor:
         if self._lost:
             return
         now = time.monotonic()
-        for r in self._peers:
+        for r, (host, _) in self._peers.items():
+            if host == self._host:  # the process check above is exact; a slow or loaded peer is not lost
+                continue
             try:
                 value = self._store.get(f"{_PREFIX}/beat/{r}")
             except Exception as err:
