@@ -77,17 +77,26 @@ class ParallelGroups:
         return ring[(self.cp_rank - 1) % len(ring)]
 
 
+_CREATED: dict[tuple[ParallelLayout, timedelta], tuple[object, ParallelGroups]] = {}
+"""Groups already created in this process, keyed by layout and timeout, with the world they belong to."""
+
+
 def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelGroups:
     """Create the process groups of ``layout`` and return this rank's.
 
     Works on any backend (nccl, gloo, the fake backend). All ranks create all groups in the same
-    order, as torch.distributed requires.
+    order, as torch.distributed requires. Idempotent: a second call with the same layout and timeout
+    in the same world returns the groups of the first, since torch.distributed never frees a group
+    (re-creating them would leak a gloo group's threads and sockets on every call).
     """
     if not isinstance(layout, ParallelLayout):
         raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("init_parallel needs torch.distributed.init_process_group to have been called")
     layout.check_world_size(dist.get_world_size())
+    world, key = dist.group.WORLD, (layout, timeout)
+    if key in _CREATED and _CREATED[key][0] is world:
+        return _CREATED[key][1]
     rank = dist.get_rank()
     mine: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
@@ -96,4 +105,6 @@ def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOU
             group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 mine[axis], ranks[axis] = group, members
-    return ParallelGroups(layout=layout, rank=rank, groups=mine, ranks=ranks)
+    groups = ParallelGroups(layout=layout, rank=rank, groups=mine, ranks=ranks)
+    _CREATED[key] = (world, groups)
+    return groups
