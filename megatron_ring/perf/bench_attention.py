@@ -15,6 +15,15 @@ slowest rank's wall time (ranks start together after a barrier); exposed communi
 the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
 instrumentation; for Ulysses computed from the four all-to-alls); peak memory per rank.
 
+Note [Ranks and the scheduler]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Linux with ``sched_autogroup_enabled`` shares the CPU fairly between *sessions*, not processes.
+On a machine where other sessions are busy, the P ranks of one session would together get the
+share of one process — the same CPU as the single-process baseline — and the measured
+efficiency would be capped near ``1/P`` by the scheduler, not by the ring. Each worker therefore
+starts its own session (``os.setsid``, hence its own autogroup), as each rank would own its own
+device; the single baseline runs in one. On a quiet machine this changes nothing.
+
 Note [Peak memory on CPU]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 Each worker sets glibc's ``M_MMAP_THRESHOLD`` to 64 KiB (``mallopt``), so every tensor buffer
@@ -58,6 +67,12 @@ def ulysses_available() -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # worker side (runs in every gloo rank)
+
+
+def _own_session() -> None:
+    """Put this worker in a scheduler autogroup of its own (see Note [Ranks and the scheduler])."""
+    if os.getsid(0) != os.getpid():
+        os.setsid()
 
 
 def _track_mmap() -> None:
@@ -205,6 +220,8 @@ def bench_worker(cfgs: list[dict[str, Any]], repeats: int, warmup: int) -> list[
     machine load; returns per implementation the times, instrumentation and peak memory.
     """
     _track_mmap()
+    if cfgs and cfgs[0].get("own_session"):
+        _own_session()
     rank, size = dist.get_rank(), dist.get_world_size()
     cases = [_Case(cfg, rank, size) for cfg in cfgs]
     for case in cases:
@@ -288,7 +305,7 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
               batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str, repeats: int, warmup: int,
               backend: str, seed: int = 0, timeout_s: float = 600.0,
               progress: Callable[[str], None] = print,
-              pools: Callable[[int, int], Any] | None = None) -> list[dict[str, Any]]:
+              pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True) -> list[dict[str, Any]]:
     """Run every (P, impl, mode, causal, L) point, the implementations of a point interleaved.
 
     The single-process baseline runs on rank 0 of each P-rank pool (the others idle), with that
@@ -296,6 +313,8 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
 
     ``pools(P, threads)`` may supply running :class:`~megatron_ring.testing.gloo.GlooPool` s (left
     open, e.g. a test session's); by default each P gets its own pool, closed after its points.
+    ``own_sessions`` puts each worker in its own session (Note [Ranks and the scheduler]); leave
+    it off for borrowed pools, whose workers should stay in their parent's session.
     """
     if batch < 1 or heads < 1 or heads_kv < 1 or head_dim < 1 or heads % heads_kv:
         raise ValueError(f"batch, heads, heads_kv, head_dim must be >= 1 and heads % heads_kv == 0; got batch={batch}, "
@@ -328,7 +347,8 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
                     for seq in lengths:
                         cfgs = [dict(impl=impl, mode=mode, causal=causal, L=seq, batch=batch, heads=heads,
                                      heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
-                                     backend=backend, seed=seed, device="cpu") for impl in p_impls]
+                                     backend=backend, seed=seed, device="cpu", own_session=own_sessions)
+                                for impl in p_impls]
                         per_rank = pool.run(bench_worker, cfgs, repeats, warmup)
                         for i, cfg in enumerate(cfgs):
                             point = summarize(cfg, [r[i] for r in per_rank], p)

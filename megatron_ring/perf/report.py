@@ -155,8 +155,15 @@ def bench_rows(points: Sequence[dict[str, Any]]) -> list[list[str]]:
              "-" if p.get("bytes_sent") is None else fmt_bytes(p["bytes_sent"])] for p in points]
 
 
+IMPL_COLORS = {"single": "black", "ring_p2p": "tab:blue", "all_gather": "tab:orange", "ulysses": "tab:green"}
+POOL_STYLES = {1: "-", 2: "-", 4: "--", 8: ":", 16: "-."}
+
+
 def plot_attention(points: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
-    """PNG plots: time vs L, efficiency vs P, memory vs L (one line per impl/mode/causal/P)."""
+    """PNG plots, one panel per mode: time vs L, efficiency vs P, memory vs L.
+
+    Colour = implementation, line style = pool size P, marker = causal (o) or not (s).
+    """
     try:
         import matplotlib
 
@@ -167,39 +174,39 @@ def plot_attention(points: Sequence[dict[str, Any]], out_dir: str | Path) -> lis
         return []
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    modes = sorted({p["mode"] for p in points}, reverse=True)
     written = []
-
-    def series(x_key: str, y_key: str, group_keys: tuple[str, ...]) -> dict[str, list[tuple[float, float]]]:
-        lines: dict[str, list[tuple[float, float]]] = {}
-        for p in points:
-            if p.get(y_key) is None:
-                continue
-            label = " ".join(f"{k}={p.get(k)}" if k in ("P", "L", "pool_P") else str(p[k] if k != "causal" else
-                             ("causal" if p[k] else "full")) for k in group_keys)
-            lines.setdefault(label, []).append((p[x_key], p[y_key]))
-        return lines
-
-    for name, x_key, y_key, groups, ylabel, logy in (
-        ("time_vs_L.png", "L", "median_s", ("impl", "mode", "causal", "P", "pool_P"), "median time (s)", True),
-        ("efficiency_vs_P.png", "P", "efficiency", ("impl", "mode", "causal", "L"), "T_single / (P * T)", False),
-        ("memory_vs_L.png", "L", "peak_mem_bytes", ("impl", "mode", "causal", "P", "pool_P"),
-         "peak memory per rank (bytes)",
-         True),
+    for name, x_key, y_key, line_keys, ylabel, logy in (
+        ("time_vs_L.png", "L", "median_s", ("impl", "causal", "pool_P"), "median time per call (s)", True),
+        ("efficiency_vs_P.png", "P", "efficiency", ("impl", "causal", "L"), "T_single / (P * T)", False),
+        ("memory_vs_L.png", "L", "peak_mem_bytes", ("impl", "causal", "pool_P"), "peak memory per rank (bytes)", True),
     ):
-        fig, ax = plt.subplots(figsize=(9, 5.5))
-        for label, pts in sorted(series(x_key, y_key, groups).items()):
-            pts.sort()
-            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
-        ax.set_xlabel(x_key)
-        ax.set_ylabel(ylabel)
-        ax.set_xscale("log", base=2)
-        if logy:
-            ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+        fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 5), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            lines: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
+            for p in points:
+                if p["mode"] != mode or p.get(y_key) is None or (y_key == "efficiency" and p["impl"] == "single"):
+                    continue
+                key = tuple(p.get(k, p["P"]) for k in line_keys)
+                lines.setdefault(key, []).append((p[x_key], p[y_key]))
+            for key, pts in sorted(lines.items(), key=str):
+                impl, causal, third = key
+                pts.sort()
+                style = "-" if x_key == "P" else POOL_STYLES.get(third, "-")
+                label = f"{impl} {'causal' if causal else 'full'} " + (f"L={third}" if x_key == "P" else f"pool P={third}")
+                ax.plot([a for a, _ in pts], [b for _, b in pts], linestyle=style, marker="o" if causal else "s",
+                        color=IMPL_COLORS.get(impl), label=label, alpha=0.5 + 0.5 * (x_key != "P"))
+            ax.set_title(mode)
+            ax.set_xlabel(x_key)
+            ax.set_ylabel(ylabel)
+            ax.set_xscale("log", base=2)
+            if logy:
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=6)
         fig.tight_layout()
         path = out_dir / name
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
     return written

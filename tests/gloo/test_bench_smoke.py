@@ -27,7 +27,7 @@ def test_bench_attention_smoke(tmp_path: Path, gloo_pool: Any) -> None:
     points = run_sweep(lengths=[32], ranks=[2], impls=["single", "ring_p2p", "all_gather", "ulysses"],
                        modes=["fwd", "fwd_bwd"], causals=[True], batch=1, heads=2, heads_kv=2, head_dim=8,
                        dtype="fp32", repeats=1, warmup=0, backend="auto", progress=_quiet,
-                       pools=lambda size, threads: gloo_pool(size))
+                       pools=lambda size, threads: gloo_pool(size), own_sessions=False)
     out = tmp_path / "bench.json"
     data = write_outputs(points, machine_description(), out=out, argv=None, plots=tmp_path / "p")
     assert json.loads(out.read_text())["points"] == data["points"]
