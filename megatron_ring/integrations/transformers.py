@@ -100,17 +100,16 @@ def _group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def cp_context(group: dist.ProcessGroup | None = None, *, phase: str = "prefill", cache: "RingCache | None" = None,
-               total_len: int = 0) -> Iterator[CPContext]:
+def cp_context(group: dist.ProcessGroup | None = None, *, total_len: int = 0) -> Iterator[CPContext]:
     """Make ``group`` the CP group of ring-attention model calls inside the ``with`` block.
 
-    :func:`ring_forward` and :func:`ring_generate` open it for you; use it directly to call a model
-    on inputs you sharded yourself (``phase="prefill"``, global ``position_ids``).
+    :func:`ring_forward` and :func:`ring_generate` open it for you. Use it directly to run a
+    ``"ring"`` model forward (prefill) on inputs you sharded yourself: zigzag shards of
+    ``input_ids``, the padding mask (or None on every rank) and *global* ``position_ids``;
+    ``total_len`` is the global length for the sliding-window check (default: local x cp).
     """
-    if phase not in ("prefill", "decode"):
-        raise ValueError(f"phase must be one of ['prefill', 'decode'], got {phase!r}")
     rank, size = _group_rank_size(group)
-    token = _ACTIVE.set(CPContext(group, rank, size, phase, cache, total_len))
+    token = _ACTIVE.set(CPContext(group, rank, size, total_len=total_len))
     try:
         yield _ACTIVE.get()  # type: ignore[misc]
     finally:
@@ -219,11 +218,6 @@ class RingCache(Cache):
         """Forget the last token in every layer (the replay step of ``ring_generate`` re-adds it)."""
         for layer in self.layers:
             layer.forget(layer.seen - 1)
-
-    def local_length(self, layer_idx: int = 0) -> int:
-        """How many tokens this rank holds for ``layer_idx``."""
-        layer = self.layers[layer_idx]
-        return 0 if layer.columns is None else layer.columns.numel()
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from megatron_ring.testing.tiny_hf import FAMILIES, tiny_model  # noqa: E402
 
 TOL = 1e-5
 NEW_TOKENS = 5
+RUN_TIMEOUT_S = 600  # the first call on a pool imports transformers (and deepspeed) on every rank
 
 
 def _prompts() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
@@ -66,7 +67,7 @@ def cp_results(gloo_pool):
 
     def get(size: int) -> list:
         if size not in cache:
-            cache[size] = gloo_pool(size).run(run_cases)
+            cache[size] = gloo_pool(size).run(run_cases, timeout_s=RUN_TIMEOUT_S)
         return cache[size]
     return get
 
@@ -102,7 +103,7 @@ def test_logits_and_generate_match_single_process(cp_results, references, size, 
 
 def test_autotp_tp2_x_cp2_matches_single_process(gloo_pool, references):
     pytest.importorskip("deepspeed")
-    per_rank = gloo_pool(4).run(run_autotp_cases)
+    per_rank = gloo_pool(4).run(run_autotp_cases, timeout_s=RUN_TIMEOUT_S)
     for (family, name), (ref_logits, ref_tokens, mask) in references.items():
         real = mask.bool() if mask is not None else torch.ones_like(ref_tokens[:, :16], dtype=torch.bool)
         for rank, results in enumerate(per_rank):
@@ -120,6 +121,16 @@ def test_single_process_ring_matches_eager(references, family):
         real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
         assert rel_err(ring_forward(model, ids, mask)[real], ref_logits["eager"][real]) <= TOL
         assert torch.equal(ring_generate(model, ids, mask, max_new_tokens=NEW_TOKENS), ref_tokens)
+
+
+def test_cp_context_forward_is_differentiable():
+    ids = _prompts()["plain"][0]
+    ring, eager = (tiny_model("qwen2", attn_implementation=impl) for impl in ("ring", "eager"))
+    with cp_context():
+        ring(ids, position_ids=torch.arange(16)[None]).logits.square().mean().backward()
+    eager(ids).logits.square().mean().backward()
+    for (name, p_ring), p_eager in zip(ring.named_parameters(), eager.parameters()):
+        assert rel_err(p_ring.grad, p_eager.grad) <= 1e-4, name
 
 
 def test_sliding_window_that_covers_the_sequence_is_exact():
