@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_ring.config import ConfigError, load_mapping
 from megatron_ring.inference.faults import EXIT_PEER_LOST, PeerMonitor
 from megatron_ring.inference.loop import job_timings, run_requests
-from megatron_ring.inference.metrics import (format_table, median_metrics, peak_memory, progress,
+from megatron_ring.inference.metrics import (RequestTiming, format_table, median_metrics, peak_memory, progress,
                                              request_metrics, write_json_atomic)
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
 from megatron_ring.integrations import deepspeed as ds_glue
@@ -78,8 +78,6 @@ def _rank_info(rank: int, coords: dict[str, int], device: torch.device, loop: An
 def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: torch.device, backend: str,
                  dtype: torch.dtype, started: datetime, wall_s: float) -> dict[str, Any]:
     """The result document from every rank's :func:`_rank_info` (rank order)."""
-    from megatron_ring.inference.metrics import RequestTiming
-
     layout, work = spec.layout, spec.ring.workload
     per_rank = [[RequestTiming(t["prefill_s"], list(t["step_s"])) for t in r["timings"]] for r in ranks]
     requests = [request_metrics(t, sequences=layout.dp * work.batch, prompt_len=work.prompt_len)

@@ -56,9 +56,33 @@ def env() -> dict[str, str]:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
-def launch(config: Path, nprocs: int, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_cmd(config, nprocs, *extra), cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+def start(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """Start a launcher in its own process group, so that :func:`stop` can end all it started."""
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, **{"env": env(), **kwargs})
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the launcher's process group (launcher, its launch.py and every rank) if still there."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
+    """Wait for a launcher started by :func:`start` and return its output; kill all on timeout."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        stop(proc)
+    return out
+
+
+def launch(config: Path, nprocs: int, *extra: str, timeout: float = 400) -> tuple[int, str]:
+    proc = start(launch_cmd(config, nprocs, *extra), text=True)
+    out = finish(proc, timeout)
+    return proc.returncode, out
 
 
 METRIC_KEYS = {"ttft_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "prefill_tps", "decode_tps",
@@ -82,9 +106,9 @@ def check_result(path: Path, world: int, *, repeats: int, batch: int, new_tokens
 @needs_deepspeed
 def test_toy_ring_cp2_end_to_end(tmp_path: Path) -> None:
     """The whole path with the reference runner: table on stdout, complete JSON, ring traffic counted."""
-    proc = launch(toy_config(tmp_path, "toy_cp2", cp=2), 2)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "TPOT p99" in proc.stdout and "result written to" in proc.stdout
+    code, out = launch(toy_config(tmp_path, "toy_cp2", cp=2), 2)
+    assert code == 0, out[-4000:]
+    assert "TPOT p99" in out and "result written to" in out
     result = check_result(tmp_path / "toy_cp2.json", 2, repeats=2, batch=2, new_tokens=6)
     assert result["setup"] == "ring" and result["layout"]["cp"] == 2
     for rank in result["ranks"]:
@@ -97,14 +121,17 @@ def test_toy_ring_cp2_end_to_end(tmp_path: Path) -> None:
 def test_cpu_pair_end_to_end(tmp_path: Path) -> None:
     """The README's pair, both at once on 4 processes each: every metric written, same greedy tokens."""
     names = ("cpu_baseline_tp2_pp2", "cpu_ring_cp4")
-    procs = {name: subprocess.Popen(launch_cmd(ROOT / "configs" / "deepspeed" / f"{name}.json", 4,
-                                               "--output", str(tmp_path / f"{name}.json")),
-                                    cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = {name: start(launch_cmd(ROOT / "configs" / "deepspeed" / f"{name}.json", 4,
+                                    "--output", str(tmp_path / f"{name}.json")), text=True)
              for name in names}
     results = {}
+    try:
+        outs = {name: finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            stop(proc)
     for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=400)
-        assert proc.returncode == 0, out[-4000:]
+        assert proc.returncode == 0, outs[name][-4000:]
         work = json.loads((ROOT / "configs" / "deepspeed" / f"{name}.json").read_text())["megatron_ring"]["workload"]
         results[name] = check_result(tmp_path / f"{name}.json", 4, repeats=work["repeats"], batch=work["batch"],
                                      new_tokens=work["new_tokens"])
@@ -133,12 +160,15 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path: Path) -> None:
     for name, (cfg, _) in cases.items():
         path = tmp_path / f"bad_{name}.json"
         path.write_text(json.dumps(cfg))
-        procs[name] = subprocess.Popen(
-            [sys.executable, str(ROOT / "launch" / "infer.py"), "--deepspeed_config", str(path)], cwd=ROOT,
-            env={**env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+        procs[name] = start([sys.executable, str(ROOT / "launch" / "infer.py"), "--deepspeed_config", str(path)],
+                            env={**env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, text=True)
+    try:
+        outs = {name: finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            stop(proc)
     for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=240)
+        out = outs[name]
         assert proc.returncode == 2, out
         assert "config error, nothing was started" in out, out[-2000:]
         for needle in cases[name][1]:
@@ -149,9 +179,8 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path: Path) -> None:
 @needs_deepspeed
 def test_layout_not_matching_launched_world_fails_on_every_rank(tmp_path: Path) -> None:
     """cp=4 launched on 2 processes: every rank exits before rendezvous, rank 0 says why."""
-    proc = launch(toy_config(tmp_path, "world", cp=4), 2, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    code, out = launch(toy_config(tmp_path, "world", cp=4), 2)
+    assert code != 0
     assert "config error, nothing was started" in out and "layout world size 4" in out \
         and "process world size 2" in out, out[-2000:]
     assert not (tmp_path / "world.json").exists()
@@ -175,13 +204,12 @@ def test_killed_rank_stops_every_other_rank(tmp_path: Path) -> None:
     import psutil
 
     config = toy_config(tmp_path, "fault", cp=4, new_tokens=400, repeats=3, warmup=0, prompt_len=64)
-    proc = subprocess.Popen(launch_cmd(config, 4), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = start(launch_cmd(config, 4))
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b"")), daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 300
         while b"request 1/3" not in b"".join(chunks):  # rank 0's progress bar: decoding has started
             assert proc.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the run never reached its first request"
@@ -197,8 +225,7 @@ def test_killed_rank_stops_every_other_rank(tmp_path: Path) -> None:
         assert time.monotonic() - killed_at < 30
         proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
         reader.join(timeout=5)
     out = b"".join(chunks).decode(errors="replace")
     assert proc.returncode != 0
