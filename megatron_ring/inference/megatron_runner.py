@@ -42,7 +42,8 @@ from megatron_ring.attention.sharding import local_positions, shard_sequence
 from megatron_ring.config import ConfigError
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.integrations.megatron import RingAttention
-from megatron_ring.integrations.megatron_model import build_gpt_model, global_name, shard_of, unwrap
+from megatron_ring.integrations.megatron_model import build_gpt_model, ensure_parallel_state, global_name, shard_of, \
+    unwrap
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -137,19 +138,12 @@ class CachedCoreAttention(torch.nn.Module):
 
 
 def _init_megatron(layout: ParallelLayout, device: torch.device, seed: int) -> None:
-    """Initialise Megatron's parallel_state for ``layout`` (CPU: with the CUDA shims) unless it matches."""
-    ps = parallel_state
+    """Megatron's parallel_state for ``layout`` (on CPU with the CUDA shims; on CUDA with its RNG tracker)."""
     if device.type == "cpu":
         from megatron_ring.testing.megatron_cpu import apply_cpu_shims
 
         apply_cpu_shims()
-    sizes = (layout.tp, layout.pp, layout.cp)
-    if not ps.model_parallel_is_initialized() or sizes != (
-            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_context_parallel_world_size()):
-        ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                     context_parallel_size=layout.cp, create_gloo_process_groups=False)
+    ensure_parallel_state(layout)
     if device.type == "cuda":
         from megatron.core import tensor_parallel
 

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.strict import ConfigError
 from megatron_ring.integrations.megatron import get_gpt_layer_ring_spec
+from megatron_ring.parallel.layout import ParallelLayout
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,6 +60,23 @@ def layer_spec(cfg: GPTConfig) -> ModuleSpec:
     """Megatron's local GPT layer spec, with ring attention when ``cfg.attention == "ring"``."""
     kwargs = {"normalization": cfg.model.normalization}
     return get_gpt_layer_ring_spec(**kwargs) if cfg.attention == "ring" else get_gpt_layer_local_spec(**kwargs)
+
+
+def ensure_parallel_state(layout: ParallelLayout) -> None:
+    """Initialise Megatron's ``parallel_state`` for ``layout`` unless it already has exactly these sizes.
+
+    torch.distributed never frees process groups, so re-initialising an identical layout would
+    only leak groups (threads and sockets with gloo) in long-lived processes.
+    """
+    ps = parallel_state
+    if ps.model_parallel_is_initialized() and (
+            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()
+    ) == (layout.tp, layout.pp, layout.cp, layout.dp):
+        return
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 context_parallel_size=layout.cp, create_gloo_process_groups=False)
 
 
 def check_parallel_state(cfg: GPTConfig) -> None:

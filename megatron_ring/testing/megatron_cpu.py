@@ -90,26 +90,12 @@ def init_megatron_cpu(layout: ParallelLayout, *, seed: int = 1234) -> None:
     ``torch.distributed`` must already be initialised (e.g. inside a
     :class:`megatron_ring.testing.gloo.GlooPool` worker) with ``layout.world_size`` ranks.
     """
-    from megatron.core import parallel_state
+    from megatron_ring.integrations.megatron_model import ensure_parallel_state
 
     apply_cpu_shims()
     layout.check_world_size(dist.get_world_size())
-    # Groups are never freed by torch.distributed: re-initialising for the layout already in
-    # place would leak every gloo group's threads in long-lived test workers, so keep it.
-    if _MEGATRON_LAYOUT.get("layout") != layout or not parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            context_parallel_size=layout.cp,
-            create_gloo_process_groups=False,
-        )
-        _MEGATRON_LAYOUT["layout"] = layout
+    ensure_parallel_state(layout)
     torch.manual_seed(seed)
-
-
-_MEGATRON_LAYOUT: dict[str, ParallelLayout] = {}
-"""The layout Megatron's parallel_state was last initialised for in this process."""
 
 
 # ---------------------------------------------------------------------------------------------
