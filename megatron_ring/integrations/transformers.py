@@ -173,11 +173,9 @@ class RingCacheLayer(DynamicLayer):
             self.columns = new if self.columns is None else torch.cat([self.columns, new])
         return self.keys, self.values
 
-    def forget(self, index: int) -> None:
-        """Drop global token ``index`` (it must be the last one seen) from whichever rank holds it."""
-        if index != self.seen - 1:
-            raise ValueError(f"only the last token ({self.seen - 1}) can be forgotten, got {index}")
-        if self.columns is not None and self.columns.numel() and int(self.columns[-1]) == index:
+    def forget_last(self) -> None:
+        """Drop the last global token seen, on whichever rank holds it."""
+        if self.columns is not None and self.columns.numel() and int(self.columns[-1]) == self.seen - 1:
             self.keys, self.values = self.keys[..., :-1, :], self.values[..., :-1, :]
             self.columns = self.columns[:-1]
         self.seen -= 1
@@ -217,7 +215,7 @@ class RingCache(Cache):
     def forget_last(self) -> None:
         """Forget the last token in every layer (the replay step of ``ring_generate`` re-adds it)."""
         for layer in self.layers:
-            layer.forget(layer.seen - 1)
+            layer.forget_last()
 
 
 # --------------------------------------------------------------------------------------------
