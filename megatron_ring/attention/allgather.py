@@ -32,14 +32,14 @@ class GatheredKV:
         self.bytes_per_step = 0
         self._grads: torch.Tensor | None = None
 
-    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(src, kv_src)`` in ring order, kv_src ``[2, batch, heads_kv, seq_local, head_dim]``."""
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(src, k_src, v_src)`` in ring order, each ``[batch, heads_kv, seq_local, head_dim]``."""
         kv = torch.stack((k, v))
         gathered = all_gather_stacked(kv, self.group, self.size)
         self.bytes_per_step = kv.numel() * kv.element_size()
         for step in range(self.size):
             src = (self.rank - step) % self.size
-            yield src, gathered[src]
+            yield src, gathered[src, 0], gathered[src, 1]
 
     def start_grads(self, kv_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         self._grads = torch.zeros((self.size, *kv_shape), dtype=dtype, device=device)

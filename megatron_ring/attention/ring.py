@@ -7,12 +7,13 @@ O(L/P); no rank ever holds the whole sequence's K/V.
 
 Note [Overlap and double buffering]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Two K/V buffers are allocated once per call. At step t the ring posts the send of the current
-buffer and the receive of the next one *before* computing on the current block, and waits only
-after the compute: the transfer hides behind the attention math when compute >= communication
-(L/P above the crossover). The buffer being received into was last read at step t-1, whose
-communication has completed, so there is no hazard. Only the ``heads_kv`` heads travel, in the
-input dtype (bf16 on the wire for bf16 models).
+At step t the ring posts the send of the current K/V and the receive of the next *before*
+computing on the current block, and waits only after the compute: the transfer hides behind the
+attention math when compute >= communication (L/P above the crossover). Step 0 sends the
+caller's own K/V; two receive buffers (one for P = 2), allocated once per call, alternate after
+that. The buffer being received into was last read at step t-1, whose communication has
+completed, so there is no hazard. Only the ``heads_kv`` heads travel, in the caller's layout and
+dtype (bf16 on the wire for bf16 models).
 
 Backward runs a second ring: K/V rotate as in forward, and a gradient accumulator (fp32) travels
 one step behind them, collecting every rank's dK/dV contribution for that block; a final
@@ -53,11 +54,9 @@ class P2PRing:
         self._grad_work: list[dist.Work] = []
         self._grad_step = 0
 
-    def _exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list[dist.Work]:
-        ops = [
-            dist.P2POp(dist.isend, send, self.next, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
-        ]
+    def _exchange(self, send: tuple[torch.Tensor, ...], recv: tuple[torch.Tensor, ...], tag: int) -> list[dist.Work]:
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
         return dist.batch_isend_irecv(ops)
 
     def _wait(self, works: list[dist.Work], device: torch.device) -> None:
@@ -68,19 +67,28 @@ class P2PRing:
         if stats:
             stats.wait_s += now(device) - start
 
-    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(src, kv_src)`` for t = 0..P-1, kv_src ``[2, batch, heads_kv, seq_local, head_dim]``.
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(src, k_src, v_src)`` for t = 0..P-1, each ``[batch, heads_kv, seq_local, head_dim]``.
 
-        The next block's transfer is in flight while the caller computes on the yielded one.
+        ``k``/``v`` are BHSD views of the caller's ``[batch, seq_local, heads_kv, head_dim]`` tensors,
+        which travel in that layout: the first send reads the caller's memory (no copy when it is
+        contiguous) and at most two receive buffers are allocated (one when P = 2). The next block's
+        transfer is in flight while the caller computes on the yielded one.
         """
-        bufs = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)
-        torch.stack((k, v), out=bufs[0])
-        self.bytes_per_step = bufs[0].numel() * bufs.element_size()
+        cur = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+        self.bytes_per_step = 2 * cur[0].numel() * cur[0].element_size()
+        spare: list[tuple[torch.Tensor, torch.Tensor]] = []
         for step in range(self.size):
-            cur, nxt = bufs[step % 2], bufs[(step + 1) % 2]
-            works = self._exchange(cur, nxt, _KV_TAG) if step < self.size - 1 else []
-            yield (self.rank - step) % self.size, cur
+            works: list[dist.Work] = []
+            if step < self.size - 1:
+                if len(spare) < min(2, self.size - 1):
+                    spare.append((torch.empty_like(cur[0]), torch.empty_like(cur[1])))
+                nxt = spare[step % len(spare)]
+                works = self._exchange(cur, nxt, _KV_TAG)
+            yield (self.rank - step) % self.size, cur[0].transpose(1, 2), cur[1].transpose(1, 2)
             self._wait(works, k.device)
+            if works:
+                cur = nxt
 
     def start_grads(self, kv_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         self._grad_bufs = torch.zeros((2, *kv_shape), dtype=dtype, device=device)
@@ -96,7 +104,7 @@ class P2PRing:
             acc[0][:, :, plan.k] += dk
             acc[1][:, :, plan.k] += dv
         if self.size > 1:
-            self._grad_work = self._exchange(acc, self._grad_bufs[(step + 1) % 2], _GRAD_TAG)
+            self._grad_work = self._exchange((acc,), (self._grad_bufs[(step + 1) % 2],), _GRAD_TAG)
         self._grad_step += 1
 
     def finish_grads(self) -> torch.Tensor:
@@ -139,12 +147,12 @@ class _RingAttention(torch.autograd.Function):
         ct = compute_dtype(q.dtype)
         out = _alloc_bshd(b, hq, s, d, ct, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=ct, device=q.device)
-        for src, kv in comm.blocks(k, v):
+        for src, k_src, v_src in comm.blocks(k, v):
             plan = spec.plan(src)
             if plan is None:
                 continue
             c0 = now(q.device) if stats else 0.0
-            o, l = block_forward(q[:, :, plan.q], kv[0][:, :, plan.k], kv[1][:, :, plan.k],
+            o, l = block_forward(q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
                                  causal=plan.causal, scale=spec.scale, backend=spec.backend)
             merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
             if stats:
@@ -170,13 +178,13 @@ class _RingAttention(torch.autograd.Function):
         b, hq, s, d = q.shape
         dq = _alloc_bshd(b, hq, s, d, ct, q.device)
         comm.start_grads(torch.Size((2, *k.shape)), ct, q.device)
-        for src, kv in comm.blocks(k, v):
+        for src, k_src, v_src in comm.blocks(k, v):
             plan = spec.plan(src)
             dk_b = dv_b = None
             if plan is not None:
                 c0 = now(q.device) if stats else 0.0
                 dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, plan.q], q[:, :, plan.q], kv[0][:, :, plan.k], kv[1][:, :, plan.k],
+                    dout[:, :, plan.q], q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
                     out[:, :, plan.q], lse[:, :, plan.q], causal=plan.causal, scale=spec.scale, backend=spec.backend,
                 )
                 dq[:, :, plan.q] += dq_b
