@@ -22,6 +22,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
     "plan": ("megatron_ring.perf.planner", "plan_main", "analytical model of a config on a hardware profile"),
     "compare": ("megatron_ring.inference.compare", "compare_main",
                 "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
+    "infer": ("megatron_ring.inference.main", "infer_main",
+              "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "attention": ("megatron_ring.perf.bench_attention", "bench_attention_main"),

@@ -31,7 +31,7 @@ class StrictModel(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise ConfigError(_explain(cls, err, where)) from None
+            raise ConfigError(explain_validation_error(cls, err, where)) from None
 
 
 def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -55,7 +55,8 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return names
 
 
-def _explain(model: type[BaseModel], err: ValidationError, where: str) -> str:
+def explain_validation_error(model: type[BaseModel], err: ValidationError, where: str) -> str:
+    """One readable message for a pydantic error of ``model``: each field, its value, and did-you-mean for unknown keys."""
     lines = []
     for item in err.errors():
         loc = tuple(item.get("loc", ()))

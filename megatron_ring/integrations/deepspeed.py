@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.config import ConfigError
-from megatron_ring.config.strict import _explain
+from megatron_ring.config.strict import explain_validation_error
 
 SECTION = "megatron_ring"
 """The key of our section in a DeepSpeed inference config."""
@@ -53,7 +53,7 @@ def check_deepspeed_config(ds: dict[str, Any], *, where: str = "config") -> Any:
     try:
         return DeepSpeedInferenceConfig(**ds)
     except ValidationError as err:
-        raise ConfigError(_explain(DeepSpeedInferenceConfig, err, f"DeepSpeed inference keys of {where}")) from None
+        raise ConfigError(explain_validation_error(DeepSpeedInferenceConfig, err, f"DeepSpeed inference keys of {where}")) from None
 
 
 def torch_dtype(ds: dict[str, Any]) -> torch.dtype:
