@@ -18,6 +18,7 @@ The path of a training sequence:
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
@@ -90,6 +91,8 @@ class Samples(Protocol):
 
     def __getitem__(self, index: int) -> torch.Tensor: ...
 
+    def fingerprint(self) -> str: ...
+
 
 class PackedSequences:
     """A token stream cut into samples of ``seq_len + 1`` tokens (consecutive samples share one token)."""
@@ -108,6 +111,11 @@ class PackedSequences:
         start = index * self.seq_len
         return self.stream[start:start + self.seq_len + 1]
 
+    def fingerprint(self) -> str:
+        """Identifies the token stream and packing: a resumed run must see the same samples."""
+        digest = hashlib.sha256(self.stream.numpy().tobytes()).hexdigest()[:16]
+        return f"text:{self.stream.numel()}:{self.seq_len}:{digest}"
+
 
 class SyntheticSequences:
     """``count`` samples of uniform random ids in ``[0, vocab_size)``, sample i drawn from ``seed + i``."""
@@ -121,6 +129,9 @@ class SyntheticSequences:
     def __getitem__(self, index: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed + index)
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen)
+
+    def fingerprint(self) -> str:
+        return f"synthetic:{self.vocab_size}:{self.seq_len}:{self.count}:{self.seed}"
 
 
 @dataclass
@@ -157,6 +168,10 @@ class TrainData:
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.dp
+
+    def fingerprint(self) -> str:
+        """The samples and their order: equal fingerprints give equal batches at every step."""
+        return f"{self.samples.fingerprint()}:shuffle={self.shuffle}:seed={self.seed}"
 
     def tokens_per_step(self) -> int:
         """Tokens (inputs) of the whole global batch of one step."""

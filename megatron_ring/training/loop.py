@@ -2,8 +2,9 @@
 
 One rank's run (:func:`train_main`, started by ``launch/train.py``):
 
-1. validate the whole config (:func:`megatron_ring.training.schema.load_train_spec`) — a bad
-   config stops every rank before a process group or a model exists;
+1. validate the whole config (:func:`~megatron_ring.training.schema.load_train_spec`, then
+   DeepSpeed's own parser via :func:`~megatron_ring.training.schema.check_deepspeed_training`) —
+   a bad config stops every rank before a process group or a model exists;
 2. start the peer monitor (:class:`megatron_ring.inference.faults.PeerMonitor`) and
    torch.distributed from the launcher's environment, then Megatron's ``parallel_state`` for the
    layout (its groups equal :class:`~megatron_ring.parallel.layout.ParallelLayout`'s);
@@ -50,7 +51,7 @@ from megatron_ring.config import ConfigError
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files
 from megatron_ring.training.mpu import DeepSpeedMPU
-from megatron_ring.training.schema import TrainSpec, check_deepspeed_training, load_train_spec
+from megatron_ring.training.schema import SECTION, TrainSpec, check_deepspeed_training, load_train_spec
 
 EXIT_CONFIG = 2
 """Exit status of every rank when the config is invalid (nothing was started)."""
@@ -116,7 +117,6 @@ def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
 
     mpu = DeepSpeedMPU(groups)
     init_deepspeed_comm()
-    check_deepspeed_training(spec, mpu)
     model = build_gpt_model(spec.model)
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
@@ -127,7 +127,7 @@ def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
 def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
     """This rank's view of the training data (DP rank and CP rank from ``groups``)."""
     d, m = spec.train.data, spec.model.model
-    files = corpus_files([spec.path(p) for p in d.paths], d.suffixes) if d.kind == "text" else ()
+    files = corpus_files([spec.path(p, existing=True) for p in d.paths], d.suffixes) if d.kind == "text" else ()
     samples = build_samples(d.kind, vocab_size=m.vocab_size, seq_len=spec.train.seq_len, files=files,
                             synthetic_samples=d.synthetic_samples, seed=d.seed)
     return TrainData(samples, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, dp=spec.layout.dp,
@@ -210,6 +210,21 @@ def save_checkpoint(engine: Any, ckpt_dir: Path, step: int, client_state: dict[s
     return tag
 
 
+def check_resume(client: dict[str, Any], data: TrainData, spec: TrainSpec, where: Path) -> None:
+    """ConfigError unless the checkpoint's data position means the same samples in this run."""
+    if client.get("consumed_samples") != client["step"] * spec.global_batch:
+        raise ConfigError(
+            f"checkpoint {str(where)!r} consumed {client.get('consumed_samples')} samples in {client['step']} steps, "
+            f"but train_batch_size = {spec.global_batch} now; resume needs the same global batch"
+        )
+    if client.get("data") != data.fingerprint():
+        raise ConfigError(
+            f"checkpoint {str(where)!r} was trained on data {client.get('data')} but {SECTION}.data now gives "
+            f"{data.fingerprint()}; resume needs the same corpus, seq_len and data.seed "
+            "(or a new checkpoint.dir)"
+        )
+
+
 # --- the run -----------------------------------------------------------------------------------
 
 @dataclass
@@ -254,14 +269,15 @@ class StepLog:
 
 def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> TrainRun:
     """Build the engine, resume if a complete checkpoint exists, and train to ``spec.train.steps``."""
-    engine = build_engine(spec, groups)
     data = build_data(spec, groups)
+    engine = build_engine(spec, groups)
     ck = spec.train.checkpoint
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
     start = 0
     if ckpt_dir is not None and ck.resume and (tag := latest_checkpoint(ckpt_dir)) is not None:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
         start = int(client["step"])
+        check_resume(client, data, spec, ckpt_dir / tag)
     run = TrainRun(engine=engine, start_step=start)
     rank, world = dist.get_rank(), dist.get_world_size()
     log = StepLog(spec, rank, start)
@@ -285,7 +301,7 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
             last = step + 1 == spec.train.steps
             if ckpt_dir is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
                 state = {"step": step + 1, "consumed_samples": (step + 1) * spec.global_batch,
-                         "layout": spec.layout.sizes(), "data_seed": spec.train.data.seed}
+                         "layout": spec.layout.sizes(), "data": data.fingerprint()}
                 tag = save_checkpoint(engine, ckpt_dir, step + 1, state)
                 log.write({"event": "checkpoint", "step": step + 1, "tag": tag})
     finally:
@@ -310,6 +326,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     env = ds_glue.launch_env()
     try:
         spec = load_train_spec(args.config, world_size=env["world_size"])
+        check_deepspeed_training(spec)
     except ConfigError as err:
         if env["rank"] == 0:
             print(f"[megatron_ring] config error, nothing was started:\n{err}", file=sys.stderr, flush=True)

@@ -124,7 +124,8 @@ class TrainSection(StrictModel):
     log: LogSection = Field(default_factory=LogSection)
     seed: int = 1234
     collective_timeout_s: float = Field(300.0, gt=0)
-    peer_timeout_s: float = Field(20.0, gt=0, description="a peer silent this long is declared lost")
+    peer_timeout_s: float = Field(120.0, gt=0, description="a peer whose heartbeat stops this long is declared lost "
+                                  "(a dead process on this host is seen at once)")
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,10 @@ class TrainSpec:
     global_batch: int
     base_dir: Path
 
-    def path(self, value: str) -> Path:
-        """A path of the config resolved against the config file's directory (absolute paths unchanged)."""
-        return _resolve(value, self.base_dir, must_exist=False)
+    def path(self, value: str, *, existing: bool = False) -> Path:
+        """A path of the config resolved against the config file's directory (absolute paths unchanged);
+        with ``existing``, an input that exists only relative to the working directory is taken there."""
+        return _resolve(value, self.base_dir, must_exist=existing)
 
 
 def _resolve(value: str, base: Path, *, must_exist: bool) -> Path:
@@ -239,8 +241,16 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
             f"DeepSpeed trains in {ds_dtype} (bf16.enabled / fp16.enabled) but the model file {train.model!r} "
             f"has dtype = {model.dtype!r}; make them agree (fp32: neither bf16 nor fp16 enabled)"
         )
-    if train.data.kind == "text" and not train.data.paths:
-        raise ConfigError(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
+    if train.data.kind == "text":
+        if not train.data.paths:
+            raise ConfigError(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
+        for i, entry in enumerate(train.data.paths):
+            if not _resolve(entry, base_dir, must_exist=True).exists():
+                raise ConfigError(f"{SECTION}.data.paths[{i}] = {entry!r} does not exist "
+                                  f"(relative paths start at {str(base_dir)!r})")
+        if model.model.vocab_size < 128:
+            raise ConfigError(f"model.vocab_size = {model.model.vocab_size} in {train.model!r}: the byte-level "
+                              "tokenizer of data.kind = 'text' needs at least 128 ids (ASCII + end of document)")
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
                      global_batch=glob, base_dir=base_dir)
 
@@ -265,12 +275,19 @@ def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
                             where=f"config {str(path)!r}")
 
 
-def check_deepspeed_training(spec: TrainSpec, mpu: Any) -> None:
-    """Run DeepSpeed's own config parser on DeepSpeed's part (sub-sections, ZeRO keys) -> ConfigError."""
+def check_deepspeed_training(spec: TrainSpec) -> None:
+    """Run DeepSpeed's own config parser on DeepSpeed's part (ZeRO, optimizer, dtype sections) -> ConfigError.
+
+    Needs no process group: the batch keys (already checked against dp by :func:`check_batch`) are
+    handed to DeepSpeed in their one-rank form, ``train_batch_size = micro * grad_accum``.
+    """
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
+    ds = copy.deepcopy(spec.deepspeed)
+    ds.update(train_batch_size=spec.micro_batch * spec.grad_accum, train_micro_batch_size_per_gpu=spec.micro_batch,
+              gradient_accumulation_steps=spec.grad_accum)
     try:
-        DeepSpeedConfig(copy.deepcopy(spec.deepspeed), mpu=mpu)
+        DeepSpeedConfig(ds)
     except (ValidationError, AssertionError, ValueError) as err:
-        raise ConfigError(f"DeepSpeed rejects the training keys: {err}") from None
+        raise ConfigError(f"DeepSpeed rejects the training keys of this config: {err}") from None

@@ -6,9 +6,11 @@ compare: per-step losses, and the full (TP-gathered) fp32 weights on rank 0.
 """
 from __future__ import annotations
 
+import gc
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,11 +33,40 @@ def full_weights(module: torch.nn.Module, tp_group: dist.ProcessGroup) -> dict[s
     return out
 
 
+@contextmanager
+def scoped_groups() -> Iterator[None]:
+    """Destroy the process groups created inside the block (Megatron's parallel_state, DeepSpeed's,
+    ours) when it ends, so that a pool worker running many configs does not accumulate gloo
+    groups and their threads; DeepSpeed's references to them are cleared. Groups that existed
+    before are left alone."""
+    from deepspeed.utils import groups as ds_groups
+    from megatron.core import parallel_state
+
+    world = dist.distributed_c10d._world
+    before = set(world.pg_map)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        created = [g for g in world.pg_map if g not in before and g is not dist.GroupMember.WORLD]
+        for group in created:
+            dist.destroy_process_group(group)
+        if ds_groups._WORLD_GROUP in created:  # DeepSpeed's cached clone of the world group
+            ds_groups._WORLD_GROUP = None
+        ds_groups.mpu = None
+        gc.collect()  # a group's threads end when its last reference (often in a cycle) is gone
+
+
 def run_config(raw: dict[str, Any], base_dir: str, *, weights: bool = True) -> dict[str, Any]:
     """Train ``raw`` to its last step on this rank; ``{"losses", "start_step", "weights"}``.
 
     ``weights`` (rank 0 only, else None) are the full model weights after the last step.
     """
+    with scoped_groups():
+        return _run_config(raw, base_dir, weights=weights)
+
+
+def _run_config(raw: dict[str, Any], base_dir: str, *, weights: bool) -> dict[str, Any]:
     # what a launcher would have set (DeepSpeed's engine insists on LOCAL_RANK); one host
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()))
@@ -64,9 +95,10 @@ def group_ranks(layout: dict[str, int]) -> dict[str, dict[str, list[int]]]:
     from megatron_ring.testing.megatron_cpu import init_megatron_cpu
     from megatron_ring.training.mpu import process_group_collection
 
-    init_megatron_cpu(ParallelLayout(**layout))
-    ours = process_group_collection(init_parallel(ParallelLayout(**layout)))
-    megatron = ProcessGroupCollection.use_mpu_process_groups()
-    axes = ("tp", "pp", "cp", "dp", "dp_cp", "tp_cp", "mp")
-    return {name: {axis: dist.get_process_group_ranks(getattr(pgs, axis)) for axis in axes}
-            for name, pgs in (("ours", ours), ("megatron", megatron))}
+    with scoped_groups():
+        init_megatron_cpu(ParallelLayout(**layout))
+        ours = process_group_collection(init_parallel(ParallelLayout(**layout)))
+        megatron = ProcessGroupCollection.use_mpu_process_groups()
+        axes = ("tp", "pp", "cp", "dp", "dp_cp", "tp_cp", "mp")
+        return {name: {axis: dist.get_process_group_ranks(getattr(pgs, axis)) for axis in axes}
+                for name, pgs in (("ours", ours), ("megatron", megatron))}

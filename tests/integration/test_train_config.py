@@ -18,7 +18,7 @@ from megatron_ring.config import ConfigError  # noqa: E402
 from megatron_ring.parallel.groups import ParallelGroups  # noqa: E402
 from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_ring.training.data import ByteTokenizer, PackedSequences, TrainData  # noqa: E402
-from megatron_ring.training.loop import COMPLETE, EXIT_CONFIG, latest_checkpoint, train_main  # noqa: E402
+from megatron_ring.training.loop import COMPLETE, EXIT_CONFIG, check_resume, latest_checkpoint, train_main  # noqa: E402
 from megatron_ring.training.mpu import DeepSpeedMPU  # noqa: E402
 from megatron_ring.training.schema import load_train_spec, parse_train_spec  # noqa: E402
 
@@ -67,6 +67,7 @@ BAD = {
     "pipeline": ("megatron_ring.layout", {"pp": 2, "cp": 2}, ["layout.pp", "2"]),
     "heads vs tp": ("megatron_ring.layout", {"tp": 3, "cp": 1, "dp": 1}, ["num_attention_heads = 4", "tp = 3"]),
     "missing model": ("megatron_ring.model", "../megatron/nope.yaml", ["nope.yaml", "does not exist"]),
+    "missing data": ("megatron_ring.data.paths", ["../../nowhere"], ["data.paths[0]", "nowhere", "does not exist"]),
     "dtype vs model": ("bf16", {"enabled": True}, ["DeepSpeed trains in bf16", "dtype = 'fp32'"]),
     "attention kind": ("megatron_ring.attention", "flash", ["attention", "flash"]),
 }
@@ -150,3 +151,25 @@ def test_mpu_reports_dp_cp_for_gradients_and_dp_for_batches() -> None:
     assert (mpu.get_tensor_model_parallel_rank(), mpu.get_data_parallel_rank(), mpu.get_sequence_parallel_rank()) \
         == (1, 1, 0)
     assert not hasattr(mpu, "initialize_sequence_parallel")
+
+
+def test_resume_refuses_other_data_or_batch(tmp_path: Path) -> None:
+    spec = parse(good())
+    kw = dict(micro_batch=2, grad_accum=2, dp=2, dp_rank=0, cp=2, cp_rank=0, shuffle=True, seed=1)
+    data = TrainData(PackedSequences(torch.arange(2000) % 100, seq_len=128), **kw)
+    client = {"step": 3, "consumed_samples": 3 * spec.global_batch, "data": data.fingerprint()}
+    check_resume(client, data, spec, tmp_path)
+    with pytest.raises(ConfigError, match="same global batch"):
+        check_resume({**client, "consumed_samples": 12}, data, spec, tmp_path)
+    changed = TrainData(PackedSequences(torch.arange(2001) % 100, seq_len=128), **kw)
+    with pytest.raises(ConfigError, match="same corpus"):
+        check_resume(client, changed, spec, tmp_path)
+
+
+def test_deepspeed_sub_keys_are_checked_before_start() -> None:
+    pytest.importorskip("deepspeed")
+    from megatron_ring.training.schema import check_deepspeed_training
+
+    check_deepspeed_training(parse(good()))
+    with pytest.raises(ConfigError, match="stagee"):
+        check_deepspeed_training(parse(_change(good(), "zero_optimization", {"stagee": 1})))
