@@ -355,5 +355,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         first, last = run.records[0], run.records[-1]
         print(f"[megatron_ring] steps {run.start_step + 1}..{last['step']}: loss {first['loss']:.4f} -> "
               f"{last['loss']:.4f}, {last['tokens_per_s']:,.0f} tok/s", flush=True)
+    elif rank == 0:
+        print(f"[megatron_ring] the checkpoint is already at step {run.start_step} = {SECTION}.steps; "
+              "nothing to train", flush=True)
     dist.destroy_process_group()
     return 0
