@@ -9,6 +9,7 @@ tp/pp layout, so differently parallelised models can be given identical weights.
 """
 from __future__ import annotations
 
+import gc
 import re
 from typing import Mapping, Optional
 
@@ -62,11 +63,17 @@ def layer_spec(cfg: GPTConfig) -> ModuleSpec:
     return get_gpt_layer_ring_spec(**kwargs) if cfg.attention == "ring" else get_gpt_layer_local_spec(**kwargs)
 
 
+_OWN_GROUPS: list[dist.ProcessGroup] = []
+"""Process groups the last :func:`ensure_parallel_state` made Megatron create (freed on re-init)."""
+
+
 def ensure_parallel_state(layout: ParallelLayout) -> None:
     """Initialise Megatron's ``parallel_state`` for ``layout`` unless it already has exactly these sizes.
 
-    torch.distributed never frees process groups, so re-initialising an identical layout would
-    only leak groups (threads and sockets with gloo) in long-lived processes.
+    Megatron's ``destroy_model_parallel`` only drops its references: the groups, with their gloo
+    threads and sockets, live on. When switching layouts we therefore destroy the groups our
+    previous initialisation created, so a long-lived process (a test worker serving many layouts)
+    does not accumulate hundreds of them.
     """
     ps = parallel_state
     if ps.model_parallel_is_initialized() and (
@@ -75,8 +82,14 @@ def ensure_parallel_state(layout: ParallelLayout) -> None:
     ) == (layout.tp, layout.pp, layout.cp, layout.dp):
         return
     ps.destroy_model_parallel()
+    for group in _OWN_GROUPS:
+        dist.destroy_process_group(group)
+    _OWN_GROUPS.clear()
+    gc.collect()  # a gloo group's threads end with its last reference
+    existing = set(dist.distributed_c10d._world.pg_map)
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                  context_parallel_size=layout.cp, create_gloo_process_groups=False)
+    _OWN_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map if g not in existing)
 
 
 def check_parallel_state(cfg: GPTConfig) -> None:
