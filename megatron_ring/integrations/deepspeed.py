@@ -113,3 +113,30 @@ def init_inference(module: torch.nn.Module, ds: dict[str, Any]) -> Any:
     config = dict(ds)
     config["tensor_parallel"] = {"tp_size": 1}
     return deepspeed.init_inference(module, config=config)
+
+
+def init_deepspeed_comm() -> None:
+    """Give DeepSpeed its comm backend on top of our already started torch.distributed.
+
+    Note [DeepSpeed's comm backend without the shared-memory op]: DeepSpeed's engine and AutoTP
+    need ``deepspeed.comm`` (its ``TorchBackend``), whose constructor JIT-compiles a shared-memory
+    all-reduce op on the CPU accelerator (about 80 s and a C++ toolchain on every fresh machine).
+    That op serves only ``inference_all_reduce``, so while the backend is created
+    ``build_shm_op`` answers "not available"; every collective then goes through
+    ``torch.distributed`` as usual. (The inference launch avoids ``deepspeed.comm`` altogether.)
+    """
+    import importlib
+
+    import deepspeed.comm as ds_comm
+
+    if ds_comm.is_initialized():
+        return
+    if not dist.is_initialized():
+        raise RuntimeError("init_deepspeed_comm needs torch.distributed to be initialised first")
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # the attribute ds_comm.torch is torch itself
+    build_shm_op = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    finally:
+        ds_torch.build_shm_op = build_shm_op

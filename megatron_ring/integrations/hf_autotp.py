@@ -21,11 +21,12 @@ those all-reduces use torch.distributed (gloo on CPU).
 from __future__ import annotations
 
 import copy
-import importlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from megatron_ring.integrations.deepspeed import init_deepspeed_comm
 
 
 class TPGroup:
@@ -42,23 +43,6 @@ class TPGroup:
 
     def get_model_parallel_world_size(self) -> int:
         return dist.get_world_size(self.group)
-
-
-def init_deepspeed_comm() -> None:
-    """Create ``deepspeed.comm``'s backend over the running torch.distributed, without the shm op."""
-    import deepspeed.comm as ds_comm
-
-    if ds_comm.is_initialized():
-        return
-    if not dist.is_initialized():
-        raise RuntimeError("init_deepspeed_comm needs torch.distributed to be initialised first")
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` as attribute is torch
-    build_shm_op = ds_torch.build_shm_op
-    ds_torch.build_shm_op = lambda: None
-    try:
-        ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-    finally:
-        ds_torch.build_shm_op = build_shm_op
 
 
 def init_autotp(model: torch.nn.Module, tp_group: dist.ProcessGroup,

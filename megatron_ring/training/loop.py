@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.config import ConfigError
+from megatron_ring.integrations.deepspeed import init_deepspeed_comm
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files
 from megatron_ring.training.mpu import DeepSpeedMPU
@@ -60,33 +61,6 @@ COMPLETE = "complete.json"
 
 
 # --- process groups, model, engine -------------------------------------------------------------
-
-def init_deepspeed_comm() -> None:
-    """Give DeepSpeed its comm backend on top of our already started torch.distributed.
-
-    Note [DeepSpeed's comm backend without the shared-memory op]: the engine needs
-    ``deepspeed.comm`` (its ``TorchBackend``), whose constructor JIT-compiles a shared-memory
-    all-reduce op on the CPU accelerator (about 80 s and a C++ toolchain on every fresh machine).
-    That op serves only ``inference_all_reduce``, never training's collectives, so while the
-    backend is created ``build_shm_op`` answers "not available"; every collective then goes
-    through ``torch.distributed`` as usual. (Inference avoids ``deepspeed.comm`` altogether, see
-    :mod:`megatron_ring.integrations.deepspeed`.)
-    """
-    import importlib
-
-    import deepspeed.comm as ds_comm
-
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # the attribute ds_comm.torch is torch itself
-
-    if ds_comm.is_initialized():
-        return
-    build_shm_op = ds_torch.build_shm_op
-    ds_torch.build_shm_op = lambda: None
-    try:
-        ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-    finally:
-        ds_torch.build_shm_op = build_shm_op
-
 
 def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups:
     """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups."""
