@@ -82,8 +82,10 @@ def ensure_parallel_state(layout: ParallelLayout) -> None:
     ) == (layout.tp, layout.pp, layout.cp, layout.dp):
         return
     ps.destroy_model_parallel()
+    alive = dist.distributed_c10d._world.pg_map
     for group in _OWN_GROUPS:
-        dist.destroy_process_group(group)
+        if group in alive:  # the caller may have destroyed some already
+            dist.destroy_process_group(group)
     _OWN_GROUPS.clear()
     gc.collect()  # a gloo group's threads end with its last reference
     existing = set(dist.distributed_c10d._world.pg_map)

@@ -86,8 +86,8 @@ def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOU
 
     Works on any backend (nccl, gloo, the fake backend). All ranks create all groups in the same
     order, as torch.distributed requires. Idempotent: a second call with the same layout and timeout
-    in the same world returns the groups of the first, since torch.distributed never frees a group
-    (re-creating them would leak a gloo group's threads and sockets on every call).
+    in the same world returns the groups of the first (unless one of them was destroyed since), as
+    re-creating them would leak a gloo group's threads and sockets on every call.
     """
     if not isinstance(layout, ParallelLayout):
         raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}")
@@ -96,7 +96,9 @@ def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOU
     layout.check_world_size(dist.get_world_size())
     world, key = dist.group.WORLD, (layout, timeout)
     if key in _CREATED and _CREATED[key][0] is world:
-        return _CREATED[key][1]
+        cached = _CREATED[key][1]
+        if all(g in dist.distributed_c10d._world.pg_map for g in cached.groups.values()):
+            return cached
     rank = dist.get_rank()
     mine: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
