@@ -10,6 +10,7 @@ pytest.importorskip("yaml")
 
 from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.config.gpt import GPTConfig  # noqa: E402
+from megatron_ring.testing.configs import with_changes  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 TINY = load_mapping(CONFIGS / "tiny_local.yaml")
@@ -17,14 +18,7 @@ TINY = load_mapping(CONFIGS / "tiny_local.yaml")
 
 def _with(**changes: object) -> dict:
     """tiny_local.yaml with dotted-key changes, e.g. ``_with(**{"parallel.tp": 3})``."""
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in TINY.items()}
-    for dotted, value in changes.items():
-        *path, key = dotted.split(".")
-        target = data
-        for part in path:
-            target = target.setdefault(part, {})
-        target[key] = value
-    return data
+    return with_changes(TINY, **changes)
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

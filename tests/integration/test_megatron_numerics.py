@@ -17,6 +17,7 @@ pytest.importorskip("pydantic")
 
 from megatron_ring.config import load_mapping  # noqa: E402
 from megatron_ring.testing import megatron_cpu  # noqa: E402
+from megatron_ring.testing.configs import with_changes  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +30,7 @@ themselves (both models) puts them at ~2.2e-2 on the cp2 case, so the bound is l
 
 def _config(name: str, **changes: Any) -> dict[str, Any]:
     """A configs/megatron file with dotted-key changes."""
-    data = load_mapping(CONFIGS / name)
-    for dotted, value in changes.items():
-        *path, key = dotted.split(".")
-        target = data
-        for part in path:
-            target = target.setdefault(part, {})
-        target[key] = value
-    return data
+    return with_changes(load_mapping(CONFIGS / name), **changes)
 
 
 CASES = {
