@@ -11,10 +11,17 @@ Backends:
   their fused backward: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype);
   on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256) cuDNN's kernel on Hopper and newer (about
   1.9x faster than flash there, measured on an H200) and the flash kernel before Hopper.
-* ``"auto"``: ``"sdpa"`` where its kernel takes the inputs, ``"math"`` otherwise.
+* ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16,
+  head_dim a multiple of 8 up to 256, sm_80 and newer; native GQA, so K/V are never repeated
+  (flash_attn_backend.py).
+* ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the
+  inputs; otherwise ``"sdpa"`` where its kernel takes them (cuDNN on Hopper), ``"math"`` elsewhere.
 
-The CUDA kernel path follows the op schemas of torch's CUDA build; this project's CI has no GPU,
-so it is exercised only where one is present (``tests/gloo/test_ring_numerics.py`` covers CPU).
+The CUDA kernel paths follow the op schemas of torch's CUDA build and flash-attn's interface;
+this project's CI has no GPU, so they run only where one is present
+(``tests/gloo/test_ring_numerics.py`` covers CPU; ``tests/unit/test_flash_attn_backend.py`` checks the
+flash-attn adapter against a CPU stand-in of the package's interface, and against float64 on a GPU
+with flash-attn installed).
 
 ``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
 sees keys 0..i.
@@ -23,7 +30,9 @@ from __future__ import annotations
 
 import torch
 
-BACKENDS: tuple[str, ...] = ("auto", "math", "sdpa")
+from megatron_ring.attention.flash_attn_backend import flash_attn_problem, flash_backward, flash_forward
+
+BACKENDS: tuple[str, ...] = ("auto", "math", "sdpa", "flash_attn")
 
 
 def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -38,7 +47,15 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == "auto":
+        # flash_attn_problem is None only on CUDA, so the capability query is safe.
+        if flash_attn_problem(device, dtype, head_dim) is None and _cuda_kernel(device) == "flash":
+            return "flash_attn"
         return "sdpa" if _sdpa_takes(device, dtype, head_dim) else "math"
+    if backend == "flash_attn":
+        problem = flash_attn_problem(device, dtype, head_dim)
+        if problem is not None:
+            raise ValueError(f"backend 'flash_attn' cannot take device={device}, dtype={dtype}, "
+                             f"head_dim={head_dim}: {problem}; use 'sdpa', 'math' or 'auto'")
     if backend == "sdpa" and not _sdpa_takes(device, dtype, head_dim):
         raise ValueError(
             f"backend 'sdpa' cannot take device={device}, dtype={dtype}, head_dim={head_dim}: on CUDA it needs "
@@ -90,8 +107,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]``.
 
     Returns ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in
-    the compute dtype (math) or q's dtype (sdpa).
+    the compute dtype (math) or q's dtype (sdpa, flash_attn).
     """
+    if backend == "flash_attn":
+        out, lse = flash_forward(q, k, v, causal=causal, scale=scale)
+        return out, lse.to(compute_dtype(q.dtype))
     if backend == "sdpa":
         groups = q.shape[1] // k.shape[1]
         k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
@@ -124,6 +144,9 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dk [b, hkv, sk, d], dv [b, hkv, sk, d])`` in the compute dtype.
     """
     ct = compute_dtype(q.dtype)
+    if backend == "flash_attn":
+        dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        return dq.to(ct), dk.to(ct), dv.to(ct)
     if backend == "sdpa":
         groups = q.shape[1] // k.shape[1]
         b, hkv, sk, d = k.shape

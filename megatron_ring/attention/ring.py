@@ -216,7 +216,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             ``"contiguous"`` (chunk r of P). See Note [Zigzag sharding].
         comm: ``"p2p"`` (the ring), ``"all_gather"`` (the baseline) or ``"auto"`` (chosen per call from
             the shapes and a cost model: Note [When does the ring beat all-gather?] in auto_comm.py).
-        backend: local block kernel, ``"auto"``, ``"math"`` or ``"sdpa"`` (see block.py).
+        backend: local block kernel, ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"`` (see block.py).
 
     Returns:
         ``[batch, seq_local, heads_q, head_dim]`` in q's dtype; differentiable w.r.t. q, k, v.

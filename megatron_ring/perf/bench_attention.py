@@ -384,7 +384,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads-kv", type=int, default=0, help="K/V heads (default = heads)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa)")
+    ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa, flash_attn)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per point before a rank is declared hung")

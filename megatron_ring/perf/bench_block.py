@@ -1,7 +1,8 @@
 """The local block kernel on one device: exactness of each backend vs float64, and its speed.
 
 ``python -m megatron_ring.perf.bench_block --out results/bench_block.json`` on a GPU (or CPU)
-checks ``block_forward``/``block_backward`` of the ``math`` and ``sdpa`` backends against a float64
+checks ``block_forward``/``block_backward`` of every usable backend (``math``, ``sdpa``, and
+``flash_attn`` where the flash-attn package is installed on a CUDA GPU) against a float64
 reference (fp16/bf16/fp32 as the backend allows, causal and not, GQA), the single-rank
 ``ring_attention`` and ``decode_attention`` paths, then times forward and forward+backward of each
 backend and of plain ``torch.nn.functional.scaled_dot_product_attention`` at a few lengths.
@@ -28,6 +29,14 @@ def _qkv(b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: 
     return make(hq), make(hkv), make(hkv), make(hq)
 
 
+def _usable(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    try:
+        resolve_backend(backend, device, dtype, head_dim)
+    except ValueError:
+        return False
+    return True
+
+
 def check_exactness(device: torch.device) -> list[dict]:
     """Relative errors (out, dq, dk, dv) of each usable backend vs float64, ``[b, s, h, d]`` inputs."""
     rows = []
@@ -37,10 +46,8 @@ def check_exactness(device: torch.device) -> list[dict]:
             ref_in = [t.double().cpu().requires_grad_() for t in (q, k, v)]
             ref = attention_reference(*ref_in, causal=causal)
             ref.backward(do.double().cpu())
-            for backend in ("math", "sdpa"):
-                try:
-                    resolve_backend(backend, device, dtype, 64)
-                except ValueError:
+            for backend in ("math", "sdpa", "flash_attn"):
+                if not _usable(backend, device, dtype, 64):
                     continue
                 qh, kh, vh, doh = (t.transpose(1, 2) for t in (q, k, v, do))
                 out, lse = block_forward(qh, kh, vh, causal=causal, scale=0.125, backend=backend)
@@ -90,11 +97,12 @@ def time_backends(device: torch.device, lengths: list[int], repeats: int) -> lis
     """Causal bf16 (fp32 on CPU) timings of each backend and of torch SDPA, ``[1, L, 32, 128]`` / 8 K/V heads."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
+    usable = [b for b in ("math", "sdpa", "flash_attn") if _usable(b, device, dtype, 128)]
     for length in lengths:
         q, k, v, do = _qkv(1, length, 32, 8, 128, dtype, device)
         qh, kh, vh, doh = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
         flops = 4 * length * length * 32 * 128 / 2
-        for backend in ("math", "sdpa", "torch_sdpa"):
+        for backend in (*usable, "torch_sdpa"):
             if backend == "torch_sdpa":
                 def fwd():
                     return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)

@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--heads-kv", type=int, default=0, help="default = heads")
     ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa)")
+    ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa, flash_attn)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/bench_numerics.json")
     ap.add_argument("--markdown", help="also write the table as Markdown to this file")

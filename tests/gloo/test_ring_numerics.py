@@ -35,6 +35,19 @@ def test_even_head_dims_and_longer_sequences(gloo_pool, size, head_dim):
     assert max(max(e.values()) for e in per_rank) <= 1e-5
 
 
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+def test_flash_attn_adapter_in_the_ring(gloo_pool, size, causal, sharding):
+    """The flash_attn backend's calls inside the ring (views, merged-lse backward, GQA), served by a
+    CPU stand-in of the package; the real kernels are checked on a GPU by test_flash_attn_backend."""
+    per_rank = gloo_pool(size).run(workers.ring_vs_reference_flash_attn_standin, 4 * size, 4, 2, 16, causal,
+                                   sharding, "p2p", torch.bfloat16)
+    for rank, errs in enumerate(per_rank):
+        for name, err in errs.items():
+            assert err <= TOL[torch.bfloat16], f"rank {rank} {name}: rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("lengths_kind", ["equal", "ragged", "one_empty"])
 @pytest.mark.parametrize("heads", ["gqa", "mha"])

@@ -39,6 +39,31 @@ def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, sharding, comm, 
     }
 
 
+def ring_vs_reference_flash_attn_standin(*args, **kwargs):
+    """ring_vs_reference with backend "flash_attn" served by the CPU stand-in of the package
+    (tests/unit/flash_attn_standin.py); the worker's modules are restored afterwards."""
+    import sys
+
+    from megatron_ring.attention import block, flash_attn_backend
+    from tests.unit import flash_attn_standin
+
+    saved_modules = {name: sys.modules.get(name) for name in ("flash_attn", "flash_attn.flash_attn_interface")}
+    saved_problem = block.flash_attn_problem
+    sys.modules.update(flash_attn_standin.modules("2.7.4.post1"))
+    flash_attn_backend._load.cache_clear()
+    block.flash_attn_problem = lambda device, dtype, head_dim: None
+    try:
+        return ring_vs_reference(*args, backend="flash_attn", **kwargs)
+    finally:
+        block.flash_attn_problem = saved_problem
+        for name, module in saved_modules.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        flash_attn_backend._load.cache_clear()
+
+
 def decode_vs_reference(lengths, heads_q, heads_kv, head_dim, q_len, dtype, batch=2):
     """Decode error on this rank; rank r holds a cache shard of ``lengths[r]`` tokens (0 allowed)."""
     rank = dist.get_rank()
