@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_ring.inference.metrics import CommCounter, RequestTiming, reset_peak_memory
+from megatron_ring.inference.metrics import CommCounter, RequestTiming
+from megatron_ring.runtime.reporting import reset_peak_memory
 from megatron_ring.inference.runner import ModelRunner
 
 

@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.config import ConfigError, load_mapping
-from megatron_ring.inference.faults import EXIT_PEER_LOST, PeerMonitor
 from megatron_ring.inference.loop import job_timings, run_requests
-from megatron_ring.inference.metrics import (RequestTiming, format_table, median_metrics, peak_memory, progress,
-                                             request_metrics, write_json_atomic)
+from megatron_ring.inference.metrics import RequestTiming, format_table, median_metrics, request_metrics
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
 from megatron_ring.integrations import deepspeed as ds_glue
 from megatron_ring.parallel.groups import init_parallel
+from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
+from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
 
 RESULT_SCHEMA = "megatron_ring.inference.result/1"
 EXIT_CONFIG = 2

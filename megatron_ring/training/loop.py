@@ -5,7 +5,7 @@ One rank's run (:func:`train_main`, started by ``launch/train.py``):
 1. validate the whole config (:func:`~megatron_ring.training.schema.load_train_spec`, then
    DeepSpeed's own parser via :func:`~megatron_ring.training.schema.check_deepspeed_training`) —
    a bad config stops every rank before a process group or a model exists;
-2. start the peer monitor (:class:`megatron_ring.inference.faults.PeerMonitor`) and
+2. start the peer monitor (:class:`megatron_ring.runtime.faults.PeerMonitor`) and
    torch.distributed from the launcher's environment, then Megatron's ``parallel_state`` for the
    layout (its groups equal :class:`~megatron_ring.parallel.layout.ParallelLayout`'s);
 3. build the GPT model from the ``configs/megatron`` YAML, hand it to ``deepspeed.initialize``
@@ -140,7 +140,7 @@ def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, de
 
 def memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: the allocator peak on a GPU, the process's peak RSS on CPU."""
-    from megatron_ring.inference.metrics import peak_memory
+    from megatron_ring.runtime.reporting import peak_memory
 
     peak = peak_memory(device)
     return int(peak["peak_device_bytes"] if device.type == "cuda" else peak["peak_rss_bytes"])
@@ -171,7 +171,7 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Optional[str]:
 
 def save_checkpoint(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any]) -> str:
     """Save step ``step`` on every rank; mark it complete only when all ranks are done."""
-    from megatron_ring.inference.metrics import write_json_atomic
+    from megatron_ring.runtime.reporting import write_json_atomic
 
     tag = checkpoint_tag(step)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
@@ -214,7 +214,7 @@ class StepLog:
     """Rank 0's JSON-lines log (one line per step, flushed) and progress bar; silent elsewhere."""
 
     def __init__(self, spec: TrainSpec, rank: int, start_step: int) -> None:
-        from megatron_ring.inference.metrics import progress
+        from megatron_ring.runtime.reporting import progress
 
         self._file: Optional[TextIO] = None
         if rank == 0 and spec.train.log.jsonl:
@@ -293,7 +293,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one training job on this rank; return the exit status."""
-    from megatron_ring.inference.faults import EXIT_PEER_LOST, PeerMonitor
+    from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
     from megatron_ring.integrations import deepspeed as ds_glue
 
     args = parse_args(argv)

@@ -112,7 +112,7 @@ def count_collectives(comm, causal):
 
 def mismatched_shapes():
     """Rank 1 brings a different local length: every rank must raise, none may hang."""
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     seq_local = 4 if rank != 1 else 6
     q = torch.randn(1, seq_local, 2, 4)
     ring_attention(q, q, q, causal=True)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.inference.loop import run_requests
-from megatron_ring.inference.metrics import progress
+from megatron_ring.runtime.reporting import progress
 from megatron_ring.inference.schema import runner_module
 from megatron_ring.parallel.groups import init_parallel
 from megatron_ring.parallel.layout import ParallelLayout

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ring.inference.loop import job_timings, make_prompt
-from megatron_ring.inference.metrics import (RequestTiming, format_table, median_metrics, percentile,
-                                             request_metrics, write_json_atomic)
+from megatron_ring.inference.metrics import RequestTiming, format_table, median_metrics, percentile, request_metrics
+from megatron_ring.runtime.reporting import write_json_atomic
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:

@@ -20,7 +20,7 @@ every rank avoids both:
 
 A rank that finishes marks itself done first, so a peer that exits normally is never reported.
 The result file is written only by rank 0 after every rank is done, atomically
-(:func:`megatron_ring.inference.metrics.write_json_atomic`): there is no half-written result.
+(:func:`megatron_ring.runtime.reporting.write_json_atomic`): there is no half-written result.
 """
 from __future__ import annotations
 

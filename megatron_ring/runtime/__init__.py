@@ -1,0 +1,1 @@
+"""Process-level helpers shared by inference and training: lost-rank monitor, reporting."""
