@@ -34,7 +34,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     new_lse = torch.logaddexp(lse, block_lse)
     keep = merge_weights(lse, new_lse).unsqueeze(-1)
     take = merge_weights(block_lse, new_lse).unsqueeze(-1)
-    out.mul_(keep).add_(block_out.float() * take)
+    out.mul_(keep).addcmul_(block_out, take)  # fused: no block-sized temporary, any block_out dtype
     lse.copy_(new_lse)
 
 

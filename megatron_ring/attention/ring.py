@@ -155,6 +155,7 @@ class _RingAttention(torch.autograd.Function):
             o, l = block_forward(q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
                                  causal=plan.causal, scale=spec.scale, backend=spec.backend)
             merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
+            del o, l  # free this block's output before the next kernel allocates its own
             if stats:
                 stats.compute_s += now(q.device) - c0
         result = out.to(q.dtype)
@@ -188,6 +189,7 @@ class _RingAttention(torch.autograd.Function):
                     out[:, :, plan.q], lse[:, :, plan.q], causal=plan.causal, scale=spec.scale, backend=spec.backend,
                 )
                 dq[:, :, plan.q] += dq_b
+                del dq_b  # as in forward: not alive during the next block's kernel
                 if stats:
                     stats.compute_s += now(q.device) - c0
             comm.add_grads(src, plan, dk_b, dv_b)
