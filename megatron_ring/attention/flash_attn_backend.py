@@ -86,8 +86,10 @@ def _parameters(fn: Callable[..., Any]) -> set[str]:
     return set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
+@functools.lru_cache(maxsize=4)
 def _backward_tail(fn: Callable[..., Any]) -> dict[str, Any]:
-    """The version-dependent keyword arguments of ``_flash_attn_backward`` for plain attention."""
+    """The version-dependent keyword arguments of ``_flash_attn_backward`` for plain attention
+    (read once per function, not on every ring step; the dict is never mutated)."""
     names = _parameters(fn)
     tail: dict[str, Any] = {"alibi_slopes": None, "deterministic": False}
     if "window_size_left" in names:
