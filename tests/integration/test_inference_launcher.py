@@ -78,6 +78,15 @@ def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
     return out
 
 
+def finish_all(procs: dict[str, subprocess.Popen]) -> dict[str, str]:
+    """:func:`finish` for launchers running side by side; all are killed if any wait fails."""
+    try:
+        return {name: finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            stop(proc)
+
+
 def launch(config: Path, nprocs: int, *extra: str, timeout: float = 400) -> tuple[int, str]:
     proc = start(launch_cmd(config, nprocs, *extra), text=True)
     out = finish(proc, timeout)
@@ -123,11 +132,7 @@ def test_cpu_pair_end_to_end(tmp_path: Path) -> None:
                                     "--output", str(tmp_path / f"{name}.json")), text=True)
              for name in names}
     results = {}
-    try:
-        outs = {name: finish(proc) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            stop(proc)
+    outs = finish_all(procs)
     for name, proc in procs.items():
         assert proc.returncode == 0, outs[name][-4000:]
         work = json.loads((ROOT / "configs" / "deepspeed" / f"{name}.json").read_text())["megatron_ring"]["workload"]
@@ -160,11 +165,7 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path: Path) -> None:
         path.write_text(json.dumps(cfg))
         procs[name] = start([sys.executable, str(ROOT / "launch" / "infer.py"), "--deepspeed_config", str(path)],
                             env={**env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, text=True)
-    try:
-        outs = {name: finish(proc) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            stop(proc)
+    outs = finish_all(procs)
     for name, proc in procs.items():
         out = outs[name]
         assert proc.returncode == 2, out
