@@ -4,26 +4,8 @@
 Importing it registers ``attn_implementation="ring"`` with transformers (needs ``transformers``).
 See docs/transformers.md.
 """
+from megatron_ring.integrations import transformers as _transformers
 from megatron_ring.integrations.hf_autotp import init_autotp
-from megatron_ring.integrations.transformers import (
-    ATTN_IMPLEMENTATION,
-    CPContext,
-    RingCache,
-    cp_context,
-    enable_ring_attention,
-    register,
-    ring_forward,
-    ring_generate,
-)
+from megatron_ring.integrations.transformers import *  # noqa: F401,F403 -- exactly its __all__
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "CPContext",
-    "RingCache",
-    "cp_context",
-    "enable_ring_attention",
-    "init_autotp",
-    "register",
-    "ring_forward",
-    "ring_generate",
-]
+__all__ = [*_transformers.__all__, "init_autotp"]
