@@ -25,6 +25,11 @@ with flash-attn installed).
 
 ``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
 sees keys 0..i.
+
+``key_mask`` (bool ``[batch, k_len]``, True = a real key, False = padding) hides keys from every
+query; a query that sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the
+merge). Only ``math`` and the CPU ``sdpa`` kernel (an additive bias) take it; ``resolve_backend``
+with ``masked=True`` picks or checks accordingly.
 """
 from __future__ import annotations
 
@@ -42,10 +47,18 @@ def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The concrete backend for ``backend`` and these inputs; ValueError for an unknown or unusable one."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
+                    masked: bool = False) -> str:
+    """The concrete backend for ``backend`` and these inputs (``masked``: a key padding mask is
+    given); ValueError for an unknown or unusable one."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if masked:
+        if backend == "flash_attn" or (backend == "sdpa" and device.type != "cpu"):
+            raise ValueError(f"backend {backend!r} cannot take a key_padding_mask on device={device}; "
+                             "use 'math' or 'auto' (which picks 'sdpa' on CPU and 'math' elsewhere)")
+        if backend == "auto":
+            return "sdpa" if device.type == "cpu" else "math"
     if backend == "auto":
         # flash_attn_problem is None only on CUDA, so the capability query is safe.
         if flash_attn_problem(device, dtype, head_dim) is None and _cuda_kernel(device) == "flash":
@@ -93,17 +106,38 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
-def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+                 key_mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled scores ``[b, hkv, g, q, k]`` in the compute dtype, masked with -inf."""
     ct = compute_dtype(q.dtype)
     scores = torch.matmul(_grouped(q, k.shape[1]).to(ct), k.to(ct).unsqueeze(2).transpose(-1, -2)) * scale
     if causal:
         scores.masked_fill_(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if key_mask is not None:
+        scores.masked_fill_(~key_mask[:, None, None, None, :], float("-inf"))
     return scores
 
 
+def _without_neginf(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a query that sees no key) replaced by 0, so ``exp(-inf - lse)`` is 0, not NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def _key_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[b, 1, 1, k]`` bias: 0 for real keys, -inf for padding."""
+    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
+    return bias.masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
+
+
+def _sees_a_key(key_mask: torch.Tensor, q_len: int, causal: bool) -> torch.Tensor:
+    """``[b, q]``: whether each query sees at least one real key of the block (causal: keys 0..i)."""
+    if causal:
+        return key_mask.cumsum(-1) > 0
+    return key_mask.any(-1, keepdim=True).expand(-1, q_len)
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]``.
 
     Returns ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in
@@ -123,20 +157,24 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         else:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, causal, attn_mask=None, scale=scale
+                q, k, v, 0.0, causal, attn_mask=None if key_mask is None else _key_bias(key_mask, q.dtype), scale=scale
             )
+            if key_mask is not None:  # the kernel reports lse 0 for a query that sees no key
+                blind = ~_sees_a_key(key_mask, q.shape[2], causal)[:, None, :]
+                lse = lse.masked_fill(blind, float("-inf"))
+                out = out.masked_fill(blind.unsqueeze(-1), 0.0)
         return out, lse.to(compute_dtype(q.dtype))
-    scores = _math_scores(q, k, causal, scale)
+    scores = _math_scores(q, k, causal, scale, key_mask)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    probs = torch.exp(scores - _without_neginf(lse).unsqueeze(-1))
     out = torch.matmul(probs, v.to(scores.dtype).unsqueeze(2))
     b, hq, sq, d = q.shape
     return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, *, causal: bool, scale: float,
-                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, *, causal: bool, scale: float, backend: str,
+                   key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of these queries.
 
     With the final lse, ``exp(s - lse)`` is exactly this block's slice of the global softmax, so the
@@ -167,15 +205,19 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], sk, 0.0, causal, seed, offset, scale=scale,
             )
-        else:
+        elif key_mask is None:
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale,
             )
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, _without_neginf(lse), 0.0, causal, attn_mask=_key_bias(key_mask, q.dtype),
+                scale=scale,
+            )
         return dq.to(ct), dk.to(ct).reshape(b, hkv, groups, sk, d).sum(2), dv.to(ct).reshape(b, hkv, groups, sk, d).sum(2)
     hkv = k.shape[1]
-    scores = _math_scores(q, k, causal, scale)
-    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(ct)
-    probs = torch.exp(scores - _grouped(safe_lse.unsqueeze(-1), hkv))
+    scores = _math_scores(q, k, causal, scale, key_mask)
+    probs = torch.exp(scores - _grouped(_without_neginf(lse).to(ct).unsqueeze(-1), hkv))
     g_out = _grouped(dout.to(ct), hkv)
     delta = (g_out * _grouped(out.to(ct), hkv)).sum(-1, keepdim=True)
     dv = torch.matmul(probs.transpose(-1, -2), g_out).sum(2)

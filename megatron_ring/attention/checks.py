@@ -35,6 +35,21 @@ def check_qkv(q: object, k: object, v: object, *, same_seq: bool) -> None:
         )
 
 
+def check_key_padding_mask(mask: object, k: torch.Tensor) -> None:
+    """Validate a key padding mask: None, or bool ``[batch, seq]`` matching k's batch, seq and device."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask.dtype is {mask.dtype}; allowed: torch.bool (True = a real token)")
+    if tuple(mask.shape) != (k.shape[0], k.shape[1]):
+        raise ValueError(f"key_padding_mask must be [batch, seq] = {(k.shape[0], k.shape[1])} like k, "
+                         f"got shape {tuple(mask.shape)}")
+    if mask.device != k.device:
+        raise ValueError(f"key_padding_mask must be on k's device {k.device}, got {mask.device}")
+
+
 def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

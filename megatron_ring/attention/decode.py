@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from megatron_ring.attention.allgather import all_gather_stacked
 from megatron_ring.attention.block import block_forward, compute_dtype, resolve_backend
-from megatron_ring.attention.checks import check_qkv, group_rank_size
+from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, group_rank_size
 from megatron_ring.attention.merge import merge_stacked
 
 
 def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
                      group: dist.ProcessGroup | None = None, *, softmax_scale: float | None = None,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of new queries over the union of every rank's cache shard.
 
     Args:
@@ -37,11 +37,14 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             ``s_local`` may differ between ranks and may be 0. Every cached key is visible to every
             query (append the new tokens' K/V before calling).
         group: the context-parallel group (None = world, or one process without torch.distributed).
+        key_padding_mask: None, or bool ``[batch, s_local]`` for this rank's shard (True = a real
+            token); a query that sees no real key on any rank gets a zero output.
 
     Returns:
         ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
     """
     check_qkv(q, k_local, v_local, same_seq=False)
+    check_key_padding_mask(key_padding_mask, k_local)
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -55,8 +58,9 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             part[..., :d] = 0
             part[..., d] = float("-inf")
         else:
-            out, lse = block_forward(qh, kh, vh, causal=False, scale=scale,
-                                     backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]))
+            out, lse = block_forward(qh, kh, vh, causal=False, scale=scale, key_mask=key_padding_mask,
+                                     backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1],
+                                                             masked=key_padding_mask is not None))
             part[..., :d] = out
             part[..., d] = lse
         parts = all_gather_stacked(part, group, size)

@@ -28,10 +28,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.allgather import GatheredKV
+from megatron_ring.attention.allgather import GatheredKV, all_gather_stacked
 from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, resolve_backend
-from megatron_ring.attention.checks import check_choice, check_qkv, group_rank_size
+from megatron_ring.attention.checks import check_choice, check_key_padding_mask, check_qkv, group_rank_size
 from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.merge import merge_into
 from megatron_ring.attention.schedule import StepPlan, step_plan
@@ -135,12 +135,17 @@ def _alloc_bshd(b: int, h: int, s: int, d: int, dtype: torch.dtype, device: torc
     return torch.zeros(b, s, h, d, dtype=dtype, device=device).transpose(1, 2)
 
 
+def _block_mask(key_masks: torch.Tensor | None, src: int, plan: StepPlan) -> torch.Tensor | None:
+    """The keys of block ``src`` that this step uses, from the gathered ``[P, batch, seq_local]`` masks."""
+    return None if key_masks is None else key_masks[src][:, plan.k]
+
+
 class _RingAttention(torch.autograd.Function):
     """Autograd wrapper; tensors are ``[batch, heads, seq_local, head_dim]`` (views of BSHD input)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: P2PRing | GatheredKV,
-                spec: _Spec) -> torch.Tensor:
+                spec: _Spec, key_masks: torch.Tensor | None) -> torch.Tensor:
         stats = active_stats()
         t0 = now(q.device) if stats else 0.0
         b, hq, s, d = q.shape
@@ -153,7 +158,8 @@ class _RingAttention(torch.autograd.Function):
                 continue
             c0 = now(q.device) if stats else 0.0
             o, l = block_forward(q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
-                                 causal=plan.causal, scale=spec.scale, backend=spec.backend)
+                                 causal=plan.causal, scale=spec.scale, backend=spec.backend,
+                                 key_mask=_block_mask(key_masks, src, plan))
             merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
             del o, l  # free this block's output before the next kernel allocates its own
             if stats:
@@ -165,7 +171,7 @@ class _RingAttention(torch.autograd.Function):
             stats.bytes_sent += comm.bytes_per_step * (spec.size - 1)
             stats.total_s += now(q.device) - t0
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.comm, ctx.spec = comm, spec
+        ctx.comm, ctx.spec, ctx.key_masks = comm, spec, key_masks
         return result
 
     @staticmethod
@@ -187,6 +193,7 @@ class _RingAttention(torch.autograd.Function):
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, :, plan.q], q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
                     out[:, :, plan.q], lse[:, :, plan.q], causal=plan.causal, scale=spec.scale, backend=spec.backend,
+                    key_mask=_block_mask(ctx.key_masks, src, plan),
                 )
                 dq[:, :, plan.q] += dq_b
                 del dq_b  # as in forward: not alive during the next block's kernel
@@ -199,12 +206,13 @@ class _RingAttention(torch.autograd.Function):
             stats.steps += 2 * spec.size - 1 if spec.size > 1 else 0
             stats.bytes_sent += comm.bytes_per_step * (spec.size - 1) + (grad_bytes * spec.size if spec.size > 1 else 0)
             stats.total_s += now(q.device) - t0
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                    causal: bool = False, softmax_scale: float | None = None, sharding: str = "zigzag",
-                   comm: str = "p2p", backend: str = "auto") -> torch.Tensor:
+                   comm: str = "p2p", backend: str = "auto",
+                   key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -219,11 +227,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         comm: ``"p2p"`` (the ring), ``"all_gather"`` (the baseline) or ``"auto"`` (chosen per call from
             the shapes and a cost model: Note [When does the ring beat all-gather?] in auto_comm.py).
         backend: local block kernel, ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"`` (see block.py).
+        key_padding_mask: None, or bool ``[batch, seq_local]`` sharded like k (True = a real token,
+            False = padding that no query may see), given on every rank of the group or on none.
+            The masks are all-gathered once per call (one byte per token); a query that sees no
+            key gets a zero output. With a mask, ``auto`` uses the CPU ``sdpa`` kernel or ``math``.
 
     Returns:
         ``[batch, seq_local, heads_q, head_dim]`` in q's dtype; differentiable w.r.t. q, k, v.
     """
     check_qkv(q, k, v, same_seq=True)
+    check_key_padding_mask(key_padding_mask, k)
     check_choice("sharding", sharding, SHARDINGS)
     check_choice("comm", comm, COMMS)
     if not isinstance(causal, bool):
@@ -237,11 +250,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     spec = _Spec(
         rank=rank, size=size, seq_local=seq_local, causal=causal, sharding=sharding,
         scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1]),
+        backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=key_padding_mask is not None),
     )
     if comm == "auto":
         comm = choose_comm_for_shapes(tuple(q.shape), tuple(k.shape), size, causal=causal,
                                       element_size=q.element_size(), device_type=q.device.type)
     channel = P2PRing(group, rank, size) if comm == "p2p" else GatheredKV(group, rank, size)
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec)
+    key_masks = None
+    if key_padding_mask is not None:
+        key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, size).bool()
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec, key_masks)
     return out.transpose(1, 2)

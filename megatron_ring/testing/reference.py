@@ -7,10 +7,13 @@ import torch
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                        softmax_scale: float | None = None) -> torch.Tensor:
+                        softmax_scale: float | None = None,
+                        key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention in float64 over global tensors ``[batch, seq, heads, head_dim]`` (GQA aware).
 
-    Differentiable, so references for gradients come from ``torch.autograd``. Returns float64.
+    ``key_padding_mask``: bool ``[batch, seq_k]``, True = a real key; a query that sees no key
+    gets a zero output. Differentiable, so references for gradients come from ``torch.autograd``.
+    Returns float64.
     """
     q64, k64, v64 = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))
     groups = q64.shape[1] // k64.shape[1]
@@ -21,7 +24,11 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     if causal:
         sq, sk = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v64).transpose(1, 2)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(~key_padding_mask[:, None, None, :].to(scores.device), float("-inf"))
+    blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows that see no key: zero output
+    probs = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)
+    return torch.matmul(probs, v64).transpose(1, 2)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -35,6 +35,21 @@ def test_even_head_dims_and_longer_sequences(gloo_pool, size, head_dim):
     assert max(max(e.values()) for e in per_rank) <= 1e-5
 
 
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_key_padding_mask_matches_float64(gloo_pool, size, causal, sharding, comm, dtype):
+    """Left padding, random holes and a fully padded row (zero output, zero gradients) over the ring."""
+    for backend in ("math", "sdpa"):
+        per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, 4, 2, 8, causal, sharding, comm, dtype,
+                                       backend, batch=3, padded=True)
+        for rank, errs in enumerate(per_rank):
+            for name, err in errs.items():
+                assert err <= TOL[dtype], f"{backend} rank {rank} {name}: rel err {err:.2e} > {TOL[dtype]:.0e}"
+
+
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
@@ -61,3 +76,13 @@ def test_decode_matches_reference(gloo_pool, size, lengths_kind, heads, q_len):
         for result in per_rank:
             assert result["err"] <= TOL[dtype], result
             assert result["identical"] and result["dtype"] == dtype and result["shape"] == (2, q_len, heads_q, 6)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("lengths_kind", ["equal", "one_empty"])
+def test_decode_with_key_padding_mask(gloo_pool, size, lengths_kind):
+    lengths = [6] * size if lengths_kind == "equal" else [0] + [5 + r for r in range(size - 1)] if size > 1 else [5]
+    for dtype in (torch.float32, torch.bfloat16):
+        per_rank = gloo_pool(size).run(workers.decode_vs_reference, lengths, 4, 2, 8, 2, dtype, batch=3, padded=True)
+        for result in per_rank:
+            assert result["err"] <= TOL[dtype] and result["identical"], result

@@ -17,19 +17,36 @@ def _inputs(batch, seq, heads_q, heads_kv, head_dim, dtype, seed=0):
     return q, k, v, dout
 
 
-def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, sharding, comm, dtype, backend, batch=2):
-    """Relative errors of this rank's (out, dq, dk, dv) against the float64 global reference."""
+def padding_mask(batch, seq, seed=3):
+    """``[batch, seq]`` bool, True = real token: row 0 left-padded by a third, row 1 random holes,
+    row 2 (when batch > 2) all padding, so no query of it sees a key; further rows all real."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    mask[0, : seq // 3] = False
+    if batch > 1:
+        mask[1] = torch.rand(seq, generator=gen) < 0.7
+    if batch > 2:
+        mask[2] = False
+    return mask
+
+
+def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, sharding, comm, dtype, backend, batch=2,
+                      padded=False):
+    """Relative errors of this rank's (out, dq, dk, dv) against the float64 global reference
+    (``padded``: with :func:`padding_mask` as the key padding mask)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = _inputs(batch, seq, heads_q, heads_kv, head_dim, dtype)
+    mask = padding_mask(batch, seq) if padded else None
     qg, kg, vg = (t.to(torch.float64).requires_grad_() for t in (q, k, v))
-    ref = attention_reference(qg, kg, vg, causal=causal)
+    ref = attention_reference(qg, kg, vg, causal=causal, key_padding_mask=mask)
     ref.backward(dout.to(torch.float64))
 
     def shard(t):
         return shard_sequence(t, rank, size, sharding=sharding)
 
     ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-    out = ring_attention(ql, kl, vl, causal=causal, sharding=sharding, comm=comm, backend=backend)
+    out = ring_attention(ql, kl, vl, causal=causal, sharding=sharding, comm=comm, backend=backend,
+                         key_padding_mask=None if mask is None else shard(mask))
     out.backward(shard(dout))
     assert out.dtype == dtype and out.shape == ql.shape
     assert ql.grad.dtype == dtype and kl.grad.shape == kl.shape
@@ -64,17 +81,20 @@ def ring_vs_reference_flash_attn_standin(*args, **kwargs):
         flash_attn_backend._load.cache_clear()
 
 
-def decode_vs_reference(lengths, heads_q, heads_kv, head_dim, q_len, dtype, batch=2):
-    """Decode error on this rank; rank r holds a cache shard of ``lengths[r]`` tokens (0 allowed)."""
+def decode_vs_reference(lengths, heads_q, heads_kv, head_dim, q_len, dtype, batch=2, padded=False):
+    """Decode error on this rank; rank r holds a cache shard of ``lengths[r]`` tokens (0 allowed);
+    ``padded``: with :func:`padding_mask` over the whole cache."""
     rank = dist.get_rank()
     total = sum(lengths)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(batch, q_len, heads_q, head_dim, generator=gen).to(dtype)
     k = torch.randn(batch, total, heads_kv, head_dim, generator=gen).to(dtype)
     v = torch.randn(batch, total, heads_kv, head_dim, generator=gen).to(dtype)
-    start = sum(lengths[:rank])
-    out = decode_attention(q, k[:, start:start + lengths[rank]], v[:, start:start + lengths[rank]])
-    ref = attention_reference(q, k, v)
+    mask = padding_mask(batch, total) if padded else None
+    start, end = sum(lengths[:rank]), sum(lengths[:rank + 1])
+    out = decode_attention(q, k[:, start:end], v[:, start:end],
+                           key_padding_mask=None if mask is None else mask[:, start:end])
+    ref = attention_reference(q, k, v, key_padding_mask=mask)
     gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, out.contiguous())
     identical = all(torch.equal(g, out) for g in gathered)

@@ -64,3 +64,39 @@ def test_backend_choice():
     assert resolve_backend("math", cuda, torch.bfloat16, 128) == "math"
     with pytest.raises(ValueError, match="backend 'sdpa' cannot take device=cuda, dtype=torch.float32"):
         resolve_backend("sdpa", cuda, torch.float32, 128)
+
+
+def test_key_padding_mask_checks():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"key_padding_mask.dtype is torch.int64; allowed: torch.bool"):
+        ring_attention(q, k, v, key_padding_mask=torch.ones(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \[batch, seq\] = \(1, 4\) like k, got shape \(4,\)"):
+        ring_attention(q, k, v, key_padding_mask=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a torch.Tensor or None, got list"):
+        decode_attention(q[:, :1], k, v, key_padding_mask=[[True] * 4])
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \[batch, seq\] = \(1, 4\)"):
+        decode_attention(q[:, :1], k, v, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_backend_choice_with_a_key_padding_mask():
+    from megatron_ring.attention.block import resolve_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", cpu, torch.bfloat16, 64, masked=True) == "sdpa"
+    assert resolve_backend("auto", cuda, torch.bfloat16, 64, masked=True) == "math"
+    assert resolve_backend("math", cuda, torch.bfloat16, 64, masked=True) == "math"
+    for backend in ("sdpa", "flash_attn"):
+        with pytest.raises(ValueError, match=rf"backend '{backend}' cannot take a key_padding_mask on device=cuda"):
+            resolve_backend(backend, cuda, torch.bfloat16, 64, masked=True)
+
+
+def test_single_process_padding_matches_reference():
+    from megatron_ring.testing.reference import attention_reference, rel_err
+
+    q, k, v = qkv(seq=6)
+    mask = torch.tensor([[False, False, True, True, False, True]])
+    for causal in (True, False):
+        out = ring_attention(q, k, v, causal=causal, key_padding_mask=mask)
+        assert rel_err(out, attention_reference(q, k, v, causal=causal, key_padding_mask=mask)) < 1e-6
+        if causal:
+            assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))  # nothing real to see yet
