@@ -129,6 +129,12 @@ def _key_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
 
 
+def _check_mask_backend(key_mask: torch.Tensor | None, backend: str, device: torch.device) -> None:
+    """A key mask reaches only the kernels that apply it (resolve_backend(masked=True) picks them)."""
+    if key_mask is not None and not (backend == "math" or (backend == "sdpa" and device.type == "cpu")):
+        raise ValueError(f"backend {backend!r} on {device} cannot apply a key mask; resolve it with masked=True")
+
+
 def _sees_a_key(key_mask: torch.Tensor, q_len: int, causal: bool) -> torch.Tensor:
     """``[b, q]``: whether each query sees at least one real key of the block (causal: keys 0..i)."""
     if causal:
@@ -143,6 +149,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     Returns ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in
     the compute dtype (math) or q's dtype (sdpa, flash_attn).
     """
+    _check_mask_backend(key_mask, backend, q.device)
     if backend == "flash_attn":
         out, lse = flash_forward(q, k, v, causal=causal, scale=scale)
         return out, lse.to(compute_dtype(q.dtype))
@@ -181,6 +188,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     block's dq/dk/dv are its exact share of the global gradients. Returns ``(dq [b, hq, sq, d],
     dk [b, hkv, sk, d], dv [b, hkv, sk, d])`` in the compute dtype.
     """
+    _check_mask_backend(key_mask, backend, q.device)
     ct = compute_dtype(q.dtype)
     if backend == "flash_attn":
         dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)

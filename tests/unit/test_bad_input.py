@@ -100,3 +100,14 @@ def test_single_process_padding_matches_reference():
         assert rel_err(out, attention_reference(q, k, v, causal=causal, key_padding_mask=mask)) < 1e-6
         if causal:
             assert torch.equal(out[:, :2], torch.zeros_like(out[:, :2]))  # nothing real to see yet
+
+
+def test_block_kernels_refuse_a_mask_they_cannot_apply():
+    from megatron_ring.attention.block import block_backward, block_forward
+
+    q, k, v = (t.transpose(1, 2) for t in qkv())
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"backend 'flash_attn' on cpu cannot apply a key mask"):
+        block_forward(q, k, v, causal=False, scale=0.3, backend="flash_attn", key_mask=mask)
+    with pytest.raises(ValueError, match=r"backend 'flash_attn' on cpu cannot apply a key mask"):
+        block_backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.3, backend="flash_attn", key_mask=mask)
