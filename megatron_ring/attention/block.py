@@ -12,7 +12,7 @@ Backends:
   on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256) cuDNN's kernel on Hopper and newer (about
   1.9x faster than flash there, measured on an H200) and the flash kernel before Hopper.
 * ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16,
-  head_dim a multiple of 8 up to 256, sm_80 and newer; native GQA, so K/V are never repeated
+  head_dim a multiple of 8 up to 256, sm_8x and sm_90; native GQA, so K/V are never repeated
   (flash_attn_backend.py).
 * ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the
   inputs; otherwise ``"sdpa"`` where its kernel takes them (cuDNN on Hopper), ``"math"`` elsewhere.
@@ -47,6 +47,12 @@ def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
+def _sdpa_takes_a_mask(device: torch.device) -> bool:
+    """The CPU flash kernel applies an additive key bias; before torch 2.5 it returned NaN for rows
+    whose first key block (512 keys) was all masked, so older torch uses ``math`` with a mask."""
+    return device.type == "cpu" and torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                     masked: bool = False) -> str:
     """The concrete backend for ``backend`` and these inputs (``masked``: a key padding mask is
@@ -54,11 +60,12 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if masked:
-        if backend == "flash_attn" or (backend == "sdpa" and device.type != "cpu"):
-            raise ValueError(f"backend {backend!r} cannot take a key_padding_mask on device={device}; "
-                             "use 'math' or 'auto' (which picks 'sdpa' on CPU and 'math' elsewhere)")
+        if backend == "flash_attn" or (backend == "sdpa" and not _sdpa_takes_a_mask(device)):
+            raise ValueError(f"backend {backend!r} cannot take a key_padding_mask on device={device} with torch "
+                             f"{torch.__version__}; use 'math' or 'auto' (which picks 'sdpa' on CPU with torch "
+                             ">= 2.5 and 'math' elsewhere)")
         if backend == "auto":
-            return "sdpa" if device.type == "cpu" else "math"
+            return "sdpa" if _sdpa_takes_a_mask(device) else "math"
     if backend == "auto":
         # flash_attn_problem is None only on CUDA, so the capability query is safe.
         if flash_attn_problem(device, dtype, head_dim) is None and _cuda_kernel(device) == "flash":
@@ -131,7 +138,7 @@ def _key_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _check_mask_backend(key_mask: torch.Tensor | None, backend: str, device: torch.device) -> None:
     """A key mask reaches only the kernels that apply it (resolve_backend(masked=True) picks them)."""
-    if key_mask is not None and not (backend == "math" or (backend == "sdpa" and device.type == "cpu")):
+    if key_mask is not None and not (backend == "math" or (backend == "sdpa" and _sdpa_takes_a_mask(device))):
         raise ValueError(f"backend {backend!r} on {device} cannot apply a key mask; resolve it with masked=True")
 
 

@@ -49,6 +49,9 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     _, size = group_rank_size(group)
+    # Resolved on every rank, even one with an empty shard: a rank that raises here must not leave
+    # the others waiting in the all-gather below.
+    kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=key_padding_mask is not None)
     with torch.no_grad():
         qh, kh, vh = q.transpose(1, 2), k_local.transpose(1, 2), v_local.transpose(1, 2)
         ct = compute_dtype(q.dtype)
@@ -59,8 +62,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             part[..., d] = float("-inf")
         else:
             out, lse = block_forward(qh, kh, vh, causal=False, scale=scale, key_mask=key_padding_mask,
-                                     backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1],
-                                                             masked=key_padding_mask is not None))
+                                     backend=kernel)
             part[..., :d] = out
             part[..., d] = lse
         parts = all_gather_stacked(part, group, size)

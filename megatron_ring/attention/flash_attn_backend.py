@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 MIN_VERSION: tuple[int, int] = (2, 6)
-MIN_CAPABILITY: tuple[int, int] = (8, 0)
+"""Oldest flash-attn 2 release taken; 3.x is another interface and is not taken."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,8 +43,9 @@ def _load() -> ModuleType | str:
             return "the flash-attn package is not installed (pip install flash-attn)"
         return f"flash-attn cannot be imported: {err}"
     version = _parse_version(getattr(flash_attn, "__version__", "0"))
-    if version < MIN_VERSION:
-        return f"flash-attn {flash_attn.__version__} is older than {'.'.join(map(str, MIN_VERSION))}"
+    if version < MIN_VERSION or version[0] != MIN_VERSION[0]:
+        return (f"flash-attn {flash_attn.__version__} is not a 2.x release from "
+                f"{'.'.join(map(str, MIN_VERSION))} on")
     return flash_attn_interface
 
 
@@ -68,8 +69,9 @@ def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int) 
     loaded = _load()
     if isinstance(loaded, str):
         return loaded
-    if torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
-        return f"it needs sm_{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]} or newer, got {torch.cuda.get_device_name(device)}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if not (major == 8 or (major, minor) == (9, 0)):  # FlashAttention-2's kernels: sm_8x and sm_90
+        return f"it needs an sm_8x or sm_90 GPU, got {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
     return None
 
 

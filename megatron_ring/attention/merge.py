@@ -27,10 +27,11 @@ def merge_weights(lse: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Merge one block's result into the running accumulators, in place.
 
-    out, block_out: ``[batch, heads, q, head_dim]`` (``out`` fp32); lse, block_lse:
-    ``[batch, heads, q]`` (``lse`` fp32). ``out``/``lse`` may be views (slices along q).
+    out, block_out: ``[batch, heads, q, head_dim]`` (``out`` fp32, fp64 for fp64 inputs); lse,
+    block_lse: ``[batch, heads, q]`` (``lse`` in ``out``'s dtype). ``out``/``lse`` may be views
+    (slices along q).
     """
-    block_lse = block_lse.float()
+    block_lse = block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, block_lse)
     keep = merge_weights(lse, new_lse).unsqueeze(-1)
     take = merge_weights(block_lse, new_lse).unsqueeze(-1)
@@ -41,10 +42,12 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge P partial results stacked on dim 0.
 
-    outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]`` -> (out, lse) in fp32,
-    computed in a fixed order so every rank that merges the same inputs gets bitwise the same result.
+    outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]`` -> (out, lse) in fp32
+    (fp64 for fp64 inputs), computed in a fixed order so every rank that merges the same inputs
+    gets bitwise the same result.
     """
-    lses = lses.float()
+    ct = torch.promote_types(lses.dtype, torch.float32)
+    lses = lses.to(ct)
     total = torch.logsumexp(lses, dim=0)
     weights = merge_weights(lses, total.unsqueeze(0)).unsqueeze(-1)
-    return (outs.float() * weights).sum(dim=0), total
+    return (outs.to(ct) * weights).sum(dim=0), total

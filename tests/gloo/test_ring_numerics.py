@@ -7,7 +7,7 @@ import torch
 
 from tests.gloo import workers
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 
@@ -48,6 +48,24 @@ def test_key_padding_mask_matches_float64(gloo_pool, size, causal, sharding, com
         for rank, errs in enumerate(per_rank):
             for name, err in errs.items():
                 assert err <= TOL[dtype], f"{backend} rank {rank} {name}: rel err {err:.2e} > {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_float64_stays_float64(gloo_pool, size, causal, padded):
+    """fp64 inputs accumulate and merge in fp64: errors at the 1e-16 level, gradients included."""
+    for backend in ("math", "sdpa"):
+        per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, 4, 2, 8, causal, "zigzag", "p2p",
+                                       torch.float64, backend, batch=3, padded=padded)
+        for rank, errs in enumerate(per_rank):
+            for name, err in errs.items():
+                assert err <= TOL[torch.float64], f"{backend} rank {rank} {name}: rel err {err:.2e}"
+
+
+def test_masked_decode_refuses_an_unusable_backend_on_every_rank(gloo_pool):
+    for message in gloo_pool(2).run(workers.decode_refuses_a_masked_flash_attn, timeout_s=60):
+        assert "backend 'flash_attn' cannot take a key_padding_mask" in message
 
 
 @pytest.mark.parametrize("size", [2, 3])

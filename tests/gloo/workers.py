@@ -101,6 +101,18 @@ def decode_vs_reference(lengths, heads_q, heads_kv, head_dim, q_len, dtype, batc
     return {"err": rel_err(out, ref), "identical": identical, "dtype": out.dtype, "shape": tuple(out.shape)}
 
 
+def decode_refuses_a_masked_flash_attn():
+    """Every rank, also rank 0 with an empty cache shard, raises instead of waiting in the all-gather."""
+    rank = dist.get_rank()
+    q = torch.randn(1, 1, 4, 8)
+    k = torch.randn(1, 0 if rank == 0 else 3, 2, 8)
+    try:
+        decode_attention(q, k, k, backend="flash_attn", key_padding_mask=torch.ones(1, k.shape[1], dtype=torch.bool))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def count_collectives(comm, causal):
     """Number of batch_isend_irecv and all-gather calls made by one ring forward (then backward)."""
     rank, size = dist.get_rank(), dist.get_world_size()

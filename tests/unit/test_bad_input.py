@@ -111,3 +111,22 @@ def test_block_kernels_refuse_a_mask_they_cannot_apply():
         block_forward(q, k, v, causal=False, scale=0.3, backend="flash_attn", key_mask=mask)
     with pytest.raises(ValueError, match=r"backend 'flash_attn' on cpu cannot apply a key mask"):
         block_backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.3, backend="flash_attn", key_mask=mask)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_left_padding_over_kernel_blocks(causal):
+    """700 padded keys span the CPU kernel's first 512-key block: no NaN, same as float64."""
+    from megatron_ring.testing.reference import attention_reference, rel_err
+
+    q, k, v = qkv(seq=1200, hq=2, hkv=1, d=8)
+    mask = torch.ones(1, 1200, dtype=torch.bool)
+    mask[:, :700] = False
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*leaves, causal=causal, key_padding_mask=mask, backend="auto")
+    out.sum().backward()
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*refs, causal=causal, key_padding_mask=mask)
+    ref.sum().backward()
+    assert rel_err(out, ref) < 1e-5
+    for leaf, ref_leaf in zip(leaves, refs):
+        assert rel_err(leaf.grad, ref_leaf.grad) < 1e-5

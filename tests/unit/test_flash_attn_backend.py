@@ -122,14 +122,18 @@ def test_forcing_flash_attn_names_what_is_missing(standin, monkeypatch):
         resolve_backend("flash_attn", CUDA, torch.bfloat16, 100)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    with pytest.raises(ValueError, match="sm_80 or newer, got Tesla T4"):
+    with pytest.raises(ValueError, match=r"sm_8x or sm_90 GPU, got Tesla T4 \(sm_75\)"):
+        resolve_backend("flash_attn", CUDA, torch.bfloat16, 64)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "B200")
+    with pytest.raises(ValueError, match=r"got B200 \(sm_100\)"):
         resolve_backend("flash_attn", CUDA, torch.bfloat16, 64)
 
 
 def test_old_or_missing_package(fresh_load):
     for name, module in flash_attn_standin.modules("2.5.9").items():
         fresh_load.setitem(sys.modules, name, module)
-    assert flash_attn_backend.flash_attn_problem(CUDA, torch.bfloat16, 64) == "flash-attn 2.5.9 is older than 2.6"
+    assert flash_attn_backend.flash_attn_problem(CUDA, torch.bfloat16, 64) == "flash-attn 2.5.9 is not a 2.x release from 2.6 on"
     flash_attn_backend._load.cache_clear()
     fresh_load.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     fresh_load.delitem(sys.modules, "flash_attn.flash_attn_interface")
@@ -146,7 +150,7 @@ def _real_flash_attn() -> bool:
     return torch.cuda.is_available() and flash_attn_backend.flash_attn_problem(CUDA, torch.bfloat16, 64) is None
 
 
-@pytest.mark.skipif(not _real_flash_attn(), reason="needs a CUDA GPU (sm_80+) with flash-attn >= 2.6 installed")
+@pytest.mark.skipif(not _real_flash_attn(), reason="needs a CUDA GPU (sm_8x/sm_90) with flash-attn 2.x >= 2.6 installed")
 @pytest.mark.parametrize("causal", [False, True])
 def test_real_flash_attn_ring_matches_float64(causal):
     from megatron_ring import ring_attention
