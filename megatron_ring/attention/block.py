@@ -47,10 +47,14 @@ def _sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
+_CPU_KERNEL_TAKES_A_MASK = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+"""Before torch 2.5 the CPU flash kernel returned NaN for rows whose first key block (512 keys) was
+all masked, so older torch uses ``math`` with a mask."""
+
+
 def _sdpa_takes_a_mask(device: torch.device) -> bool:
-    """The CPU flash kernel applies an additive key bias; before torch 2.5 it returned NaN for rows
-    whose first key block (512 keys) was all masked, so older torch uses ``math`` with a mask."""
-    return device.type == "cpu" and torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+    """Whether the ``sdpa`` kernel on ``device`` applies a key mask (an additive bias, CPU only)."""
+    return device.type == "cpu" and _CPU_KERNEL_TAKES_A_MASK
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
@@ -220,14 +224,11 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], sk, 0.0, causal, seed, offset, scale=scale,
             )
-        elif key_mask is None:
+        else:  # with a mask, a query that sees no key has lse -inf: made 0 so its gradients are 0
+            masked = key_mask is not None
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale,
-            )
-        else:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, _without_neginf(lse), 0.0, causal, attn_mask=_key_bias(key_mask, q.dtype),
-                scale=scale,
+                dout, q, k, v, out, _without_neginf(lse) if masked else lse, 0.0, causal,
+                attn_mask=_key_bias(key_mask, q.dtype) if masked else None, scale=scale,
             )
         return dq.to(ct), dk.to(ct).reshape(b, hkv, groups, sk, d).sum(2), dv.to(ct).reshape(b, hkv, groups, sk, d).sum(2)
     hkv = k.shape[1]
