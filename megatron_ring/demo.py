@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron_ring.attention.instrument import ring_stats
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import shard_sequence
-from megatron_ring.testing.reference import attention_reference, rel_err
+from megatron_ring.attention.reference import attention_reference, rel_err
 
 
 def ring_demo(seq_len: int, heads: int, heads_kv: int, head_dim: int, dtype: torch.dtype,

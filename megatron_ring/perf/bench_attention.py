@@ -1,6 +1,6 @@
 """``megatron-ring bench attention``: ring (p2p) vs all-gather vs single process vs DeepSpeed Ulysses.
 
-Every point runs on ``P`` gloo processes (CPU) started by :class:`~megatron_ring.testing.gloo.GlooPool`
+Every point runs on ``P`` gloo processes (CPU) started by :class:`~megatron_ring.runtime.pool.GlooPool`
 with ``threads = max(1, cores // P)`` each, so ranks do not oversubscribe the cores while
 ``P <= cores``. The single-process baseline is ``ring_attention`` on rank 0 alone (a one-rank
 group) with the same threads, i.e. one rank's share of the machine: efficiency
@@ -311,7 +311,7 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
     The single-process baseline runs on rank 0 of each P-rank pool (the others idle), with that
     pool's threads per rank, so it is timed under the same load as the points it is compared to.
 
-    ``pools(P, threads)`` may supply running :class:`~megatron_ring.testing.gloo.GlooPool` s (left
+    ``pools(P, threads)`` may supply running :class:`~megatron_ring.runtime.pool.GlooPool` s (left
     open, e.g. a test session's); by default each P gets its own pool, closed after its points.
     ``own_sessions`` puts each worker in its own session (Note [Ranks and the scheduler]); leave
     it off for borrowed pools, whose workers should stay in their parent's session.
@@ -362,7 +362,7 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
 @contextmanager
 def borrow_pool(pools: Callable[[int, int], Any] | None, size: int, threads: int, timeout_s: float) -> Iterator[Any]:
     """A pool of ``size`` ranks: borrowed from ``pools`` (left open) or started and closed here."""
-    from megatron_ring.testing.gloo import GlooPool
+    from megatron_ring.runtime.pool import GlooPool
 
     if pools is not None:
         yield pools(size, threads)

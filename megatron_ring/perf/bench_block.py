@@ -20,7 +20,7 @@ import torch
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.ring import ring_attention
-from megatron_ring.testing.reference import attention_reference, rel_err
+from megatron_ring.attention.reference import attention_reference, rel_err
 
 
 def _qkv(b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):

@@ -2,7 +2,7 @@
 
 For each ring size ``P`` one gloo world of ``P`` processes runs ``ring_attention`` (p2p, zigzag)
 on inputs drawn once in float64 and rounded to the dtype under test; the reference is
-:func:`megatron_ring.testing.reference.attention_reference` in float64 on the *same rounded*
+:func:`megatron_ring.attention.reference.attention_reference` in float64 on the *same rounded*
 inputs, so the table shows the error the algorithm adds (block kernel, fp32 log-sum-exp merge,
 the cast of the result), not the rounding of the inputs. Errors are ``||x - ref|| / ||ref||`` over
 the whole gathered output and over the gathered gradients dQ, dK, dV (from the same upstream
@@ -50,7 +50,7 @@ def numerics_worker(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def reference(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Output and gradients in float64 on the global (rounded) inputs."""
-    from megatron_ring.testing.reference import attention_reference
+    from megatron_ring.attention.reference import attention_reference
 
     q, k, v, dout = _global_inputs(cfg)
     for t in (q, k, v):
@@ -69,7 +69,7 @@ def run_numerics(*, ranks: list[int], dtypes: list[str], causals: list[bool], se
     """
     from megatron_ring.attention.sharding import unshard_sequence
     from megatron_ring.perf.bench_attention import borrow_pool
-    from megatron_ring.testing.reference import rel_err
+    from megatron_ring.attention.reference import rel_err
 
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:

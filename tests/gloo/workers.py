@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring import decode_attention, ring_attention, shard_sequence
-from megatron_ring.testing.reference import attention_reference, rel_err
+from megatron_ring.attention.reference import attention_reference, rel_err
 
 
 def _inputs(batch, seq, heads_q, heads_kv, head_dim, dtype, seed=0):

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
-from megatron_ring.testing.reference import rel_err  # noqa: E402
+from megatron_ring.attention.reference import rel_err  # noqa: E402
 from megatron_ring.testing.tiny_hf import FAMILIES, tiny_model  # noqa: E402
 
 TOL = 1e-5

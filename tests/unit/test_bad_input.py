@@ -46,7 +46,7 @@ def test_decode_checks_inputs():
 
 
 def test_single_process_ring_is_plain_attention():
-    from megatron_ring.testing.reference import attention_reference, rel_err
+    from megatron_ring.attention.reference import attention_reference, rel_err
 
     q, k, v = qkv(seq=7)
     for causal in (True, False):
@@ -91,7 +91,7 @@ def test_backend_choice_with_a_key_padding_mask():
 
 
 def test_single_process_padding_matches_reference():
-    from megatron_ring.testing.reference import attention_reference, rel_err
+    from megatron_ring.attention.reference import attention_reference, rel_err
 
     q, k, v = qkv(seq=6)
     mask = torch.tensor([[False, False, True, True, False, True]])
@@ -116,7 +116,7 @@ def test_block_kernels_refuse_a_mask_they_cannot_apply():
 @pytest.mark.parametrize("causal", [True, False])
 def test_long_left_padding_over_kernel_blocks(causal):
     """700 padded keys span the CPU kernel's first 512-key block: no NaN, same as float64."""
-    from megatron_ring.testing.reference import attention_reference, rel_err
+    from megatron_ring.attention.reference import attention_reference, rel_err
 
     q, k, v = qkv(seq=1200, hq=2, hkv=1, d=8)
     mask = torch.ones(1, 1200, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""float64 single-process references for the attention tests and the numerics benchmark."""
+"""float64 single-process attention references: what every attention path is checked against (tests, benchmarks, the demo)."""
 from __future__ import annotations
 
 import math
