@@ -4,19 +4,17 @@ Every rank loads the same model and prompt; the prompt is sharded (zigzag) over 
 KV cache stays sharded, and every rank ends with the same tokens. With a DeepSpeed config whose
 ``tensor_parallel.tp_size`` is N, AutoTP splits the model over N ranks and CP uses the rest::
 
-    torchrun --nproc-per-node 2 examples/hf_ring_generate.py --model /tmp/tiny-llama --tiny llama --check
+    python -m megatron_ring.testing.tiny_hf llama /tmp/tiny-llama      # a tiny random model, nothing downloaded
+    torchrun --nproc-per-node 2 examples/hf_ring_generate.py --model /tmp/tiny-llama --check
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 examples/hf_ring_generate.py --model /tmp/tiny-llama \\
-        --tiny llama --deepspeed_config configs/deepspeed/cpu_ring_tp2_cp2.json --check
+        --deepspeed_config configs/deepspeed/cpu_ring_tp2_cp2.json --check
 
-``--tiny FAMILY`` first writes a tiny random model (llama, qwen2, mistral) to ``--model`` if the
-directory does not exist; nothing is downloaded. ``--check`` compares with single-process eager
-generation on rank 0.
+``--check`` compares with single-process eager generation on rank 0.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 from datetime import timedelta
 
 import torch
@@ -24,16 +22,14 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_ring import ParallelLayout, init_parallel
-from megatron_ring.hf import ring_generate
-from megatron_ring.integrations.deepspeed import init_distributed, split_config
-from megatron_ring.integrations.hf_autotp import init_autotp
-from megatron_ring.testing.tiny_hf import FAMILIES, save_tiny_model
+from megatron_ring.hf import init_autotp, ring_generate
+from megatron_ring.integrations.deepspeed.config import split_config
+from megatron_ring.integrations.deepspeed.process_group import init_distributed
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="local Hugging Face model directory")
-    parser.add_argument("--tiny", choices=FAMILIES, help="write a tiny random model to --model if it is missing")
     parser.add_argument("--deepspeed_config", help="DeepSpeed inference JSON; its tensor_parallel.tp_size sets TP")
     parser.add_argument("--prompt", nargs="+", default=["Ring attention splits the sequence,", "so each rank"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -46,9 +42,6 @@ def main() -> None:
     args = parse_args()
     device, _ = init_distributed(timeout=timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.tiny and rank == 0 and not os.path.isdir(args.model):
-        save_tiny_model(args.tiny, args.model)
-    dist.barrier()
 
     ds_config = None
     if args.deepspeed_config:

@@ -10,16 +10,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Callable, Sequence
 
 from megatron_ring.parallel.layout import AXES, ParallelLayout
 
-REPO = Path(__file__).resolve().parents[1]
-
 # name -> (module, function, help): each takes its own argv and returns an exit code
 DELEGATED: dict[str, tuple[str, str, str]] = {
-    "plan": ("megatron_ring.perf.planner", "plan_main", "analytical model of a config on a hardware profile"),
+    "plan": ("megatron_ring.perf.plan_cli", "plan_main", "analytical model of a config on a hardware profile"),
     "compare": ("megatron_ring.inference.compare", "compare_main",
                 "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
     "infer": ("megatron_ring.inference.main", "infer_main",
@@ -49,7 +46,9 @@ def _layout_table(layout: ParallelLayout) -> str:
 
 
 def _cmd_layout(args: argparse.Namespace) -> int:
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp)
+    from megatron_ring.config.layout import LayoutConfig
+
+    layout = LayoutConfig.parse({axis: getattr(args, axis) for axis in AXES}, where="the layout flags").layout()
     if args.world is not None:
         layout.check_world_size(args.world)
     print(_layout_table(layout))
@@ -57,13 +56,10 @@ def _cmd_layout(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    script = REPO / "launch" / "ring_demo.py"
-    if not script.is_file():
-        raise SystemExit(f"launch/ring_demo.py not found next to the package ({REPO}); run from a source checkout")
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     if torchrun is None:
         raise SystemExit("torchrun not found on PATH (it ships with torch)")
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", str(script),
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "megatron_ring.demo",
            f"--seq-len={args.seq_len}", f"--dtype={args.dtype}"]
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)

@@ -1,10 +1,16 @@
-"""A small ring-attention check on the current process group: shard, run the ring, compare.
+"""A small ring-attention check over the world group: shard, run the ring, compare with float64.
 
-Run by ``launch/ring_demo.py`` under torchrun (or the deepspeed launcher) on CPU processes or GPUs.
+``torchrun --nproc_per_node 4 -m megatron_ring.demo`` (gloo on CPU, nccl on GPUs); ``megatron-ring demo``
+and ``launch/ring_demo.py`` start it.
 """
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 import time
+from datetime import timedelta
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,3 +40,36 @@ def ring_demo(seq_len: int, heads: int, heads_kv: int, head_dim: int, dtype: tor
         "rank": rank, "tokens": ql.shape[1], "rel_err": rel_err(out.cpu(), reference),
         "fwd_bwd_ms": 1e3 * elapsed, "sent_MiB": stats.bytes_sent / 2**20, "ring_steps": stats.steps,
     }
+
+
+def demo_main(argv: Optional[Sequence[str]] = None) -> int:
+    """One rank of the demo: run it under a launcher (``torchrun -m megatron_ring.demo``); returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m megatron_ring.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--heads-kv", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=5))
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    row = ring_demo(args.seq_len, args.heads, args.heads_kv, args.head_dim, getattr(torch, args.dtype), device)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        print(f"ring attention, causal zigzag, L={args.seq_len}, heads {args.heads}/{args.heads_kv}, "
+              f"head_dim {args.head_dim}, {args.dtype}, cp={len(rows)}")
+        print(f"{'rank':>4} {'tokens':>7} {'rel err vs fp64':>16} {'fwd+bwd ms':>11} {'sent MiB':>9}")
+        for r in rows:
+            print(f"{r['rank']:>4} {r['tokens']:>7} {r['rel_err']:>16.2e} {r['fwd_bwd_ms']:>11.1f} {r['sent_MiB']:>9.2f}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(demo_main())

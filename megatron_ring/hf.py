@@ -1,11 +1,23 @@
-"""Hugging Face transformers with ring attention: re-export of :mod:`megatron_ring.integrations.transformers`
-(and :func:`init_autotp` from :mod:`megatron_ring.integrations.hf_autotp` for TP x CP with DeepSpeed).
+"""Hugging Face transformers with ring attention: the public names of :mod:`megatron_ring.integrations.hf`
+(and :func:`init_autotp` from :mod:`megatron_ring.integrations.deepspeed.autotp` for TP x CP with DeepSpeed).
 
 Importing it registers ``attn_implementation="ring"`` with transformers (needs ``transformers``).
 See docs/transformers.md.
 """
-from megatron_ring.integrations import transformers as _transformers
-from megatron_ring.integrations.hf_autotp import init_autotp
-from megatron_ring.integrations.transformers import *  # noqa: F401,F403 -- exactly its __all__
+from megatron_ring.integrations.deepspeed.autotp import init_autotp
+from megatron_ring.integrations.hf.attention import enable_ring_attention, register
+from megatron_ring.integrations.hf.cache import RingCache
+from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, CPContext, cp_context
+from megatron_ring.integrations.hf.generate import ring_forward, ring_generate
 
-__all__ = [*_transformers.__all__, "init_autotp"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CPContext",
+    "RingCache",
+    "cp_context",
+    "enable_ring_attention",
+    "init_autotp",
+    "register",
+    "ring_forward",
+    "ring_generate",
+]

@@ -8,7 +8,7 @@ over ranks::
             vocab_size: 128, seq_length: 64, position_embedding: rope}
     dtype: fp32
     attention: ring          # local = Megatron's DotProductAttention (cp must be 1)
-    parallel: {tp: 1, pp: 1, cp: 2, cp_comm_type: p2p}
+    parallel: {tp: 1, cp: 2, pp: 1, cp_comm_type: p2p}
 
 Swapping ``attention: local`` for ``attention: ring`` (and raising ``cp``) is the whole change.
 :meth:`GPTConfig.parse` checks the fields one by one (unknown keys get a did-you-mean) and then
@@ -23,6 +23,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
+from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -53,16 +54,13 @@ class GPTModelConfig(StrictModel):
         return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
 
 
-class GPTParallelConfig(StrictModel):
+class GPTParallelConfig(LayoutConfig):
     """Parallel sizes; ``dp`` defaults to whatever the world size leaves over."""
 
-    tp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
-    cp: int = Field(default=1, ge=1)
-    dp: Optional[int] = Field(default=None, ge=1)
+    dp: Optional[int] = Field(default=None, ge=1, description="data parallel size; default: world size / (tp*cp*pp)")
     cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
 
-    def layout(self, world_size: Optional[int] = None) -> ParallelLayout:
+    def layout(self, world_size: Optional[int] = None) -> ParallelLayout:  # type: ignore[override]
         """The :class:`ParallelLayout`; with ``dp`` unset it is derived from ``world_size`` (else 1)."""
         dp = self.dp
         if dp is None:

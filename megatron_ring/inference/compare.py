@@ -24,17 +24,16 @@ from typing import Sequence
 
 from megatron_ring.config import ConfigError, load_mapping
 from megatron_ring.inference.metrics import format_table
-from megatron_ring.integrations.deepspeed import split_config
-from megatron_ring.inference.schema import LayoutSection
+from megatron_ring.integrations.deepspeed.config import split_config
+from megatron_ring.config.layout import LayoutConfig
+from megatron_ring.config.shipped import find_config
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO / "configs" / "deepspeed"
 PAIRS: dict[str, tuple[str, str]] = {
     "cpu": ("cpu_baseline_tp2_pp2.json", "cpu_ring_cp4.json"),
     "cpu-tp2-cp2": ("cpu_baseline_tp2_pp2.json", "cpu_ring_tp2_cp2.json"),
     "paper": ("paper_baseline_tp8_pp2.json", "paper_ring_cp16.json"),
 }
-"""Pair name -> (baseline, ring) file names in ``configs/deepspeed/``."""
+"""Pair name -> (baseline, ring) file names of shipped configs (:func:`~megatron_ring.config.shipped.find_config`)."""
 
 
 def _free_port() -> int:
@@ -47,7 +46,7 @@ def world_size_of(config: Path) -> int:
     """Processes the config's layout needs (checked again, fully, by the run itself)."""
     _, ours = split_config(load_mapping(config), where=f"config {str(config)!r}")
     layout = ours.get("layout") if isinstance(ours, dict) else None
-    return LayoutSection.parse(layout or {}, where=f"megatron_ring.layout of {str(config)!r}").layout().world_size
+    return LayoutConfig.parse(layout or {}, where=f"megatron_ring.layout of {str(config)!r}").layout().world_size
 
 
 def launch_command(config: Path, output: Path, *, nprocs: int, launcher: str) -> list[str]:
@@ -69,7 +68,6 @@ def run_config(config: Path, out_dir: Path, *, launcher: str) -> dict:
     log = out_dir / f"{config.stem}.log"
     output.unlink(missing_ok=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     if "DS_ACCELERATOR" not in env:
         import torch
 
@@ -93,13 +91,9 @@ def resolve_pair(names: Sequence[str]) -> tuple[Path, Path]:
         if names[0] not in PAIRS:
             raise ConfigError(f"unknown pair {names[0]!r}; allowed: {sorted(PAIRS)} or two config paths")
         base, ring = PAIRS[names[0]]
-        return CONFIG_DIR / base, CONFIG_DIR / ring
+        return find_config(base), find_config(ring)
     if len(names) == 2:
-        paths = tuple(Path(n) for n in names)
-        for p in paths:
-            if not p.is_file():
-                raise ConfigError(f"config file {str(p)!r} does not exist")
-        return paths  # type: ignore[return-value]
+        return find_config(names[0]), find_config(names[1])
     raise ConfigError(f"give one pair name ({sorted(PAIRS)}) or two config paths, got {list(names)}")
 
 

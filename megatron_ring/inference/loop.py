@@ -18,7 +18,7 @@ import torch
 
 from megatron_ring.inference.metrics import CommCounter, RequestTiming
 from megatron_ring.runtime.reporting import reset_peak_memory
-from megatron_ring.inference.runner import ModelRunner
+from megatron_ring.inference.runners.protocol import ModelRunner
 
 
 def make_prompt(batch: int, prompt_len: int, vocab_size: int, seed: int) -> torch.Tensor:

@@ -29,7 +29,9 @@ from megatron_ring.config import ConfigError, load_mapping
 from megatron_ring.inference.loop import job_timings, run_requests
 from megatron_ring.inference.metrics import RequestTiming, format_table, median_metrics, request_metrics
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
-from megatron_ring.integrations import deepspeed as ds_glue
+from megatron_ring.integrations.deepspeed import config as ds_config
+from megatron_ring.integrations.deepspeed import process_group as ds_glue
+from megatron_ring.integrations.deepspeed.inference_engine import init_inference
 from megatron_ring.parallel.groups import init_parallel
 from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
 from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
@@ -56,8 +58,8 @@ def load_spec(path: str | Path, *, world_size: int) -> InferenceSpec:
     """Load and validate a full config for ``world_size`` ranks; build nothing."""
     path = Path(path)
     raw = load_mapping(path)
-    ds, ours = ds_glue.split_config(raw, where=f"config {str(path)!r}")
-    ds_glue.check_deepspeed_config(ds, where=f"config {str(path)!r}")
+    ds, ours = ds_config.split_config(raw, where=f"config {str(path)!r}")
+    ds_config.check_deepspeed_config(ds, where=f"config {str(path)!r}")
     return validate(ours, ds, world_size=world_size, path=path)
 
 
@@ -133,12 +135,12 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
         rank = dist.get_rank()
         monitor.attach(dist.distributed_c10d._get_default_store(), rank, dist.get_world_size())
         groups = init_parallel(spec.layout, timeout=timedelta(seconds=ring.collective_timeout_s))
-        dtype = ds_glue.torch_dtype(spec.deepspeed)
+        dtype = ds_config.torch_dtype(spec.deepspeed)
         work = ring.workload
         runner = runner_module(ring.model.runner).build_runner(
             spec.model, groups, dtype=dtype, device=device, seed=work.seed, batch=work.batch,
             prompt_len=work.prompt_len, new_tokens=work.new_tokens)
-        ds_glue.init_inference(runner.module, spec.deepspeed)
+        init_inference(runner.module, spec.deepspeed)
         bar = progress((work.warmup + work.repeats) * work.new_tokens, enabled=rank == 0,
                        desc=f"{spec.name} ({spec.layout.describe()})")
         loop = run_requests(runner, batch=work.batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,

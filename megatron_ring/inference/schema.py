@@ -7,14 +7,14 @@ A config file for ``launch/infer.py`` is DeepSpeed's inference JSON plus one sec
       "replace_with_kernel_inject": false,
       "megatron_ring": {                        <- ours, validated here
         "model":    {"runner": "megatron", "config": "../megatron/paper_dense_ring_cp16.yaml"},
-        "layout":   {"tp": 1, "pp": 1, "cp": 16, "dp": 1},
+        "layout":   {"tp": 1, "cp": 16, "dp": 1, "pp": 1},
         "workload": {"batch": 128, "prompt_len": 100000, "new_tokens": 64,
                      "warmup": 1, "repeats": 3, "seed": 1234},
         "output":   "results/paper_ring_cp16.json"
       }
     }
 
-:func:`megatron_ring.integrations.deepspeed.split_config` separates the two. Everything here is
+:func:`megatron_ring.integrations.deepspeed.config.split_config` separates the two. Everything here is
 checked before any process group or model exists: unknown keys (with a did-you-mean), the layout
 against the launched world size, the workload against the layout (zigzag needs ``prompt_len``
 divisible by ``2*cp``), and the model against both through the runner's ``check_model``.
@@ -29,14 +29,15 @@ from pydantic import Field
 
 from megatron_ring.attention.sharding import check_divisible
 from megatron_ring.config import ConfigError, StrictModel, load_mapping
+from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
 
 RUNNERS: dict[str, str] = {
-    "megatron": "megatron_ring.inference.megatron_runner",
-    "toy": "megatron_ring.inference.toy_runner",
+    "megatron": "megatron_ring.inference.runners.gpt",
+    "toy": "megatron_ring.inference.runners.toy",
 }
 """``model.runner`` name -> module providing ``check_model`` and ``build_runner``
-(see :class:`megatron_ring.inference.runner.RunnerModule`)."""
+(see :class:`megatron_ring.inference.runners.protocol.RunnerModule`)."""
 
 
 class ModelSection(StrictModel):
@@ -46,18 +47,6 @@ class ModelSection(StrictModel):
     config: Union[str, dict[str, Any]] = Field(
         ..., description="path of a model YAML/JSON (relative to this config file's directory, then to the "
         "working directory), or the mapping itself")
-
-
-class LayoutSection(StrictModel):
-    """Sizes of the parallel axes; their product must be the launched world size."""
-
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    cp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp)
 
 
 class WorkloadSection(StrictModel):
@@ -80,7 +69,7 @@ class RingSection(StrictModel):
 
     description: Optional[str] = Field(None, description="free text, copied into the result")
     model: ModelSection
-    layout: LayoutSection
+    layout: LayoutConfig
     workload: WorkloadSection
     output: Optional[str] = Field(None, description="result JSON path; None prints only")
     collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every collective")

@@ -4,12 +4,13 @@ Every rank must call :func:`init_parallel` with the same layout, after
 ``torch.distributed.init_process_group``. Each group is created with a timeout, so a rank that
 disagrees with its peers (shapes, sizes) fails with an error instead of waiting forever.
 Megatron-core users who already called ``parallel_state.initialize_model_parallel`` get the same
-object from :func:`megatron_ring.integrations.megatron.parallel_from_megatron` instead.
+object from :func:`megatron_ring.integrations.megatron.state.parallel_from_megatron` instead.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -31,6 +32,8 @@ class ParallelGroups:
     rank: int
     groups: dict[str, dist.ProcessGroup] = field(repr=False)
     ranks: dict[str, list[int]]
+    timeout: Optional[timedelta] = None
+    """Collective timeout the groups were created with (None: not created by :func:`init_parallel`)."""
 
     @property
     def tp(self) -> dist.ProcessGroup:
@@ -107,6 +110,6 @@ def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOU
             group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 mine[axis], ranks[axis] = group, members
-    groups = ParallelGroups(layout=layout, rank=rank, groups=mine, ranks=ranks)
+    groups = ParallelGroups(layout=layout, rank=rank, groups=mine, ranks=ranks, timeout=timeout)
     _CREATED[key] = (world, groups)
     return groups

@@ -25,14 +25,14 @@ def _check_size(name: str, value: object) -> int:
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Sizes of the four parallel axes; validated on construction."""
+    """Sizes of the four parallel axes, keyword-only and in rank order; validated on construction."""
 
     tp: int = 1
-    pp: int = 1
     cp: int = 1
     dp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         for name in AXES:

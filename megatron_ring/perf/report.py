@@ -64,7 +64,7 @@ def fmt_rate(n: float) -> str:
 
 
 def plan_rows(preds: Sequence[Any]) -> list[list[str]]:
-    """Rows of the planner table, one column per :class:`~megatron_ring.perf.planner.Prediction`."""
+    """Rows of the planner table, one column per :class:`~megatron_ring.perf.cost_model.Prediction`."""
     def row(name: str, fn: Any) -> list[str]:
         return [name] + [fn(p) for p in preds]
 

@@ -86,3 +86,11 @@ def save_tiny_model(family: str, path: str | os.PathLike, *, seed: int = 0, **ov
     tiny_model(family, seed=seed, **overrides).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] not in FAMILIES:
+        sys.exit(f"usage: python -m megatron_ring.testing.tiny_hf {{{','.join(FAMILIES)}}} DIRECTORY")
+    print(save_tiny_model(sys.argv[1], sys.argv[2]))

@@ -1,8 +1,6 @@
 """Training with ring attention: DeepSpeed's engine over a Megatron GPT, CP-aware gradient reduction.
 
 * :mod:`~megatron_ring.training.schema` — the ``megatron_ring`` section of a DeepSpeed training JSON;
-* :mod:`~megatron_ring.training.mpu` — our groups as DeepSpeed's ``mpu`` and Megatron's
-  ``ProcessGroupCollection`` (gradients reduce over dp x cp);
 * :mod:`~megatron_ring.training.data` — byte-level tokens of local text, packed, DP split, zigzag CP shards;
 * :mod:`~megatron_ring.training.loop` — the loop, metrics, checkpoints and resume; ``train_main``
   is what ``launch/train.py`` runs.

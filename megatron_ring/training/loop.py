@@ -9,7 +9,7 @@ One rank's run (:func:`train_main`, started by ``launch/train.py``):
    torch.distributed from the launcher's environment, then Megatron's ``parallel_state`` for the
    layout (its groups equal :class:`~megatron_ring.parallel.layout.ParallelLayout`'s);
 3. build the GPT model from the ``configs/megatron`` YAML, hand it to ``deepspeed.initialize``
-   with our :class:`~megatron_ring.training.mpu.DeepSpeedMPU`;
+   with our :class:`~megatron_ring.integrations.deepspeed.mpu.DeepSpeedMPU`;
 4. resume from the latest *complete* checkpoint if there is one; then per step: this rank's
    micro-batches (zigzag over CP, split over DP), forward + backward + ``engine.step()``, one
    metrics line, and a checkpoint every ``save_interval`` steps and at the end.
@@ -18,7 +18,7 @@ Note [The loss of a context-parallel rank]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The step loss is the mean over every valid token of the global batch: ``L = sum_tokens / N``.
 A rank sees only its CP share of its DP share, and DeepSpeed (see the Note in
-:mod:`megatron_ring.training.mpu`) sums gradients over CP, averages them over DP and divides each
+:mod:`megatron_ring.integrations.deepspeed.mpu`) sums gradients over CP, averages them over DP and divides each
 micro-batch's loss by the gradient accumulation steps. So each micro-batch backpropagates
 ``local_sum * dp * grad_accum / N``, with ``N`` all-reduced over dp x cp once per step before the
 first forward. The gradient is then exactly that of ``L`` whatever the layout, which is what makes
@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.config import ConfigError
-from megatron_ring.integrations.deepspeed import init_deepspeed_comm
+from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
+from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files
-from megatron_ring.training.mpu import DeepSpeedMPU
 from megatron_ring.training.schema import SECTION, TrainSpec, check_deepspeed_training, load_train_spec
 
 EXIT_CONFIG = 2
@@ -64,30 +64,16 @@ COMPLETE = "complete.json"
 
 def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups:
     """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups."""
-    from megatron_ring.integrations.megatron import parallel_from_megatron
+    from megatron_ring.integrations.megatron.state import init_megatron
 
-    layout = spec.layout
-    if device.type == "cpu":
-        from megatron_ring.testing.megatron_cpu import init_megatron_cpu
-
-        init_megatron_cpu(layout, seed=spec.train.seed)
-    else:
-        from megatron.core import parallel_state, tensor_parallel
-
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
-                                                 pipeline_model_parallel_size=layout.pp,
-                                                 context_parallel_size=layout.cp)
-        torch.manual_seed(spec.train.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(spec.train.seed)
-    return parallel_from_megatron()
+    return init_megatron(spec.layout, device=device, seed=spec.train.seed, timeout_s=spec.train.collective_timeout_s)
 
 
 def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
     """The GPT model of ``spec.model`` inside a DeepSpeed engine reducing over dp x cp."""
     import deepspeed
 
-    from megatron_ring.integrations.megatron_model import build_gpt_model
+    from megatron_ring.integrations.megatron.model import build_gpt_model
 
     mpu = DeepSpeedMPU(groups)
     init_deepspeed_comm()
@@ -294,7 +280,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one training job on this rank; return the exit status."""
     from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
-    from megatron_ring.integrations import deepspeed as ds_glue
+    from megatron_ring.integrations.deepspeed import process_group as ds_glue
 
     args = parse_args(argv)
     env = ds_glue.launch_env()

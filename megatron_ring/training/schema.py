@@ -40,6 +40,7 @@ from pydantic import Field
 
 from megatron_ring.config import ConfigError, StrictModel, load_mapping
 from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
 
 SECTION = "megatron_ring"
@@ -66,16 +67,10 @@ DEEPSPEED_TRAINING_KEYS: frozenset[str] = frozenset({
 unknown top-level keys, so a typo such as ``gradient_clip`` would be silently dropped)."""
 
 
-class LayoutSection(StrictModel):
-    """Sizes of the parallel axes; tp*pp*cp*dp must equal the launched world size."""
+class TrainLayoutConfig(LayoutConfig):
+    """The layout of a training run: pp is 1 (pipeline parallelism needs DeepSpeed's PipelineEngine)."""
 
-    tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1, le=1, description="pipeline parallelism needs DeepSpeed's PipelineEngine: 1 only")
-    cp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp)
 
 
 class DataSection(StrictModel):
@@ -116,7 +111,7 @@ class TrainSection(StrictModel):
     model: str = Field(..., description="path of a configs/megatron YAML (relative to this config file, "
                                         "then to the working directory)")
     attention: Optional[Literal["local", "ring"]] = Field(None, description="override the model file's attention")
-    layout: LayoutSection = Field(default_factory=LayoutSection)
+    layout: TrainLayoutConfig = Field(default_factory=TrainLayoutConfig)
     seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
     steps: int = Field(..., ge=1, description="optimizer steps of the whole run")
     data: DataSection = Field(default_factory=DataSection)

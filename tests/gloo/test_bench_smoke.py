@@ -15,7 +15,7 @@ from megatron_ring.perf.bench_attention import (
     bench_attention_main, machine_description, run_sweep, ulysses_available, write_outputs,
 )
 from megatron_ring.perf.bench_numerics import bench_numerics_main, run_numerics
-from megatron_ring.perf.planner import plan_main
+from megatron_ring.perf.plan_cli import plan_main
 from megatron_ring.perf.report import markdown_table, numerics_rows
 
 

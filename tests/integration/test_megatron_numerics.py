@@ -3,7 +3,7 @@
 Every case builds, on each rank, the unsharded reference (Megatron's own DotProductAttention,
 tp = pp = cp = 1) and the configured model with the same weights and tokens, then compares loss,
 full logits and every parameter gradient (summed over CP ranks). Workers live in
-megatron_ring/testing/megatron_cpu.py; process pools are shared (tests/conftest.py).
+tests/integration/megatron_workers.py; process pools are shared (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("pydantic")
 
 from megatron_ring.config import load_mapping  # noqa: E402
-from megatron_ring.testing import megatron_cpu  # noqa: E402
+from megatron_ring.integrations.megatron.equivalence import compare_to_reference  # noqa: E402
+from tests.integration import megatron_workers  # noqa: E402
 from megatron_ring.testing.configs import with_changes  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,7 @@ CASES = {
 def test_gpt_matches_cp1_reference(gloo_pool: Any, case: str) -> None:
     world, cfg = CASES[case]
     bf16 = cfg["dtype"] == "bf16"
-    results = gloo_pool(world).run(megatron_cpu.compare_to_reference, cfg)
+    results = gloo_pool(world).run(compare_to_reference, cfg)
     tol = BF16_TOL if bf16 else FP32_TOL
     last_stage = [r for r in results if "loss" in r]
     assert len(last_stage) == world // cfg["parallel"].get("pp", 1)
@@ -62,7 +63,7 @@ def test_gpt_matches_cp1_reference(gloo_pool: Any, case: str) -> None:
 
 
 def test_cp1_ring_attention_matches_dot_product_attention(gloo_pool: Any) -> None:
-    for out in gloo_pool(2).run(megatron_cpu.core_attention_cp1_cases):
+    for out in gloo_pool(2).run(megatron_workers.core_attention_cp1_cases):
         for case, err in out["errors"].items():
             assert err <= FP32_TOL, (case, err)
         refusals = out["refusals"]
@@ -78,7 +79,7 @@ def test_cp1_ring_attention_matches_dot_product_attention(gloo_pool: Any) -> Non
 
 
 def test_cp_sharded_causal_mask_is_accepted_others_refused(gloo_pool: Any) -> None:
-    outs = gloo_pool(2).run(megatron_cpu.core_attention_mask_cp_cases)
+    outs = gloo_pool(2).run(megatron_workers.core_attention_mask_cp_cases)
     assert sorted(o["cp_rank"] for o in outs) == [0, 1]
     for out in outs:
         assert out["mask_err"] == 0.0
@@ -88,14 +89,14 @@ def test_cp_sharded_causal_mask_is_accepted_others_refused(gloo_pool: Any) -> No
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_batch_split_equals_megatron_get_batch_on_this_cp_rank(gloo_pool: Any, world: int) -> None:
-    assert all(gloo_pool(world).run(megatron_cpu.batch_split_matches_megatron))
+    assert all(gloo_pool(world).run(megatron_workers.batch_split_matches_megatron))
 
 
 def test_yaml_attention_swap_changes_only_core_attention(gloo_pool: Any) -> None:
     local_cfg = _config("tiny_local.yaml")
     ring_cfg = _config("tiny_local.yaml", attention="ring")
-    local = gloo_pool(2).run(megatron_cpu.model_module_types, local_cfg)[0]
-    ring = gloo_pool(2).run(megatron_cpu.model_module_types, ring_cfg)[0]
+    local = gloo_pool(2).run(megatron_workers.model_module_types, local_cfg)[0]
+    ring = gloo_pool(2).run(megatron_workers.model_module_types, ring_cfg)[0]
     assert local["params"] == ring["params"]
     # Children of core_attention (DotProductAttention's softmax and dropout) are its internals.
     local_mods, ring_mods = ({name: cls for name, cls in out["modules"].items() if ".core_attention." not in name}
@@ -111,5 +112,5 @@ def test_yaml_attention_swap_changes_only_core_attention(gloo_pool: Any) -> None
 def test_parallel_from_megatron_equals_our_layout(gloo_pool: Any, sizes: dict[str, int]) -> None:
     from megatron_ring.parallel.layout import ParallelLayout
 
-    for out in gloo_pool(4).run(megatron_cpu.parallel_view_matches_layout, ParallelLayout(**sizes)):
+    for out in gloo_pool(4).run(megatron_workers.parallel_view_matches_layout, ParallelLayout(**sizes)):
         assert all(out.values()), out

@@ -17,7 +17,7 @@ pytest.importorskip("pydantic")
 
 from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
-from megatron_ring.testing import megatron_cpu  # noqa: E402
+from tests.integration import megatron_workers  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -44,14 +44,14 @@ LAYOUTS = {
                          ids=["rope-gqa", "learned-mha"])
 def test_greedy_tokens_identical_across_layouts(gloo_pool: Any, model: dict[str, Any]) -> None:
     pool = gloo_pool(4)
-    reference = pool.run(megatron_cpu.generate_without_cache, _model("local", ParallelLayout(dp=4), **model))[0]
+    reference = pool.run(megatron_workers.generate_without_cache, _model("local", ParallelLayout(dp=4), **model))[0]
     for name, (attention, layout) in LAYOUTS.items():
-        tokens = pool.run(megatron_cpu.generate_with_runner, _model(attention, layout, **model), layout)
+        tokens = pool.run(megatron_workers.generate_with_runner, _model(attention, layout, **model), layout)
         assert all(t == reference for t in tokens), (name, tokens, reference)
 
 
 def test_check_model_validates_before_building() -> None:
-    from megatron_ring.inference.megatron_runner import check_model
+    from megatron_ring.inference.runners.gpt import check_model
 
     layout = ParallelLayout(cp=2)
     summary = check_model(_model("ring", layout), layout, batch=2, prompt_len=48, new_tokens=16)

@@ -12,7 +12,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention 
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module  # noqa: E402
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
 
-from megatron_ring.integrations.megatron import RingAttention, get_gpt_layer_ring_spec, use_ring_attention  # noqa: E402
+from megatron_ring.megatron import RingAttention, get_gpt_layer_ring_spec, use_ring_attention  # noqa: E402
 
 
 def _leaves(node: object, path: str = "") -> dict[str, object]:

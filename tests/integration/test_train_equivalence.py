@@ -5,7 +5,7 @@ for a few AdamW steps, for ZeRO stages 0, 1 and 2: cp = 1 (Megatron's own attent
 ring attention at cp = 2 (dp = 2, two micro-batches accumulated) and tp = 2 x cp = 2 (dp = 1).
 Per-step losses and the final weights must agree to fp32 precision. A resume test checks that
 train k steps, save, restart, continue gives the uninterrupted run's losses and weights.
-Workers: megatron_ring/training/testing.py; the 4-rank pool is shared (tests/conftest.py).
+Workers: tests/integration/train_workers.py; the 4-rank pool is shared (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("deepspeed")
 
-from megatron_ring.training import testing as train_testing  # noqa: E402
+from tests.integration import train_workers  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +59,7 @@ def rel(a: Any, b: Any) -> float:
 
 
 def run(pool: Any, raw: dict[str, Any]) -> dict[str, Any]:
-    results = pool.run(train_testing.run_config, raw, str(ROOT), timeout_s=300)
+    results = pool.run(train_workers.run_config, raw, str(ROOT), timeout_s=300)
     losses = {tuple(r["losses"]) for r in results}
     assert len(losses) == 1, f"ranks disagree on the step losses: {losses}"
     return results[0]
@@ -96,5 +96,5 @@ def test_resume_equals_uninterrupted(gloo_pool: Any, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layout", [{"tp": 2, "cp": 2, "dp": 1}, {"tp": 1, "cp": 2, "dp": 2}])
 def test_process_group_collection_equals_megatrons(gloo_pool: Any, layout: dict[str, int]) -> None:
-    for rank, groups in enumerate(gloo_pool(4).run(train_testing.group_ranks, layout)):
+    for rank, groups in enumerate(gloo_pool(4).run(train_workers.group_ranks, layout)):
         assert groups["ours"] == groups["megatron"], f"rank {rank}"

@@ -49,7 +49,7 @@ def run_autotp_cases() -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor
     """On every rank of a world of 4: DeepSpeed AutoTP over tp=2, ring attention over cp=2."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from megatron_ring import ParallelLayout, init_parallel
-    from megatron_ring.integrations.hf_autotp import init_autotp
+    from megatron_ring.hf import init_autotp
 
     groups = init_parallel(ParallelLayout(tp=2, cp=2))
     out = {}

@@ -10,7 +10,7 @@ import pytest
 from megatron_ring.config import ConfigError, load_mapping
 from megatron_ring.inference.main import load_spec
 from megatron_ring.inference.schema import validate
-from megatron_ring.integrations.deepspeed import split_config
+from megatron_ring.integrations.deepspeed.config import split_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "deepspeed"

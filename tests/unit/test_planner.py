@@ -8,10 +8,10 @@ import pytest
 
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.perf.hardware import HardwareProfile, profile_names
-from megatron_ring.perf.planner import (
-    ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured, layer_costs, load_plan_input,
-    plan_main,
+from megatron_ring.perf.cost_model import (
+    ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured, layer_costs,
 )
+from megatron_ring.perf.plan_cli import load_plan_input, plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = ModelDims(num_layers=16, hidden_size=4096, num_heads=32, ffn_hidden_size=16384)

@@ -1,9 +1,9 @@
 """A Megatron-core GPT served by the inference loop: TP/PP baseline or ring attention over CP.
 
 The model is a real ``GPTModel`` built from a ``configs/megatron`` YAML (see
-:mod:`megatron_ring.integrations.megatron_model`): ``attention: local`` gives Megatron's own
+:mod:`megatron_ring.integrations.megatron.model`): ``attention: local`` gives Megatron's own
 ``DotProductAttention`` (the baseline: tensor parallel heads, pipeline stages, full sequence on
-every rank), ``attention: ring`` gives :class:`~megatron_ring.integrations.megatron.RingAttention`
+every rank), ``attention: ring`` gives :class:`~megatron_ring.integrations.megatron.attention.RingAttention`
 (the prompt sharded zigzag over the CP group). Each layer's ``core_attention`` is wrapped by
 :class:`CachedCoreAttention`, which owns that layer's share of the KV cache; everything else
 (layer norms, QKV and output projections with their TP collectives, MLP) is Megatron's code.
@@ -41,9 +41,9 @@ from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
 from megatron_ring.config import ConfigError
 from megatron_ring.config.gpt import GPTConfig
-from megatron_ring.integrations.megatron import RingAttention
-from megatron_ring.integrations.megatron_model import build_gpt_model, ensure_parallel_state, global_name, shard_of, \
-    unwrap
+from megatron_ring.integrations.megatron.attention import RingAttention
+from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, shard_of, unwrap
+from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -137,19 +137,6 @@ class CachedCoreAttention(torch.nn.Module):
         return self.inner(query, k.contiguous(), v.contiguous(), None, attn_mask_type=AttnMaskType.no_mask)
 
 
-def _init_megatron(layout: ParallelLayout, device: torch.device, seed: int) -> None:
-    """Megatron's parallel_state for ``layout`` (on CPU with the CUDA shims; on CUDA with its RNG tracker)."""
-    if device.type == "cpu":
-        from megatron_ring.testing.megatron_cpu import apply_cpu_shims
-
-        apply_cpu_shims()
-    ensure_parallel_state(layout)
-    if device.type == "cuda":
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
 @torch.no_grad()
 def draw_weights(model: torch.nn.Module, seed: int) -> None:
     """Fill ``model`` (any TP/PP layout) with the global model of ``seed``.
@@ -176,7 +163,7 @@ def draw_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 class MegatronRunner:
-    """:class:`~megatron_ring.inference.runner.ModelRunner` of a Megatron-core GPT (Note [Sharded KV cache])."""
+    """:class:`~megatron_ring.inference.runners.protocol.ModelRunner` of a Megatron-core GPT (Note [Sharded KV cache])."""
 
     def __init__(self, cfg: GPTConfig, groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
                  seed: int, batch: int, prompt_len: int, new_tokens: int) -> None:
@@ -187,7 +174,8 @@ class MegatronRunner:
         self.device = device
         self.dtype = dtype
         self.vocab_size = cfg.model.vocab_size
-        _init_megatron(groups.layout, device, seed)
+        timeout_s = None if groups.timeout is None else groups.timeout.total_seconds()
+        init_megatron(groups.layout, device=device, seed=seed, timeout_s=timeout_s)
         ps = parallel_state
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
@@ -290,6 +278,6 @@ class MegatronRunner:
 
 def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
                  seed: int, batch: int, prompt_len: int, new_tokens: int) -> MegatronRunner:
-    """:class:`~megatron_ring.inference.runner.RunnerFactory` of a ``configs/megatron`` GPT."""
+    """:class:`~megatron_ring.inference.runners.protocol.RunnerFactory` of a ``configs/megatron`` GPT."""
     return MegatronRunner(_parse(model), groups, dtype=dtype, device=device, seed=seed, batch=batch,
                           prompt_len=prompt_len, new_tokens=new_tokens)

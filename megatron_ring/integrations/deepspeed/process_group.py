@@ -1,9 +1,5 @@
-"""DeepSpeed glue for inference: config split, process-group start, ``init_inference``.
-
-An inference config is DeepSpeed's inference JSON plus our ``megatron_ring`` section
-(:mod:`megatron_ring.inference.schema`). DeepSpeed rejects unknown keys, so :func:`split_config`
-takes our section off and :func:`check_deepspeed_config` validates the rest with DeepSpeed's own
-schema (did-you-mean included) before anything is started.
+"""Process groups under DeepSpeed's launcher: torch.distributed from the launcher's environment, and
+DeepSpeed's comm backend on top of it.
 
 Note [Process group without DeepSpeed's comm backend]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -13,52 +9,22 @@ fresh machine). We need none of it: the ring, the decode merge and Megatron's TP
 through ``torch.distributed``. So :func:`init_distributed` starts torch's process group itself from
 the variables every launcher sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``LOCAL_RANK`` — the DeepSpeed launcher and torchrun alike), gloo on CPU and NCCL on GPUs, and
-:func:`init_inference` calls ``deepspeed.init_inference`` with ``tensor_parallel.tp_size = 1``,
+:func:`~megatron_ring.integrations.deepspeed.inference_engine.init_inference` calls ``deepspeed.init_inference`` with ``tensor_parallel.tp_size = 1``,
 a path that never touches ``deepspeed.comm``. The Megatron model is already tensor-parallel
 through its own layers; DeepSpeed's AutoTP (what ``tp_size > 1`` turns on) would try to shard it
 a second time. DeepSpeed still converts the weights to ``dtype`` and places them on the device.
 """
 from __future__ import annotations
 
+from __future__ import annotations
+
+import importlib
 import os
 import socket
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from megatron_ring.config import ConfigError
-from megatron_ring.config.strict import explain_validation_error
-
-SECTION = "megatron_ring"
-"""The key of our section in a DeepSpeed inference config."""
-
-
-def split_config(raw: dict[str, Any], *, where: str = "config") -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(deepspeed_part, megatron_ring_section)`` of a full config mapping; the input is not changed."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
-    if SECTION not in raw:
-        raise ConfigError(f"{where} has no '{SECTION}' section; keys present: {sorted(raw)}")
-    rest = {k: v for k, v in raw.items() if k != SECTION}
-    return rest, raw[SECTION]
-
-
-def check_deepspeed_config(ds: dict[str, Any], *, where: str = "config") -> Any:
-    """Validate DeepSpeed's part with ``DeepSpeedInferenceConfig``; ConfigError with did-you-mean."""
-    from deepspeed.inference.config import DeepSpeedInferenceConfig
-    from pydantic import ValidationError
-
-    try:
-        return DeepSpeedInferenceConfig(**ds)
-    except ValidationError as err:
-        raise ConfigError(explain_validation_error(DeepSpeedInferenceConfig, err, f"DeepSpeed inference keys of {where}")) from None
-
-
-def torch_dtype(ds: dict[str, Any]) -> torch.dtype:
-    """The compute dtype DeepSpeed's ``dtype`` key names (``fp32``, ``bf16``, ``fp16``, ...)."""
-    return check_deepspeed_config(ds).dtype
 
 
 def launch_env() -> dict[str, int]:
@@ -102,18 +68,6 @@ def init_distributed(*, timeout: timedelta) -> tuple[torch.device, str]:
     return device, backend
 
 
-def init_inference(module: torch.nn.Module, ds: dict[str, Any]) -> Any:
-    """Hand ``module`` to ``deepspeed.init_inference`` with DeepSpeed's part of the config.
-
-    ``tensor_parallel`` is replaced by ``{"tp_size": 1}``: Megatron's layers already do the tensor
-    parallelism (see Note above). Returns the InferenceEngine; ``module`` is converted in place.
-    """
-    import deepspeed
-
-    config = dict(ds)
-    config["tensor_parallel"] = {"tp_size": 1}
-    return deepspeed.init_inference(module, config=config)
-
 
 def init_deepspeed_comm() -> None:
     """Give DeepSpeed its comm backend on top of our already started torch.distributed.
@@ -125,8 +79,6 @@ def init_deepspeed_comm() -> None:
     ``build_shm_op`` answers "not available"; every collective then goes through
     ``torch.distributed`` as usual. (The inference launch avoids ``deepspeed.comm`` altogether.)
     """
-    import importlib
-
     import deepspeed.comm as ds_comm
 
     if ds_comm.is_initialized():

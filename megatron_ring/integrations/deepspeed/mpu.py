@@ -1,5 +1,4 @@
-"""Our process groups in the two shapes training frameworks ask for: DeepSpeed's ``mpu`` and
-Megatron's ``ProcessGroupCollection``.
+"""Our process groups in the shape DeepSpeed's engine asks for: its ``mpu`` object.
 
 Note [Gradients of weights replicated over context-parallel ranks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -24,8 +23,6 @@ So a rank's loss must be its share of the sum over the whole sequence, not a loc
 ``initialize_sequence_parallel``: DeepSpeed takes that as a different (DeepSpeed-Ulysses) mpu.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import torch.distributed as dist
 
@@ -110,20 +107,3 @@ class DeepSpeedMPU:
 
     def get_sequence_data_parallel_world_size(self) -> int:
         return self.groups.layout.dp * self.groups.layout.cp
-
-
-def process_group_collection(groups: ParallelGroups) -> Any:
-    """Megatron-core's ``ProcessGroupCollection`` for ``groups`` (tp, pp, cp, dp, dp_cp, tp_cp, mp).
-
-    For Megatron's own DDP / distributed optimizer path (``DistributedDataParallel(...,
-    pg_collection=...)``), which reduces gradients over ``dp_cp`` exactly as the Note above
-    describes. ``mp`` is tp (pp = 1 in our training) unless the groups carry a ``tp-pp`` group.
-    """
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    g = groups.groups
-    mp = g.get("tp-pp", g["tp"] if groups.layout.pp == 1 else None)
-    if mp is None:
-        raise ValueError("pp > 1 needs a 'tp-pp' group in ParallelGroups.groups for ProcessGroupCollection.mp")
-    return ProcessGroupCollection(tp=g["tp"], pp=g["pp"], cp=g["cp"], dp=g["dp"], dp_cp=g["dp-cp"],
-                                  tp_cp=g["tp-cp"], mp=mp)

@@ -1,7 +1,7 @@
 """Build a real ``megatron.core`` GPTModel from a validated :class:`~megatron_ring.config.gpt.GPTConfig`.
 
 ``attention: local`` uses Megatron's own local spec (``DotProductAttention``), ``attention: ring``
-the same spec with :class:`~megatron_ring.integrations.megatron.RingAttention`; nothing else
+the same spec with :class:`~megatron_ring.integrations.megatron.attention.RingAttention`; nothing else
 differs. Megatron's ``parallel_state`` must already be initialised with the config's tp/pp/cp.
 
 :func:`load_full_state_dict` loads one unsharded (tp = pp = 1) state dict into a model of any
@@ -9,12 +9,12 @@ tp/pp layout, so differently parallelised models can be given identical weights.
 """
 from __future__ import annotations
 
-import gc
+from __future__ import annotations
+
 import re
 from typing import Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -24,9 +24,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_ring.config.gpt import GPTConfig
-from megatron_ring.config.strict import ConfigError
-from megatron_ring.integrations.megatron import get_gpt_layer_ring_spec
-from megatron_ring.parallel.layout import ParallelLayout
+from megatron_ring.integrations.megatron.specs import get_gpt_layer_ring_spec
+from megatron_ring.integrations.megatron.state import check_parallel_state
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,53 +60,6 @@ def layer_spec(cfg: GPTConfig) -> ModuleSpec:
     """Megatron's local GPT layer spec, with ring attention when ``cfg.attention == "ring"``."""
     kwargs = {"normalization": cfg.model.normalization}
     return get_gpt_layer_ring_spec(**kwargs) if cfg.attention == "ring" else get_gpt_layer_local_spec(**kwargs)
-
-
-_OWN_GROUPS: list[dist.ProcessGroup] = []
-"""Process groups the last :func:`ensure_parallel_state` made Megatron create (freed on re-init)."""
-
-
-def ensure_parallel_state(layout: ParallelLayout) -> None:
-    """Initialise Megatron's ``parallel_state`` for ``layout`` unless it already has exactly these sizes.
-
-    Megatron's ``destroy_model_parallel`` only drops its references: the groups, with their gloo
-    threads and sockets, live on. When switching layouts we therefore destroy the groups our
-    previous initialisation created, so a long-lived process (a test worker serving many layouts)
-    does not accumulate hundreds of them.
-    """
-    ps = parallel_state
-    if ps.model_parallel_is_initialized() and (
-            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()
-    ) == (layout.tp, layout.pp, layout.cp, layout.dp):
-        return
-    ps.destroy_model_parallel()
-    alive = dist.distributed_c10d._world.pg_map
-    for group in _OWN_GROUPS:
-        if group in alive:  # the caller may have destroyed some already
-            dist.destroy_process_group(group)
-    _OWN_GROUPS.clear()
-    gc.collect()  # a gloo group's threads end with its last reference
-    existing = set(dist.distributed_c10d._world.pg_map)
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-                                 context_parallel_size=layout.cp, create_gloo_process_groups=False)
-    _OWN_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map if g not in existing)
-
-
-def check_parallel_state(cfg: GPTConfig) -> None:
-    """ConfigError unless Megatron's parallel_state was initialised with ``cfg``'s tp/pp/cp."""
-    ps = parallel_state
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError("megatron.core.parallel_state is not initialized; call initialize_model_parallel first")
-    cfg.check_world_size(dist.get_world_size())
-    actual = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-              "cp": ps.get_context_parallel_world_size()}
-    for axis, size in actual.items():
-        if getattr(cfg.parallel, axis) != size:
-            raise ConfigError(
-                f"parallel.{axis} = {getattr(cfg.parallel, axis)} in config {cfg.name!r} but Megatron's "
-                f"parallel_state was initialised with {axis} = {size}"
-            )
 
 
 def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None,

@@ -12,10 +12,10 @@ tokens from the same weights.
 
 Implementations:
 
-* ``megatron_ring.inference.megatron_runner`` — Megatron-core GPT; baseline (TP/PP, full
+* ``megatron_ring.inference.runners.gpt`` — Megatron-core GPT; baseline (TP/PP, full
   sequence on every rank) or ring (CP, prompt sharded zigzag, KV cache sharded over CP ranks,
   decode through :func:`megatron_ring.decode_attention`).
-* :mod:`megatron_ring.inference.toy_runner` — a tiny pure-torch GPT over a CP group; an
+* :mod:`megatron_ring.inference.runners.toy` — a tiny pure-torch GPT over a CP group; an
   independent reference for tests.
 
 The config's ``model.runner`` field names a module that provides two functions, together a

@@ -15,25 +15,18 @@ cannot honour are absent; the numerics live in :func:`megatron_ring.ring_attenti
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ring.attention.ring import ring_attention
-from megatron_ring.attention.sharding import local_positions, shard_sequence, unshard_sequence
-from megatron_ring.parallel.groups import ParallelGroups
-from megatron_ring.parallel.layout import ParallelLayout
+from megatron_ring.attention.sharding import local_positions
 
 CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather")
 """Megatron ``cp_comm_type`` values RingAttention implements (``a2a``, ``a2a+p2p`` are not)."""
@@ -192,122 +185,3 @@ def _resolve_cp_group(pg_collection: Any) -> Optional[dist.ProcessGroup]:
             "megatron.core.parallel_state.initialize_model_parallel first"
         )
     return group
-
-
-# ---------------------------------------------------------------------------------------------
-# Specs
-
-
-def use_ring_attention(spec: Any) -> Any:
-    """A copy of ``spec`` (layer or block spec, local or TE) with every ``core_attention`` replaced.
-
-    Raises ValueError if ``spec`` has no ``core_attention`` leaf or uses multi-latent attention
-    (whose K/V head dims differ from Q's).
-    """
-    spec = copy.deepcopy(spec)
-    if not _swap(spec, owner=None):
-        raise ValueError(f"no core_attention found in {type(spec).__name__} spec; nothing to swap")
-    return spec
-
-
-def _swap(node: Any, owner: Any) -> bool:
-    """Replace ``core_attention`` in place below ``node``; ``owner`` is the enclosing module class."""
-    if isinstance(node, ModuleSpec):
-        return _swap(node.submodules, node.module)
-    if isinstance(node, (list, tuple)):
-        return any([_swap(item, owner) for item in node])
-    if not dataclasses.is_dataclass(node) or isinstance(node, type):
-        return False
-    found = False
-    for field in dataclasses.fields(node):
-        value = getattr(node, field.name)
-        if field.name == "core_attention" and value is not None:
-            if isinstance(owner, type) and issubclass(owner, MultiLatentAttention):
-                raise ValueError(
-                    f"core_attention of {owner.__name__} (multi-latent attention) is not supported by "
-                    "RingAttention; allowed: SelfAttention / CrossAttention specs"
-                )
-            setattr(node, field.name, RingAttention)
-            found = True
-        else:
-            found = _swap(value, owner) or found
-    return found
-
-
-def get_gpt_layer_ring_spec(**kwargs: Any) -> ModuleSpec:
-    """``get_gpt_layer_local_spec(**kwargs)`` with ``core_attention = RingAttention``."""
-    if kwargs.get("multi_latent_attention"):
-        raise ValueError("multi_latent_attention = True is not supported by RingAttention; allowed: False")
-    return use_ring_attention(get_gpt_layer_local_spec(**kwargs))
-
-
-gpt_layer_ring_spec: ModuleSpec = get_gpt_layer_ring_spec()
-"""The default ring layer spec as an object, for Megatron-LM's
-``--spec megatron_ring.megatron gpt_layer_ring_spec`` (``--spec`` imports an attribute and uses it
-as the spec; frameworks that call a spec function can use :func:`get_gpt_layer_ring_spec`)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Process groups, batches and logits
-
-
-def parallel_from_megatron() -> ParallelGroups:
-    """This rank's Megatron ``parallel_state`` groups as a :class:`ParallelGroups` (tp, cp, dp, pp, dp-cp, tp-cp)."""
-    ps = parallel_state
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError("megatron.core.parallel_state is not initialized; call initialize_model_parallel first")
-    groups = {
-        "tp": ps.get_tensor_model_parallel_group(),
-        "pp": ps.get_pipeline_model_parallel_group(),
-        "cp": ps.get_context_parallel_group(),
-        "dp": ps.get_data_parallel_group(),
-        "dp-cp": ps.get_data_parallel_group(with_context_parallel=True),
-        "tp-cp": ps.get_tensor_and_context_parallel_group(),
-    }
-    ranks = {axis: dist.get_process_group_ranks(group) for axis, group in groups.items()}
-    layout = ParallelLayout(tp=len(ranks["tp"]), pp=len(ranks["pp"]), cp=len(ranks["cp"]), dp=len(ranks["dp"]))
-    return ParallelGroups(layout=layout, rank=dist.get_rank(), groups=groups, ranks=ranks)
-
-
-def get_batch_on_this_cp_rank(batch: Mapping[str, Optional[torch.Tensor]], *, cp_rank: Optional[int] = None,
-                              cp_size: Optional[int] = None) -> dict[str, Optional[torch.Tensor]]:
-    """This CP rank's zigzag part of a global batch, exactly like Megatron's ``get_batch_on_this_cp_rank``.
-
-    ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (``[b, s]``) are cut along dim 1,
-    ``attention_mask`` (``[b, 1, s, s]``) along dim 2 (queries only). ``cp_rank``/``cp_size``
-    default to Megatron's parallel_state. Returns a new dict; None values stay None.
-    """
-    if cp_rank is None or cp_size is None:
-        cp_rank = parallel_state.get_context_parallel_rank() if cp_rank is None else cp_rank
-        cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
-    if cp_size == 1:
-        return dict(batch)
-    return {
-        key: None if val is None else shard_sequence(val, cp_rank, cp_size, dim=2 if key == "attention_mask" else 1)
-        for key, val in batch.items()
-    }
-
-
-def gather_sequence(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *, dim: int = 1) -> torch.Tensor:
-    """Inverse of the zigzag split across ``group`` (default: Megatron's CP group); not differentiable."""
-    group = parallel_state.get_context_parallel_group() if group is None else group
-    if group.size() == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return unshard_sequence(parts, dim=dim, sharding="zigzag")
-
-
-def gather_logits(logits: torch.Tensor, *, tp_group: Optional[dist.ProcessGroup] = None,
-                  cp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Full logits ``[b, s, vocab]`` from this rank's ``[b, s / cp, vocab / tp]`` (GPTModel's output layout).
-
-    Vocabulary shards are concatenated over the TP group, then zigzag sequence parts over the CP
-    group (defaults: Megatron's groups). For checking and greedy decoding; not differentiable.
-    """
-    tp_group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
-    if tp_group.size() > 1:
-        parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
-        dist.all_gather(parts, logits.contiguous(), group=tp_group)
-        logits = torch.cat(parts, dim=-1)
-    return gather_sequence(logits, cp_group, dim=1)

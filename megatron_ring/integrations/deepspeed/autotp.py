@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ring.integrations.deepspeed import init_deepspeed_comm
+from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
 
 
 class TPGroup:

@@ -1,9 +1,7 @@
 """An analytical model of one inference job: FLOPs, bytes, ring crossover, memory per rank, TTFT/TPOT/TPS.
 
-``megatron-ring plan <config>`` evaluates the job's own layout and the alternative at the same
-world size (TP x PP baseline <-> ring + sequence parallelism, RA+SP) on a hardware profile
-(:mod:`megatron_ring.perf.hardware`) and prints one table per layout plus the findings that
-matter: does the KV cache fit, is the ring step compute- or communication-bound, what fits.
+:class:`Planner` evaluates a :class:`PlanInput` on a hardware profile (:mod:`megatron_ring.perf.hardware`);
+``megatron-ring plan`` (:mod:`megatron_ring.perf.plan_cli`) is its command line.
 
 Note [The cost model]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -27,17 +25,15 @@ at a time, as in inference.
 """
 from __future__ import annotations
 
-import argparse
-import json
+from __future__ import annotations
+
 import math
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatron_ring.attention.auto_comm import choose_comm, crossover_tokens, predict_times, work_fraction
-from megatron_ring.config.strict import ConfigError, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
-from megatron_ring.perf.hardware import DEFAULT_PROFILE, DTYPE_BYTES, HardwareProfile, profile_names
+from megatron_ring.perf.hardware import DTYPE_BYTES, HardwareProfile
 from megatron_ring.perf.report import fmt_bytes, fmt_time
 
 BWD_COMPUTE_FACTOR = 2.5
@@ -455,153 +451,6 @@ def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[
     bwd = cp * step_comp if cp == 1 else step_comp + (cp - 1) * max(step_comp, step_comm) + \
         cp * costs.step_latency_s + step_comm
     return {"time_s": fwd + bwd}
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def _gpt_model(m: Any) -> ModelDims:
-    """ModelDims from a :class:`megatron_ring.config.gpt.GPTModelConfig`."""
-    return ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
-                     ffn_hidden_size=m.ffn_hidden_size, num_kv_heads=m.query_groups, head_dim=m.kv_channels,
-                     vocab_size=m.vocab_size, tie_embeddings=m.tie_embeddings)
-
-
-def load_plan_input(path: str | Path, *, batch: int | None = None, prompt_len: int | None = None,
-                    new_tokens: int | None = None, micro_batch: int | None = None) -> PlanInput:
-    """A :class:`PlanInput` from a ``configs/megatron`` YAML or a DeepSpeed JSON with a ``megatron_ring`` section.
-
-    Megatron configs carry no workload: ``batch`` defaults to 1 and ``prompt_len`` to the model's
-    ``seq_length``. Keyword arguments override the file's workload.
-    """
-    from megatron_ring.config.gpt import GPTConfig
-
-    path = Path(path)
-    data = load_mapping(path)
-    if "megatron_ring" in data:
-        section = data["megatron_ring"]
-        for key in ("model", "layout", "workload"):
-            if not isinstance(section.get(key), dict):
-                raise ConfigError(f"{path}: megatron_ring.{key} must be a mapping, got {section.get(key)!r}")
-        model_cfg = section["model"].get("config")
-        if isinstance(model_cfg, str):
-            model_path = Path(model_cfg)
-            if not model_path.is_file():
-                model_path = path.parent / model_cfg
-            gpt = GPTConfig.load(model_path)
-        elif isinstance(model_cfg, dict):
-            gpt = GPTConfig.parse(model_cfg, where=f"{path}: megatron_ring.model.config")
-        else:
-            raise ConfigError(f"{path}: megatron_ring.model.config must be a path or a mapping, got {model_cfg!r}")
-        lay = section["layout"]
-        layout = ParallelLayout(**{k: int(lay.get(k, 1)) for k in ("tp", "pp", "cp", "dp")})
-        wl = section["workload"]
-        file_workload = {"batch": wl.get("batch"), "prompt_len": wl.get("prompt_len"),
-                         "new_tokens": wl.get("new_tokens", 1)}
-        dtype = str(data.get("dtype", gpt.dtype)).replace("bfloat16", "bf16").replace("float16", "fp16")
-        name = path.stem
-    else:
-        gpt = GPTConfig.load(path)
-        layout = gpt.parallel.layout()
-        file_workload = {"batch": 1, "prompt_len": gpt.model.seq_length, "new_tokens": 1}
-        dtype = gpt.dtype
-        name = gpt.name
-    overrides = {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "micro_batch": micro_batch}
-    workload = Workload(**{**file_workload, **{k: v for k, v in overrides.items() if v is not None}})
-    return PlanInput(name=name, model=_gpt_model(gpt.model), layout=layout, workload=workload, dtype=dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megatron-ring plan", description=__doc__.split("\n")[0])
-    ap.add_argument("config", nargs="?", help="configs/megatron/*.yaml or a DeepSpeed JSON with a megatron_ring "
-                                              "section; omit to describe the model with flags")
-    ap.add_argument("--hardware", default=DEFAULT_PROFILE,
-                    help=f"bundled profile {profile_names()} or a JSON path (default {DEFAULT_PROFILE})")
-    g = ap.add_argument_group("model (without a config)")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--hidden", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--kv-heads", type=int, default=0)
-    g.add_argument("--head-dim", type=int, default=0)
-    g.add_argument("--ffn", type=int)
-    g.add_argument("--gated-mlp", action="store_true")
-    g.add_argument("--vocab", type=int, default=0)
-    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES))
-    g = ap.add_argument_group("layout and workload (override the config)")
-    for axis in ("tp", "pp", "cp", "dp"):
-        g.add_argument(f"--{axis}", type=int)
-    g.add_argument("--batch", type=int)
-    g.add_argument("--prompt-len", type=int)
-    g.add_argument("--new-tokens", type=int)
-    g.add_argument("--micro-batch", type=int)
-    g.add_argument("--cp-comm", choices=["p2p", "all_gather", "auto"], default="p2p")
-    g.add_argument("--non-causal", action="store_true", help="bidirectional attention (default causal)")
-    ap.add_argument("--no-alternative", action="store_true", help="plan only the given layout")
-    ap.add_argument("--measured", help="a bench attention JSON: put its measurements beside the predictions")
-    ap.add_argument("--json", dest="json_out", help="write the predictions to this JSON file")
-    ap.add_argument("--markdown", help="write the table and findings as Markdown to this file")
-    return ap
-
-
-def _input_from_args(args: argparse.Namespace) -> PlanInput:
-    if args.config:
-        base = load_plan_input(args.config, batch=args.batch, prompt_len=args.prompt_len,
-                               new_tokens=args.new_tokens, micro_batch=args.micro_batch)
-    else:
-        missing = [f"--{n}" for n in ("layers", "hidden", "heads", "ffn", "batch", "prompt_len")
-                   if getattr(args, n) is None]
-        if missing:
-            raise ValueError(f"without a config file, give {', '.join(m.replace('_', '-') for m in missing)}")
-        model = ModelDims(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                          ffn_hidden_size=args.ffn, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                          gated_mlp=args.gated_mlp, vocab_size=args.vocab)
-        workload = Workload(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens or 1,
-                            micro_batch=args.micro_batch or 1)
-        base = PlanInput(name="flags", model=model, layout=ParallelLayout(), workload=workload)
-    sizes = {k: getattr(args, k) or v for k, v in base.layout.sizes().items()}
-    return replace(base, layout=ParallelLayout(**sizes), dtype=args.dtype or base.dtype,
-                   causal=not args.non_causal, cp_comm=args.cp_comm)
-
-
-def plan_main(argv: list[str] | None = None) -> int:
-    """``megatron-ring plan``: print (and optionally write) the predictions; 0 on success, 2 on bad input."""
-    from megatron_ring.perf import report
-
-    args = _parser().parse_args(argv)
-    try:
-        hw = HardwareProfile.load(args.hardware)
-        main = _input_from_args(args)
-        inputs = [main]
-    except (ValueError, ConfigError) as err:
-        print(f"megatron-ring plan: {err}")
-        return 2
-    if not args.no_alternative and main.layout.tp * main.layout.pp * main.layout.cp > 1:
-        try:
-            inputs.append(replace(main, name=f"{main.name} (alternative)",
-                                  layout=alternative_layout(main.layout, hw)))
-        except ValueError as err:
-            print(f"no alternative layout: {err}")
-    planner = Planner(hw)
-    preds = [planner.predict(p) for p in inputs]
-    report.print_plan(inputs, preds, hw)
-    out: dict[str, Any] = {"hardware": hw.model_dump(), "plans": [asdict(x) for x in preds]}
-    if args.measured:
-        measured = json.loads(Path(args.measured).read_text())
-        rows = compare_measured(measured, hw)
-        report.print_comparison(rows, hw.name)
-        out["measured_vs_predicted"] = rows
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(out, indent=2))
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(report.plan_markdown(preds, out.get("measured_vs_predicted")))
-    return 0
 
 
 def compare_measured(bench: dict[str, Any], hw: HardwareProfile) -> list[dict[str, Any]]:

@@ -85,18 +85,17 @@ def _run_config(raw: dict[str, Any], base_dir: str, *, weights: bool) -> dict[st
 
 
 def group_ranks(layout: dict[str, int]) -> dict[str, dict[str, list[int]]]:
-    """This rank's groups two ways, axis -> global ranks: :func:`~megatron_ring.training.mpu.
+    """This rank's groups two ways, axis -> global ranks: :func:`~megatron_ring.integrations.megatron.state.
     process_group_collection` of our own :func:`~megatron_ring.init_parallel` groups, and Megatron's
     ``ProcessGroupCollection.use_mpu_process_groups()`` after ``initialize_model_parallel``."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_ring.parallel.groups import init_parallel
     from megatron_ring.parallel.layout import ParallelLayout
-    from megatron_ring.testing.megatron_cpu import init_megatron_cpu
-    from megatron_ring.training.mpu import process_group_collection
+    from megatron_ring.integrations.megatron.state import init_megatron, process_group_collection
 
     with scoped_groups():
-        init_megatron_cpu(ParallelLayout(**layout))
+        init_megatron(ParallelLayout(**layout))
         ours = process_group_collection(init_parallel(ParallelLayout(**layout)))
         megatron = ProcessGroupCollection.use_mpu_process_groups()
         axes = ("tp", "pp", "cp", "dp", "dp_cp", "tp_cp", "mp")

@@ -1,0 +1,1 @@
+"""The shipped configs: ``deepspeed/`` (JSON for the deepspeed launcher) and ``megatron/`` (GPT YAML). Data only."""

@@ -1,0 +1,153 @@
+"""The ``"ring"`` entries of transformers' ``AttentionInterface`` and ``AttentionMaskInterface``.
+
+Note [Padding]
+~~~~~~~~~~~~~~
+The core's ``key_padding_mask`` runs on the ``math`` and CPU ``sdpa`` kernels only (the CUDA fused
+kernels take no mask), so this adapter applies padding in a way every kernel takes, exactly, by
+one extra head dimension: queries get a 1, keys get 0 (kept) or ``-big`` (padding),
+values get 0, so a padded key's score is ``score - scale * big`` and its softmax weight underflows
+to exactly 0 (real keys' scores gain an exact 0). The extra dims are padded with zeros to keep
+``head_dim`` a multiple of 8 for the fused kernels. It runs only for batches that have padding, and
+costs one copy of q/k/v (of the local cache, per decode step). Prompts whose length is not a
+multiple of ``2 * cp`` are left-padded the same way.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from megatron_ring.attention.decode import decode_attention
+from megatron_ring.attention.ring import ring_attention
+from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, active
+
+
+def _big(scale: float, dtype: torch.dtype) -> float:
+    """Padding bias: makes ``exp(scale * (score - big))`` exactly 0 without overflowing ``dtype``."""
+    return min(1e4 / scale, torch.finfo(dtype).max / 8)
+
+
+def _mask_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold a key mask (bool ``[batch, s_k]``, True = attend) into extra head dims (Note [Padding]).
+
+    q ``[b, s_q, hq, d]``, k/v ``[b, s_k, hkv, d]`` -> the same with ``d + e``, ``e`` in 1..8 so that
+    ``d + e`` stays a multiple of 8 (fused kernels need it). Only the first extra dim is non-zero.
+    """
+    extra = 8 - q.shape[-1] % 8
+    q_extra = q.new_zeros(q.shape[:-1] + (extra,))
+    q_extra[..., 0] = 1
+    k_extra = k.new_zeros(k.shape[:-1] + (extra,))
+    k_extra[..., 0].masked_fill_(~key_mask.to(k.device)[:, :, None], -_big(scale, k.dtype))
+    return (torch.cat([q, q_extra], dim=-1), torch.cat([k, k_extra], dim=-1),
+            torch.cat([v, v.new_zeros(v.shape[:-1] + (extra,))], dim=-1))
+
+
+def _check_module_call(module: torch.nn.Module, seq_len: int, dropout: float, kwargs: dict[str, Any]) -> None:
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True is not supported with ring attention (weights are never materialised)")
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise ValueError("ring attention for transformers supports causal decoders only, got is_causal=False")
+    if dropout:
+        raise ValueError(f"attention dropout must be 0 with ring attention, got {dropout} (call model.eval())")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}={kwargs[name]!r} is not supported with ring attention; allowed: None")
+    window = kwargs.get("sliding_window")
+    if window is not None and seq_len > window:
+        raise ValueError(
+            f"sliding_window={window} is shorter than the sequence ({seq_len} tokens); ring attention is exact "
+            "full causal attention, so it supports sliding windows only when the whole sequence fits in the window"
+        )
+
+
+def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                           **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``AttentionInterface`` entry ``"ring"``.
+
+    query ``[batch, heads_q, q_len, head_dim]``, key/value ``[batch, heads_kv, kv_len, head_dim]``
+    (this rank's tokens), attention_mask the 2-D padding mask from :func:`ring_mask` or None.
+    Returns ``([batch, q_len, heads_q, head_dim], None)``. Whether a mask is given must agree on all
+    ranks (the wrappers pass None exactly when the global mask has no padding): the masked path
+    changes the shapes that the ranks exchange.
+    """
+    ctx = active()
+    _check_module_call(module, ctx.total_len or query.shape[2] * ctx.size, dropout, kwargs)
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if ctx.phase == "decode" and ctx.cache is None:
+        raise ValueError("the decode phase needs the RingCache of the running generate in the CP context")
+    key_mask = attention_mask
+    if key_mask is not None:
+        if key_mask.dim() != 2:
+            raise ValueError(f"ring attention takes a 2-D padding mask [batch, seq], got shape {tuple(key_mask.shape)}")
+        if ctx.phase == "decode":
+            columns = ctx.cache.layers[module.layer_idx].columns
+            key_mask = key_mask[:, columns.to(key_mask.device)] if columns is not None else key_mask[:, :0]
+    d = q.shape[-1]
+    if key_mask is not None:
+        q, k, v = _mask_keys(q, k, v, key_mask.bool(), scale)
+    if ctx.phase == "decode":
+        out = decode_attention(q, k, v, ctx.group, softmax_scale=scale)
+    else:
+        out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING)
+    return out[..., :d], None
+
+
+def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+              mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+              **kwargs: Any) -> torch.Tensor | None:
+    """``AttentionMaskInterface`` entry ``"ring"``: hand the 2-D padding mask through unchanged.
+
+    The causal structure lives in the ring (on global positions), so only padding is needed: in
+    prefill the mask is this rank's shard ``[batch, seq_local]``, in decode the global mask
+    ``[batch, seen + 1]`` that ``generate`` keeps (the attention function picks the local columns).
+    """
+    return attention_mask
+
+
+def register() -> None:
+    """Register ``"ring"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ring_mask)
+
+
+register()
+
+
+def enable_ring_attention(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch ``model`` to ``attn_implementation="ring"`` after checking that it can run it; return it."""
+    check_model(model, require_ring=False)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def check_model(model: PreTrainedModel, *, require_ring: bool = True) -> None:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config.get_text_config()
+    if config.is_encoder_decoder or not getattr(config, "is_causal", True):
+        raise ValueError(f"ring attention supports causal decoder-only models, got {type(model).__name__} "
+                         f"(is_encoder_decoder={config.is_encoder_decoder}, is_causal={getattr(config, 'is_causal', True)})")
+    if getattr(config, "output_attentions", False):
+        raise ValueError("config.output_attentions=True is not supported with ring attention; allowed: False")
+    impl = config._attn_implementation
+    if require_ring and impl != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"model has attn_implementation={impl!r}; ring_forward / ring_generate need {ATTN_IMPLEMENTATION!r}: "
+            f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call enable_ring_attention(model)"
+        )
+
+
+def check_window(model: PreTrainedModel, total_len: int) -> None:
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    if window is not None and sliding and total_len > window:
+        raise ValueError(
+            f"config.sliding_window={window} is shorter than the sequence ({total_len} tokens); ring attention is "
+            "exact full causal attention, so sliding windows are supported only when the whole sequence fits"
+        )

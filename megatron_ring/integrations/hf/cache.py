@@ -1,0 +1,108 @@
+"""The KV cache of a transformers model sharded over the CP group: :class:`RingCache`.
+
+Note [Prefill, replay, decode]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``ring_generate`` runs the prompt itself (one forward over the local shard, ring attention,
+global RoPE positions), then hands the filled :class:`RingCache` to ``model.generate``. The prompt's
+last token lives on one rank only, so its logits cannot come from every rank. Instead the cache
+forgets that one token's K/V and reports ``L - 1`` seen tokens: ``generate`` then "continues" the
+prompt with its last token as an ordinary decode step, which every rank computes identically
+(``decode_attention`` merges all shards). From there ``generate``'s own bookkeeping (positions
+from the global mask, stopping, logits processors) is exactly the single-process one. Each decode
+token's K/V is kept by exactly one rank, ``global_index % cp_size`` (round-robin); the others drop it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class RingCacheLayer(DynamicLayer):
+    """One layer of a :class:`RingCache`: this rank's K/V ``[batch, heads_kv, n_local, head_dim]``.
+
+    ``columns`` (int64 ``[n_local]``) are the global token indices of the local entries, in order;
+    ``seen`` counts the tokens of the whole (global) sequence, on every rank.
+    """
+
+    is_croppable = False
+
+    def __init__(self, owner: "RingCache") -> None:
+        super().__init__()
+        self.owner = owner
+        self.columns: torch.Tensor | None = None
+        self.seen = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this rank's share of the new K/V ``[batch, heads_kv, q_len, head_dim]``; return the local shard."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        plan = self.owner.prefill_plan
+        if plan is not None:
+            columns, global_len = plan
+            if self.seen:
+                raise ValueError(f"RingCache already holds {self.seen} tokens; a ring prefill needs an empty cache")
+            if key_states.shape[-2] != columns.numel():
+                raise ValueError(f"prefill K/V have {key_states.shape[-2]} local tokens, expected {columns.numel()}")
+            self.keys, self.values = key_states, value_states
+            self.columns, self.seen = columns.to(key_states.device), global_len
+            return self.keys, self.values
+        if key_states.shape[-2] != 1:
+            raise ValueError(
+                f"RingCache decodes one token per step, got {key_states.shape[-2]} (assisted or chunked decoding "
+                "is not supported)"
+            )
+        index, self.seen = self.seen, self.seen + 1
+        if index % self.owner.cp_size == self.owner.cp_rank:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            new = torch.tensor([index], dtype=torch.long, device=key_states.device)
+            self.columns = new if self.columns is None else torch.cat([self.columns, new])
+        return self.keys, self.values
+
+    def forget_last(self) -> None:
+        """Drop the last global token seen, on whichever rank holds it."""
+        if self.columns is not None and self.columns.numel() and int(self.columns[-1]) == self.seen - 1:
+            self.keys, self.values = self.keys[..., :-1, :], self.values[..., :-1, :]
+            self.columns = self.columns[:-1]
+        self.seen -= 1
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError("RingCache cannot be cropped (assisted decoding is not supported with ring attention)")
+
+
+class RingCache(Cache):
+    """A KV cache sharded over the ranks of a CP group (see Note [Prefill, replay, decode]).
+
+    After a ring prefill each rank holds the K/V of its own zigzag shard of the prompt; every decode
+    token's K/V is kept by exactly one rank (``index % cp_size``). ``get_seq_length()`` is global.
+    """
+
+    def __init__(self, num_layers: int, cp_rank: int, cp_size: int) -> None:
+        super().__init__(layers=[RingCacheLayer(self) for _ in range(num_layers)])
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.prefill_plan: tuple[torch.Tensor, int] | None = None
+
+    @contextlib.contextmanager
+    def prefill(self, columns: torch.Tensor, global_len: int) -> Iterator[None]:
+        """Inside the block, ``update`` stores the whole local shard (global indices ``columns``)."""
+        self.prefill_plan = (columns, global_len)
+        try:
+            yield
+        finally:
+            self.prefill_plan = None
+
+    def forget_last(self) -> None:
+        """Forget the last token in every layer (the replay step of ``ring_generate`` re-adds it)."""
+        for layer in self.layers:
+            layer.forget_last()

@@ -1,0 +1,64 @@
+"""The active CP context: how the ``"ring"`` attention function learns its group during a model call."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch.distributed as dist
+
+from megatron_ring.attention.checks import group_rank_size
+
+if TYPE_CHECKING:
+    from megatron_ring.integrations.hf.cache import RingCache
+
+ATTN_IMPLEMENTATION = "ring"
+SHARDING = "zigzag"  # causal LMs: zigzag balances the ring (Note [Zigzag sharding] in attention/sharding.py)
+
+
+@dataclass
+class CPContext:
+    """The CP group of the running model call and what the attention function must do.
+
+    ``phase`` is ``"prefill"`` (local tokens of a zigzag-sharded sequence: ring attention) or
+    ``"decode"`` (new tokens identical on all ranks against ``cache``: decode attention).
+    ``total_len`` is the longest global sequence this call can reach (sliding-window check).
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    phase: str = "prefill"
+    cache: "RingCache | None" = None
+    total_len: int = 0
+
+
+_ACTIVE: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("megatron_ring_cp_context", default=None)
+
+
+@contextlib.contextmanager
+def cp_context(group: dist.ProcessGroup | None = None, *, total_len: int = 0) -> Iterator[CPContext]:
+    """Make ``group`` the CP group of ring-attention model calls inside the ``with`` block.
+
+    :func:`ring_forward` and :func:`ring_generate` open it for you. Use it directly to run a
+    ``"ring"`` model forward (prefill) on inputs you sharded yourself: zigzag shards of
+    ``input_ids``, the padding mask (or None on every rank) and *global* ``position_ids``;
+    ``total_len`` is the global length for the sliding-window check (default: local x cp).
+    """
+    rank, size = group_rank_size(group)
+    token = _ACTIVE.set(CPContext(group, rank, size, total_len=total_len))
+    try:
+        yield _ACTIVE.get()  # type: ignore[misc]
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> CPContext:
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs a context-parallel context: call the model through "
+            "megatron_ring.hf.ring_forward / ring_generate, or inside `with megatron_ring.hf.cp_context(group):`"
+        )
+    return ctx

@@ -1,0 +1,123 @@
+"""A configured GPT vs the same model at cp = 1: loss, logits and gradients on one batch.
+
+``python -m megatron_ring.megatron CONFIG.yaml`` under torchrun runs it on CPU processes and
+prints the differences (docs/megatron.md).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.integrations.megatron.batches import gather_logits, get_batch_on_this_cp_rank
+from megatron_ring.integrations.megatron.model import build_gpt_model, full_state_dict, global_name, \
+    load_full_state_dict, shard_of, unwrap
+from megatron_ring.integrations.megatron.pipeline import stage_backward, stage_forward
+from megatron_ring.integrations.megatron.state import init_megatron
+from megatron_ring.parallel.layout import ParallelLayout
+
+
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (half-precision gradients: elementwise rounding is too coarse for max-abs)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234) -> dict[str, Any]:
+    """Same weights, same tokens: ``cfg_data``'s model vs the cp = 1 local-attention model.
+
+    Every rank first builds the unsharded reference (tp = pp = cp = 1, attention local, same dtype),
+    runs loss + backward on the whole batch, then builds the configured model, loads the same
+    weights, runs its shard of the batch and compares loss, logits and every parameter gradient
+    (summed over CP ranks, as Megatron's DP x CP reduction does). Returns relative errors: max-abs
+    based for fp32, L2-norm based for the gradients of half-precision models.
+    """
+    cfg = GPTConfig.parse(cfg_data)
+    world = dist.get_world_size()
+    ref_cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
+    m = cfg.model
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    labels = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    position_ids = torch.arange(m.seq_length).expand(batch, -1)
+    n_tokens = batch * m.seq_length
+
+    init_megatron(ParallelLayout(dp=world), seed=seed)
+    ref = build_gpt_model(ref_cfg)
+    ref_loss_tok = ref(tokens, position_ids, None, labels=labels)
+    ref_loss = ref_loss_tok.float().mean()
+    ref_loss.backward()
+    ref_grads = {name: p.grad.float().clone() for name, p in unwrap(ref).named_parameters()}
+    with torch.no_grad():
+        ref_logits = ref(tokens, position_ids, None).float()
+    weights = full_state_dict(ref)
+    del ref
+
+    init_megatron(cfg.check_world_size(world), seed=seed)
+    model = build_gpt_model(cfg)
+    load_full_state_dict(model, weights)
+    part = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
+    inp, out = stage_forward(model, part["tokens"], part["position_ids"], part["labels"])
+    result: dict[str, Any] = {"rank": dist.get_rank()}
+    cp_group = ps.get_context_parallel_group()
+    if ps.is_pipeline_last_stage():
+        loss_sum = out.detach().float().sum()
+        dist.all_reduce(loss_sum, group=cp_group)
+        result["loss"] = float(loss_sum / n_tokens)
+        result["ref_loss"] = ref_loss.item()
+        result["loss_err"] = abs(result["loss"] - result["ref_loss"]) / abs(result["ref_loss"])
+    stage_backward(inp, out, 1.0 / n_tokens)
+    worst, worst_name = 0.0, ""
+    for name, param in unwrap(model).named_parameters():
+        grad = param.grad.float().clone()
+        dist.all_reduce(grad, group=cp_group)
+        ref_grad = shard_of(param, ref_grads[global_name(model, name)])
+        err = rel_max(grad, ref_grad) if cfg.dtype == "fp32" else rel_l2(grad, ref_grad)
+        if err > worst:
+            worst, worst_name = err, name
+    result["grad_err"], result["grad_worst"] = worst, worst_name
+    with torch.no_grad():
+        _, logits = stage_forward(model, part["tokens"], part["position_ids"])
+    if ps.is_pipeline_last_stage():
+        result["logits_err"] = rel_max(gather_logits(logits.float()), ref_logits)
+    return result
+
+
+def check_config_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``torchrun --nproc_per_node N -m megatron_ring.megatron CONFIG.yaml``: CPU/gloo check of a config.
+
+    Builds the config's model and the cp = 1 Megatron reference with the same weights, runs one
+    batch through both and prints loss, logits and gradient differences (see docs/megatron.md).
+    """
+    import argparse
+    import os
+    from datetime import timedelta
+
+    from megatron_ring.config import load_mapping
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_ring.megatron", description=check_config_main.__doc__)
+    parser.add_argument("config", help="a configs/megatron YAML/JSON file")
+    parser.add_argument("--batch", type=int, default=2)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("start it with torchrun, e.g. torchrun --nproc_per_node 2 -m megatron_ring.megatron CONFIG")
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
+    result = compare_to_reference(load_mapping(args.config), batch=args.batch)
+    results: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    if dist.get_rank() == 0:
+        for r in results:
+            loss = f"loss {r['loss']:.6f} (cp=1 reference {r['ref_loss']:.6f}), logits rel err {r['logits_err']:.1e}, " \
+                if "loss" in r else ""
+            print(f"rank {r['rank']}: {loss}max grad rel err {r['grad_err']:.1e} ({r['grad_worst']})")
+    dist.destroy_process_group()
+    return 0

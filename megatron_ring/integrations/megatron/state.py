@@ -1,0 +1,118 @@
+"""Megatron's ``parallel_state``: the one initialisation (inference, training, tests) and our view of it."""
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.config.strict import ConfigError
+from megatron_ring.integrations.megatron.cpu_shims import apply_cpu_shims
+from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.parallel.layout import ParallelLayout
+
+_OWN_GROUPS: list[dist.ProcessGroup] = []
+"""Process groups the last :func:`ensure_parallel_state` made Megatron create (freed on re-init)."""
+
+
+def init_megatron(layout: ParallelLayout, *, device: torch.device = torch.device("cpu"), seed: int = 1234,
+                  timeout_s: Optional[float] = None) -> ParallelGroups:
+    """Megatron's ``parallel_state`` for ``layout`` on the running process group; returns its groups.
+
+    The one initialisation behind inference, training, the config check and the tests. On CPU it
+    first applies :func:`~megatron_ring.integrations.megatron.cpu_shims.apply_cpu_shims`; it seeds
+    torch (and Megatron's CUDA RNG tracker on a GPU) with ``seed``. ``timeout_s`` bounds every
+    collective of the groups Megatron creates (rounded up to whole minutes, Megatron's unit; default
+    Megatron's 30 minutes). ``torch.distributed`` must already run with ``layout.world_size`` ranks.
+    """
+    layout.check_world_size(dist.get_world_size())
+    if device.type == "cpu":
+        apply_cpu_shims()
+    ensure_parallel_state(layout, timeout_s=timeout_s)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel_from_megatron()
+
+
+def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> None:
+    """Initialise Megatron's ``parallel_state`` for ``layout`` unless it already has exactly these sizes.
+
+    Megatron's ``destroy_model_parallel`` only drops its references: the groups, with their gloo
+    threads and sockets, live on. When switching layouts we therefore destroy the groups our
+    previous initialisation created, so a long-lived process (a test worker serving many layouts)
+    does not accumulate hundreds of them.
+    """
+    ps = parallel_state
+    if ps.model_parallel_is_initialized() and (
+            ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()
+    ) == (layout.tp, layout.pp, layout.cp, layout.dp):
+        return
+    ps.destroy_model_parallel()
+    alive = dist.distributed_c10d._world.pg_map
+    for group in _OWN_GROUPS:
+        if group in alive:  # the caller may have destroyed some already
+            dist.destroy_process_group(group)
+    _OWN_GROUPS.clear()
+    gc.collect()  # a gloo group's threads end with its last reference
+    existing = set(dist.distributed_c10d._world.pg_map)
+    minutes = 30 if timeout_s is None else max(1, math.ceil(timeout_s / 60))
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 context_parallel_size=layout.cp, distributed_timeout_minutes=minutes,
+                                 create_gloo_process_groups=False)
+    _OWN_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map if g not in existing)
+
+
+def check_parallel_state(cfg: GPTConfig) -> None:
+    """ConfigError unless Megatron's parallel_state was initialised with ``cfg``'s tp/pp/cp."""
+    ps = parallel_state
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron.core.parallel_state is not initialized; call initialize_model_parallel first")
+    cfg.check_world_size(dist.get_world_size())
+    actual = {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+              "cp": ps.get_context_parallel_world_size()}
+    for axis, size in actual.items():
+        if getattr(cfg.parallel, axis) != size:
+            raise ConfigError(
+                f"parallel.{axis} = {getattr(cfg.parallel, axis)} in config {cfg.name!r} but Megatron's "
+                f"parallel_state was initialised with {axis} = {size}"
+            )
+
+
+def parallel_from_megatron() -> ParallelGroups:
+    """This rank's Megatron ``parallel_state`` groups as a :class:`ParallelGroups` (tp, cp, dp, pp, dp-cp, tp-cp)."""
+    ps = parallel_state
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron.core.parallel_state is not initialized; call initialize_model_parallel first")
+    groups = {
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "cp": ps.get_context_parallel_group(),
+        "dp": ps.get_data_parallel_group(),
+        "dp-cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "tp-cp": ps.get_tensor_and_context_parallel_group(),
+    }
+    ranks = {axis: dist.get_process_group_ranks(group) for axis, group in groups.items()}
+    layout = ParallelLayout(tp=len(ranks["tp"]), pp=len(ranks["pp"]), cp=len(ranks["cp"]), dp=len(ranks["dp"]))
+    return ParallelGroups(layout=layout, rank=dist.get_rank(), groups=groups, ranks=ranks)
+
+
+def process_group_collection(groups: ParallelGroups) -> Any:
+    """Megatron-core's ``ProcessGroupCollection`` for ``groups`` (tp, pp, cp, dp, dp_cp, tp_cp, mp).
+
+    For Megatron's own DDP / distributed optimizer path (``DistributedDataParallel(...,
+    pg_collection=...)``), which reduces gradients over ``dp_cp`` as DeepSpeed's engine does (Note [Gradients of weights replicated over
+    context-parallel ranks] in :mod:`megatron_ring.integrations.deepspeed.mpu`). ``mp`` is tp (pp = 1 in our training) unless the groups carry a ``tp-pp`` group.
+    """
+    g = groups.groups
+    mp = g.get("tp-pp", g["tp"] if groups.layout.pp == 1 else None)
+    if mp is None:
+        raise ValueError("pp > 1 needs a 'tp-pp' group in ParallelGroups.groups for ProcessGroupCollection.mp")
+    return ProcessGroupCollection(tp=g["tp"], pp=g["pp"], cp=g["cp"], dp=g["dp"], dp_cp=g["dp-cp"],
+                                  tp_cp=g["tp-cp"], mp=mp)

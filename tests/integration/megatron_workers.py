@@ -1,0 +1,189 @@
+"""Workers for the Megatron integration tests, run on every rank of a GlooPool (module-level so they pickle)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.integrations.megatron.equivalence import rel_max
+from megatron_ring.integrations.megatron.state import init_megatron
+from megatron_ring.parallel.layout import ParallelLayout
+
+
+def _attention_config(**overrides: Any) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                  attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _expect_error(fn: Callable[[], Any]) -> str:
+    """Run ``fn``; return ``"TypeName: message"`` of the ValueError/TypeError it raises ("" if none)."""
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return ""
+
+
+def core_attention_cp1_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
+    """cp = 1: RingAttention vs Megatron's DotProductAttention on the same q/k/v, and its refusals.
+
+    Returns relative errors per case and the error message of each unsupported call.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.megatron import RingAttention
+
+    init_megatron(ParallelLayout(dp=dist.get_world_size()))
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(seq, batch, 4, 16, generator=gen)
+    k = torch.randn(seq, batch, 2, 16, generator=gen)
+    v = torch.randn(seq, batch, 2, 16, generator=gen)
+    causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    errors: dict[str, float] = {}
+    for case, mask_type, scale, mask in (("causal", AttnMaskType.causal, None, None),
+                                         ("no_mask", AttnMaskType.no_mask, None, None),
+                                         ("causal_scale", AttnMaskType.causal, 0.3, None),
+                                         ("causal_explicit_mask", AttnMaskType.causal, None, causal_mask)):
+        config = _attention_config()
+        ref = DotProductAttention(config, 1, mask_type, "self", softmax_scale=scale)
+        ring = RingAttention(config, 1, mask_type, "self", softmax_scale=scale)
+        errors[case] = rel_max(ring(q, k, v, mask), ref(q, k, v, mask))
+    ring = RingAttention(_attention_config(), 1, AttnMaskType.causal, "self")
+    training = RingAttention(_attention_config(attention_dropout=0.1), 1, AttnMaskType.causal, "self")
+    training.train()
+    refusals = {
+        "attention_bias": _expect_error(lambda: ring(q, k, v, None, attention_bias=torch.zeros(1))),
+        "arbitrary_mask": _expect_error(lambda: ring(q, k, v, torch.rand(1, 1, seq, seq) > 0.5)),
+        "packed_seq_params": _expect_error(lambda: ring(q, k, v, None, packed_seq_params=object())),
+        "dropout_training": _expect_error(lambda: training(q, k, v, None)),
+        "padding_mask_type": _expect_error(lambda: RingAttention(_attention_config(), 1, AttnMaskType.padding, "self")),
+        "cp_comm_type_a2a": _expect_error(
+            lambda: RingAttention(_attention_config(), 1, AttnMaskType.causal, "self", cp_comm_type="a2a")),
+        "window_size": _expect_error(
+            lambda: RingAttention(_attention_config(window_size=(4, 0)), 1, AttnMaskType.causal, "self")),
+    }
+    training.eval()
+    errors["dropout_eval"] = rel_max(training(q, k, v, None), ring(q, k, v, None))
+    return {"errors": errors, "refusals": refusals}
+
+
+def core_attention_mask_cp_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
+    """cp = world: the CP-sharded causal mask is accepted (same output as no mask); others are refused."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.megatron import RingAttention, get_batch_on_this_cp_rank
+
+    cp = dist.get_world_size()
+    init_megatron(ParallelLayout(cp=cp))
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(seq // cp, batch, 4, 16, generator=gen) for _ in range(3))
+    full_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    mask = get_batch_on_this_cp_rank({"attention_mask": full_mask})["attention_mask"]
+    ring = RingAttention(_attention_config(num_query_groups=4, context_parallel_size=cp), 1,
+                         AttnMaskType.causal, "self")
+    return {
+        "cp_rank": ps.get_context_parallel_rank(),
+        "mask_err": rel_max(ring(q, k, v, mask), ring(q, k, v, None)),
+        "unsharded_mask": _expect_error(lambda: ring(q, k, v, full_mask)),
+        "wrong_mask": _expect_error(lambda: ring(q, k, v, ~mask)),
+    }
+
+
+def batch_split_matches_megatron(seq: int = 16) -> bool:
+    """Our get_batch_on_this_cp_rank equals megatron.core.utils.get_batch_on_this_cp_rank on this rank."""
+    from megatron.core import utils as mcore_utils
+
+    from megatron_ring.megatron import get_batch_on_this_cp_rank
+
+    init_megatron(ParallelLayout(cp=dist.get_world_size()))
+    batch = {
+        "tokens": torch.arange(2 * seq).view(2, seq),
+        "labels": torch.arange(2 * seq).view(2, seq) + 1,
+        "loss_mask": torch.rand(2, seq),
+        "position_ids": torch.arange(seq).expand(2, -1),
+        "attention_mask": torch.rand(1, 1, seq, seq) > 0.5,
+    }
+    ours = get_batch_on_this_cp_rank(batch)
+    theirs = mcore_utils.get_batch_on_this_cp_rank(dict(batch))
+    return all(torch.equal(ours[key], theirs[key]) for key in batch)
+
+
+def model_module_types(cfg_data: dict[str, Any]) -> dict[str, Any]:
+    """Build ``cfg_data``'s model on this rank; return ``{module name: class name}`` and parameter names/shapes."""
+    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.megatron import build_gpt_model
+
+    cfg = GPTConfig.parse(cfg_data)
+    init_megatron(cfg.check_world_size(dist.get_world_size()))
+    model = build_gpt_model(cfg)
+    return {
+        "modules": {name: type(mod).__name__ for name, mod in model.named_modules()},
+        "params": {name: tuple(p.shape) for name, p in model.named_parameters()},
+    }
+
+
+def generate_with_runner(cfg_data: dict[str, Any], layout: ParallelLayout, *, batch: int = 2, prompt_len: int = 16,
+                         new_tokens: int = 6, seed: int = 1234, dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Greedy tokens ``[batch][new_tokens]`` from :class:`MegatronRunner` (prefill + decode) for ``layout``."""
+    from megatron_ring.inference.runners.gpt import build_runner
+    from megatron_ring.parallel.groups import init_parallel
+
+    groups = init_parallel(layout)
+    runner = build_runner(cfg_data, groups, dtype=dtype, device=torch.device("cpu"), seed=seed, batch=batch,
+                          prompt_len=prompt_len, new_tokens=new_tokens)
+    prompt = torch.randint(0, runner.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    out = [runner.prefill(prompt)]
+    for _ in range(new_tokens - 1):
+        out.append(runner.decode(out[-1]))
+    return torch.stack(out, dim=1).tolist()
+
+
+def generate_without_cache(cfg_data: dict[str, Any], *, batch: int = 2, prompt_len: int = 16, new_tokens: int = 6,
+                           seed: int = 1234) -> list[list[int]]:
+    """Reference greedy tokens: Megatron's plain GPTModel forward over the whole sequence at every step.
+
+    tp = pp = cp = 1 on every rank, local attention, no KV cache, weights of
+    :func:`megatron_ring.inference.runners.gpt.draw_weights`.
+    """
+    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.inference.runners.gpt import draw_weights
+    from megatron_ring.megatron import build_gpt_model
+
+    cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
+    init_megatron(ParallelLayout(dp=dist.get_world_size()), seed=seed)
+    model = build_gpt_model(cfg)
+    model.eval()
+    draw_weights(model, seed)
+    vocab = cfg.model.vocab_size
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            positions = torch.arange(ids.shape[1]).expand(batch, -1)
+            logits = model(ids, positions, None)
+            ids = torch.cat([ids, logits[:, -1].float().argmax(dim=-1, keepdim=True)], dim=1)
+    return ids[:, prompt_len:].tolist()
+
+
+def parallel_view_matches_layout(layout: ParallelLayout) -> dict[str, Any]:
+    """``parallel_from_megatron()`` after Megatron's init for ``layout``: its ranks and ring vs ``layout``'s."""
+    from megatron_ring.megatron import parallel_from_megatron
+
+    init_megatron(layout)
+    view = parallel_from_megatron()
+    rank = dist.get_rank()
+    expected = {axis: layout.group_of(axis, rank) for axis in view.ranks}
+    ring = layout.group_of("cp", rank)
+    me = ring.index(rank)
+    return {
+        "layout_equal": view.layout == layout,
+        "ranks_equal": view.ranks == expected,
+        "ring_equal": (view.cp_rank, view.ring_next, view.ring_prev)
+        == (me, ring[(me + 1) % len(ring)], ring[(me - 1) % len(ring)]),
+    }
