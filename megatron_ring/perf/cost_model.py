@@ -28,7 +28,7 @@ from __future__ import annotations
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from megatron_ring.attention.auto_comm import choose_comm, crossover_tokens, predict_times, work_fraction

@@ -15,8 +15,7 @@ from megatron_ring.integrations.deepspeed.config import split_config
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs" / "deepspeed"
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
-    (ROOT / "megatron_ring" / "inference" / "megatron_runner.py").exists()
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 TOY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128, "vocab_size": 128}
 
 
