@@ -1,8 +1,8 @@
 """Attention of one local query block against one key/value block, returning the log-sum-exp.
 
 Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q``
-heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA) and K/V are never repeated
-in memory by the math backend.
+heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in
+memory by the math backend, nor by ``sdpa`` outside the causal diagonal block (Note [GQA without repeats]).
 
 Backends:
 
@@ -22,6 +22,17 @@ this project's CI has no GPU, so they run only where one is present
 (``tests/gloo/test_ring_numerics.py`` covers CPU; ``tests/unit/test_flash_attn_backend.py`` checks the
 flash-attn adapter against a CPU stand-in of the package's interface, and against float64 on a GPU
 with flash-attn installed).
+
+Note [GQA without repeats]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch's fused kernels want as many K/V heads as query heads, and repeating K/V copies the whole
+block ``heads_q / heads_kv`` times, which in decode (one query, a long cache shard) costs more than
+the attention itself. A block without a causal mask (every off-diagonal ring block, every decode
+step) does not need it: the ``g = heads_q / heads_kv`` query heads of one K/V head are folded into
+the query-length axis, ``[b, hq, s, d] -> [b, hkv, g * s, d]`` (query head ``h`` uses K/V head
+``h // g``), the kernel runs on ``hkv`` heads, and out/lse unfold back. dK/dV then come out already
+summed over the group. Only the causal diagonal block still repeats K/V: folding would break the
+position-based mask.
 
 ``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
 sees keys 0..i.
@@ -117,6 +128,18 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
+def _fold_queries(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[b, hq, s, ...]`` -> ``[b, hkv, (hq/hkv) * s, ...]`` (Note [GQA without repeats])."""
+    b, hq, s = t.shape[:3]
+    return t.reshape(b, heads_kv, (hq // heads_kv) * s, *t.shape[3:])
+
+
+def _unfold_queries(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """Inverse of :func:`_fold_queries`: ``[b, hkv, g * s, ...]`` -> ``[b, heads_q, s, ...]``."""
+    b, hkv, gs = t.shape[:3]
+    return t.reshape(b, heads_q, gs // (heads_q // hkv), *t.shape[3:])
+
+
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
                  key_mask: torch.Tensor | None) -> torch.Tensor:
     """Scaled scores ``[b, hkv, g, q, k]`` in the compute dtype, masked with -inf."""
@@ -165,8 +188,12 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         out, lse = flash_forward(q, k, v, causal=causal, scale=scale)
         return out, lse.to(compute_dtype(q.dtype))
     if backend == "sdpa":
-        groups = q.shape[1] // k.shape[1]
-        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+        heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
+        fold = groups > 1 and not causal
+        if fold:
+            q = _fold_queries(q, k.shape[1])
+        else:
+            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         if q.device.type == "cuda" and _cuda_kernel(q.device) == "cudnn":
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
@@ -181,6 +208,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                 blind = ~_sees_a_key(key_mask, q.shape[2], causal)[:, None, :]
                 lse = lse.masked_fill(blind, float("-inf"))
                 out = out.masked_fill(blind.unsqueeze(-1), 0.0)
+        if fold:
+            out, lse = _unfold_queries(out, heads_q), _unfold_queries(lse, heads_q)
         return out, lse.to(compute_dtype(q.dtype))
     scores = _math_scores(q, k, causal, scale, key_mask)
     lse = torch.logsumexp(scores, dim=-1)
@@ -205,11 +234,15 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         return dq.to(ct), dk.to(ct), dv.to(ct)
     if backend == "sdpa":
-        groups = q.shape[1] // k.shape[1]
+        heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
         b, hkv, sk, d = k.shape
-        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         lse = lse.float() if q.dtype != torch.float64 else lse
+        fold = groups > 1 and not causal
+        if fold:
+            q, dout, out, lse = (_fold_queries(t, hkv) for t in (q, dout, out, lse))
+        else:
+            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         if q.device.type == "cuda" and _cuda_kernel(q.device) == "cudnn":
             # No bias, no cumulative lengths (not varlen), zero dropout RNG state; lse as [b, h, s, 1].
             seed = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -230,6 +263,8 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                 dout, q, k, v, out, _without_neginf(lse) if masked else lse, 0.0, causal,
                 attn_mask=_key_bias(key_mask, q.dtype) if masked else None, scale=scale,
             )
+        if fold:
+            return _unfold_queries(dq, heads_q).to(ct), dk.to(ct), dv.to(ct)
         return dq.to(ct), dk.to(ct).reshape(b, hkv, groups, sk, d).sum(2), dv.to(ct).reshape(b, hkv, groups, sk, d).sum(2)
     hkv = k.shape[1]
     scores = _math_scores(q, k, causal, scale, key_mask)
