@@ -7,10 +7,11 @@ over ranks::
     model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256,
             vocab_size: 128, seq_length: 64, position_embedding: rope}
     dtype: fp32
-    attention: ring          # local = Megatron's DotProductAttention (cp must be 1)
+    attention: ring          # sdpa = the same fused block kernel without a ring; local = Megatron's
+                             # unfused DotProductAttention (both need cp = 1)
     parallel: {tp: 1, cp: 2, pp: 1, cp_comm_type: p2p}
 
-Swapping ``attention: local`` for ``attention: ring`` (and raising ``cp``) is the whole change.
+Swapping ``attention: sdpa`` (or ``local``) for ``attention: ring`` (and raising ``cp``) is the whole change.
 :meth:`GPTConfig.parse` checks the fields one by one (unknown keys get a did-you-mean) and then
 the rules between them (heads and vocabulary divisible by tp, layers by pp, sequence by 2*cp, ...);
 :meth:`GPTConfig.check_world_size` checks the layout against the launched processes. Each error
@@ -75,7 +76,7 @@ class GPTConfig(StrictModel):
     name: str = "gpt"
     model: GPTModelConfig
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
-    attention: Literal["local", "ring"] = "ring"
+    attention: Literal["local", "sdpa", "ring"] = "ring"
     parallel: GPTParallelConfig = Field(default_factory=GPTParallelConfig)
     seed: int = 1234
 
@@ -95,9 +96,10 @@ class GPTConfig(StrictModel):
         """Rules between fields (each error names the fields, their values and what would be allowed)."""
         m, p = self.model, self.parallel
         problems: list[str] = []
-        if self.attention == "local" and p.cp > 1:
+        if self.attention != "ring" and p.cp > 1:
+            kernel = "Megatron's DotProductAttention" if self.attention == "local" else "the fused block kernel alone"
             problems.append(
-                f"attention = 'local' (Megatron's DotProductAttention) needs parallel.cp = 1, got cp = {p.cp}; "
+                f"attention = {self.attention!r} ({kernel}) needs parallel.cp = 1, got cp = {p.cp}; "
                 "use attention: ring for context parallelism"
             )
         if m.head_dim is None and m.hidden_size % m.num_attention_heads:

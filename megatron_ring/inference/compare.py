@@ -27,11 +27,17 @@ from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed.config import split_config
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.shipped import find_config
+from megatron_ring.inference.schema import ModelSection, load_model_mapping
 
 PAIRS: dict[str, tuple[str, str]] = {
     "cpu": ("cpu_baseline_tp2_pp2.json", "cpu_ring_cp4.json"),
     "cpu-tp2-cp2": ("cpu_baseline_tp2_pp2.json", "cpu_ring_tp2_cp2.json"),
     "paper": ("paper_baseline_tp8_pp2.json", "paper_ring_cp16.json"),
+    "long-tp2": ("long_sdpa_tp2.json", "long_ring_cp2.json"),
+    "long-pp2": ("long_sdpa_pp2.json", "long_ring_cp2.json"),
+    "long-gqa-tp2": ("long_gqa_sdpa_tp2.json", "long_gqa_ring_cp2.json"),
+    "long-cp4": ("long_sdpa_tp2_pp2.json", "long_ring_cp4.json"),
+    "long-tp2-cp2": ("long_sdpa_tp2_pp2.json", "long_ring_tp2_cp2.json"),
 }
 """Pair name -> (baseline, ring) file names of shipped configs (:func:`~megatron_ring.config.shipped.find_config`)."""
 
@@ -40,6 +46,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def attention_family(config: Path) -> str:
+    """``"megatron-local"`` (Megatron's unfused attention) or ``"block"`` (the core's fused block
+    kernel: ``attention: sdpa`` or ``ring``, and the toy runner) for a config, before any launch."""
+    _, ours = split_config(load_mapping(config), where=f"config {str(config)!r}")
+    section = ModelSection.parse((ours or {}).get("model") or {}, where=f"megatron_ring.model of {str(config)!r}")
+    if section.runner != "megatron":
+        return "block"
+    model = load_model_mapping(section, config.parent)
+    return "megatron-local" if model.get("attention") == "local" else "block"
+
+
+def check_same_kernel(baseline: Path, ring: Path) -> None:
+    """ConfigError when the two sides would compute attention with different kernels (an unfair pair)."""
+    kernels = {path: attention_family(path) for path in (baseline, ring)}
+    if kernels[baseline] != kernels[ring]:
+        raise ConfigError(
+            f"refusing an unfair comparison: {baseline.name} computes attention with {kernels[baseline]!r} and "
+            f"{ring.name} with {kernels[ring]!r}; give the baseline 'attention: sdpa' (the ring's fused block "
+            "kernel at cp = 1), or pass --allow-kernel-mismatch to measure the kernels too")
 
 
 def world_size_of(config: Path) -> int:
@@ -105,9 +132,13 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
                         help=f"a pair name ({', '.join(sorted(PAIRS))}) or baseline and ring config paths")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     parser.add_argument("--out-dir", default="results/compare", help="where results and logs go")
+    parser.add_argument("--allow-kernel-mismatch", action="store_true",
+                        help="run a pair whose sides use different attention kernels (refused by default)")
     args = parser.parse_args(argv)
     try:
         baseline_cfg, ring_cfg = resolve_pair(args.configs)
+        if not args.allow_kernel_mismatch:
+            check_same_kernel(baseline_cfg, ring_cfg)
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         results = [run_config(c, out_dir, launcher=args.launcher) for c in (baseline_cfg, ring_cfg)]
@@ -116,6 +147,11 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         return 1
     print()
     print(format_table(results, ratios=True))
+    kernels = [r["attention_kernel"] for r in results]
+    print(f"\nattention kernel: {results[0]['name']} {kernels[0]}, {results[1]['name']} {kernels[1]}")
+    if kernels[0] != kernels[1]:
+        print("WARNING: the two sides computed attention with different kernels; the ratios above measure the "
+              "kernels as much as the parallelism", file=sys.stderr)
     same = results[0]["generated"] == results[1]["generated"]
     print(f"\ngreedy tokens identical: {'yes' if same else 'NO'} "
           f"({results[0]['workload']['batch']} sequences x {results[0]['workload']['new_tokens']} tokens)")

@@ -78,7 +78,7 @@ def _rank_info(rank: int, coords: dict[str, int], device: torch.device, loop: An
 
 
 def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: torch.device, backend: str,
-                 dtype: torch.dtype, started: datetime, wall_s: float) -> dict[str, Any]:
+                 dtype: torch.dtype, attention_kernel: str, started: datetime, wall_s: float) -> dict[str, Any]:
     """The result document from every rank's :func:`_rank_info` (rank order)."""
     layout, work = spec.layout, spec.ring.workload
     per_rank = [[RequestTiming(t["prefill_s"], list(t["step_s"])) for t in r["timings"]] for r in ranks]
@@ -94,6 +94,7 @@ def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: to
         "layout_text": layout.describe(),
         "world_size": layout.world_size,
         "device": device.type, "backend": backend, "dtype": str(dtype).replace("torch.", ""),
+        "attention_kernel": attention_kernel,
         "model": spec.model_summary,
         "workload": spec.ring.workload.model_dump(),
         "metrics": median_metrics(requests),
@@ -158,7 +159,8 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
             os._exit(EXIT_PEER_LOST)
         raise
     if rank == 0:
-        result = build_result(spec, ranks, device=device, backend=backend, dtype=dtype, started=started,
+        result = build_result(spec, ranks, device=device, backend=backend, dtype=dtype,
+                              attention_kernel=runner.attention_kernel, started=started,
                               wall_s=time.perf_counter() - t0)
         print(format_table([result]), flush=True)
         output = args.output or ring.output

@@ -110,7 +110,7 @@ class TrainSection(StrictModel):
     name: str = "train"
     model: str = Field(..., description="path of a configs/megatron YAML (relative to this config file, "
                                         "then to the working directory)")
-    attention: Optional[Literal["local", "ring"]] = Field(None, description="override the model file's attention")
+    attention: Optional[Literal["local", "sdpa", "ring"]] = Field(None, description="override the model file's attention")
     layout: TrainLayoutConfig = Field(default_factory=TrainLayoutConfig)
     seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
     steps: int = Field(..., ge=1, description="optimizer steps of the whole run")

@@ -36,7 +36,7 @@ def test_toy_greedy_tokens_match_for_cp_1_2_4(gloo_pool) -> None:
 def test_megatron_greedy_tokens_match_cp1_ring_cp2_cp4_and_tp2_pp2(gloo_pool) -> None:
     """Megatron GPT from the same seed: local attention cp=1, ring cp=2 and cp=4, TP2 x PP2 baseline."""
     cases = {"cp1": ("tiny_local.yaml", {}), "cp2": ("tiny_ring_cp2.yaml", {"cp": 2}),
-             "cp4": ("tiny_ring_cp4.yaml", {"cp": 4}), "tp2pp2": ("tiny_local_tp2_pp2.yaml", {"tp": 2, "pp": 2})}
+             "cp4": ("tiny_ring_cp4.yaml", {"cp": 4}), "tp2pp2": ("tiny_sdpa_tp2_pp2.yaml", {"tp": 2, "pp": 2})}
     outs = {}
     for name, (yaml_name, layout) in cases.items():
         model = load_mapping(ROOT / "configs" / "megatron" / yaml_name)

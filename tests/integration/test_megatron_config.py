@@ -29,7 +29,7 @@ def test_every_config_validates(path: Path) -> None:
 
 
 def test_paper_model_is_the_papers() -> None:
-    for name in ("paper_dense_ring_cp16.yaml", "paper_dense_local_tp8_pp2.yaml"):
+    for name in ("paper_dense_ring_cp16.yaml", "paper_dense_sdpa_tp8_pp2.yaml"):
         cfg = GPTConfig.load(CONFIGS / name)
         m = cfg.model
         assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_channels, m.ffn_hidden_size, m.seq_length) == (

@@ -90,7 +90,7 @@ def test_profiles_load_and_reject_typos(tmp_path: Path) -> None:
 
 
 def test_load_megatron_yaml() -> None:
-    p = load_plan_input(ROOT / "configs/megatron/paper_dense_local_tp8_pp2.yaml", batch=4)
+    p = load_plan_input(ROOT / "configs/megatron/paper_dense_sdpa_tp8_pp2.yaml", batch=4)
     assert p.layout == ParallelLayout(tp=8, pp=2)
     assert p.model.num_layers == 16 and p.model.head_dim == 128 and p.model.vocab_size == 32000
     assert p.workload.batch == 4 and p.workload.prompt_len == 100_000 and p.dtype == "bf16"

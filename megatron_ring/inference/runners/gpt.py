@@ -1,10 +1,12 @@
 """A Megatron-core GPT served by the inference loop: TP/PP baseline or ring attention over CP.
 
 The model is a real ``GPTModel`` built from a ``configs/megatron`` YAML (see
-:mod:`megatron_ring.integrations.megatron.model`): ``attention: local`` gives Megatron's own
-``DotProductAttention`` (the baseline: tensor parallel heads, pipeline stages, full sequence on
-every rank), ``attention: ring`` gives :class:`~megatron_ring.integrations.megatron.attention.RingAttention`
-(the prompt sharded zigzag over the CP group). Each layer's ``core_attention`` is wrapped by
+:mod:`megatron_ring.integrations.megatron.model`). The baseline (tensor parallel heads, pipeline
+stages, full sequence on every rank) takes ``attention: sdpa``, the core's fused block kernel
+without a ring (the same kernel as the ring: a fair comparison), or ``attention: local``,
+Megatron's own unfused ``DotProductAttention``; ``attention: ring`` gives
+:class:`~megatron_ring.integrations.megatron.attention.RingAttention` (the prompt sharded zigzag
+over the CP group). Each layer's ``core_attention`` is wrapped by
 :class:`CachedCoreAttention`, which owns that layer's share of the KV cache; everything else
 (layer norms, QKV and output projections with their TP collectives, MLP) is Megatron's code.
 
@@ -44,6 +46,7 @@ from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.integrations.megatron.attention import RingAttention
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, shard_of, unwrap
 from megatron_ring.integrations.megatron.state import init_megatron
+from megatron_ring.inference.runners.protocol import block_kernel_name
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -180,6 +183,8 @@ class MegatronRunner:
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.module = unwrap(build_gpt_model(self.cfg))
+        self.attention_kernel = "megatron-local" if cfg.attention == "local" else \
+            block_kernel_name(device, dtype, cfg.model.kv_channels)
         self.module.eval()
         draw_weights(self.module, seed)
         self.capacity = prompt_len // self.cp_size + -(-(new_tokens - 1) // self.cp_size)

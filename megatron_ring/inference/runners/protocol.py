@@ -28,8 +28,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from megatron_ring.attention.block import resolve_backend
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
+
+
+def block_kernel_name(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """``block:<backend>``: the block kernel ``backend="auto"`` picks for these inputs."""
+    return f"block:{resolve_backend('auto', device, dtype, head_dim)}"
 
 
 @runtime_checkable
@@ -45,6 +51,11 @@ class ModelRunner(Protocol):
 
     device: torch.device
     """Where the runner wants its inputs (``cpu`` or ``cuda:<local_rank>``)."""
+
+    attention_kernel: str
+    """What computes attention: ``"megatron-local"`` (Megatron's unfused ``DotProductAttention``) or
+    ``"block:<backend>"`` (the core's block kernel, e.g. ``block:sdpa``). A fair comparison has the
+    same kernel on both sides."""
 
     module: torch.nn.Module
     """This rank's weights. The launcher hands it to ``deepspeed.init_inference``, which converts

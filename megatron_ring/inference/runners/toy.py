@@ -24,6 +24,7 @@ from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
 from megatron_ring.config import ConfigError, StrictModel
+from megatron_ring.inference.runners.protocol import block_kernel_name
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -127,6 +128,7 @@ class ToyRunner:
         self.device = device
         self.vocab_size = cfg.vocab_size
         self.module = ToyGPT(cfg, seed).to(device=device, dtype=dtype)
+        self.attention_kernel = block_kernel_name(device, dtype, cfg.head_dim)
         self.cp_rank, self.cp_size = groups.cp_rank, groups.cp_size
         self.capacity = prompt_len // self.cp_size + -(-(new_tokens - 1) // self.cp_size)
         shape = (batch, self.capacity, cfg.heads_kv, cfg.head_dim)

@@ -1,7 +1,8 @@
 """Build a real ``megatron.core`` GPTModel from a validated :class:`~megatron_ring.config.gpt.GPTConfig`.
 
-``attention: local`` uses Megatron's own local spec (``DotProductAttention``), ``attention: ring``
-the same spec with :class:`~megatron_ring.integrations.megatron.attention.RingAttention`; nothing else
+``attention: local`` uses Megatron's own local spec (``DotProductAttention``, unfused: it materialises
+the ``L x L`` scores); ``attention: ring`` and ``attention: sdpa`` (cp = 1: the same fused block kernel
+without a ring, the fair baseline) the same spec with :class:`~megatron_ring.integrations.megatron.attention.RingAttention`; nothing else
 differs. Megatron's ``parallel_state`` must already be initialised with the config's tp/pp/cp.
 
 :func:`load_full_state_dict` loads one unsharded (tp = pp = 1) state dict into a model of any
@@ -57,9 +58,9 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
 
 
 def layer_spec(cfg: GPTConfig) -> ModuleSpec:
-    """Megatron's local GPT layer spec, with ring attention when ``cfg.attention == "ring"``."""
+    """Megatron's local GPT layer spec; ``core_attention`` is RingAttention unless ``cfg.attention == "local"``."""
     kwargs = {"normalization": cfg.model.normalization}
-    return get_gpt_layer_ring_spec(**kwargs) if cfg.attention == "ring" else get_gpt_layer_local_spec(**kwargs)
+    return get_gpt_layer_local_spec(**kwargs) if cfg.attention == "local" else get_gpt_layer_ring_spec(**kwargs)
 
 
 def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None,
