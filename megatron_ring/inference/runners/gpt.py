@@ -25,6 +25,14 @@ Pipeline parallel: each stage runs its layers and sends the activations ``[s, b,
 stage with send/recv; the last stage picks the greedy token and broadcasts it back along the PP
 group, so every rank returns the same ids.
 
+Note [Pipelined micro-batches]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With pp > 1 a batch runs as one-sequence micro-batches, in prefill and in every decode step, as
+Megatron's inference pipelines them: stage ``i`` sends micro-batch ``m`` and goes on to ``m + 1``
+while stage ``i + 1`` works on ``m``, so the stages overlap instead of waiting for the whole batch
+(a blocking send returns once the next stage has posted its receive). At batch 1 there is nothing
+to overlap. Layouts without pp run the batch at once.
+
 Weights are drawn per parameter from ``(seed, global parameter name)`` in the unsharded layout
 and then cut for this rank's TP shard and PP stage, so every layout serves the same global model.
 """
@@ -91,7 +99,8 @@ class CachedCoreAttention(torch.nn.Module):
     """A layer's ``core_attention`` plus this rank's KV cache for it (Note [Sharded KV cache]).
 
     Cache: K and V ``[capacity, batch, ng, hn]`` (Megatron's layout; ng = this TP rank's K/V heads).
-    The runner sets :attr:`decoding` and :attr:`owner` before each forward.
+    The runner sets :attr:`decoding`, :attr:`owner` and :attr:`rows` (the batch rows of the running
+    micro-batch) before each forward, and advances :attr:`length` after each decode step.
     """
 
     def __init__(self, inner: torch.nn.Module, *, batch: int, capacity: int, dtype: torch.dtype,
@@ -104,6 +113,7 @@ class CachedCoreAttention(torch.nn.Module):
         self.length = 0
         self.decoding = False
         self.owner = False
+        self.rows = slice(None)
 
     def _ensure(self, key: torch.Tensor) -> None:
         if self.k is None:
@@ -120,18 +130,19 @@ class CachedCoreAttention(torch.nn.Module):
         """``[sq, b, np, hn]``, ``[sq, b, ng, hn]`` x2 -> ``[sq, b, np * hn]``; sq = 1 when decoding."""
         self._ensure(key)
         sq, b = key.shape[:2]
+        rows = self.rows
         if not self.decoding:
             if sq > self.capacity:
                 raise ValueError(f"prompt shard of {sq} tokens exceeds the KV cache capacity {self.capacity}")
-            self.k[:sq, :b], self.v[:sq, :b] = key, value
+            self.k[:sq, rows], self.v[:sq, rows] = key, value
             self.length = sq
             return self.inner(query, key, value, None, attn_mask_type=AttnMaskType.causal)
         if self.owner:
             if self.length >= self.capacity:
                 raise RuntimeError(f"KV cache full ({self.capacity} tokens per rank); more new tokens than built for")
-            self.k[self.length, :b], self.v[self.length, :b] = key[0], value[0]
-            self.length += 1
-        k, v = self.k[:self.length, :b], self.v[:self.length, :b]
+            self.k[self.length, rows], self.v[self.length, rows] = key[0], value[0]
+        end = self.length + int(self.owner)
+        k, v = self.k[:end, rows], self.v[:end, rows]
         if isinstance(self.inner, RingAttention):
             out = decode_attention(query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.inner.cp_group,
                                    softmax_scale=self.inner.softmax_scale)
@@ -202,8 +213,22 @@ class MegatronRunner:
 
     # -- pieces of GPTModel.forward, with explicit global positions -----------------------------
 
+    def _pipelined(self, ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """:meth:`_stage` over the micro-batches of ``ids`` ``[b, s]`` (Note [Pipelined micro-batches]);
+        the last stage returns the final hidden state of the last position ``[1, b, h]``."""
+        b = ids.shape[0]
+        step = 1 if self.groups.layout.pp > 1 else b
+        outs = []
+        for start in range(0, b, step):
+            rows = slice(start, start + step)
+            for cache in self.caches:
+                cache.rows = rows
+            outs.append(self._stage(ids[rows], positions))
+        return torch.cat(outs, dim=1) if self.last else None
+
     def _stage(self, ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """This PP stage on ``ids`` ``[b, s]`` at global ``positions`` ``[s]``; last stage returns hidden ``[s, b, h]``."""
+        """This PP stage on ``ids`` ``[b, s]`` at global ``positions`` ``[s]``; the last stage returns
+        the final hidden state of the last position ``[1, b, h]``."""
         b, s = ids.shape
         model = self.module
         if self.first:
@@ -217,7 +242,7 @@ class MegatronRunner:
         if not self.last:
             dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
-        return model.decoder.final_layernorm(hidden)
+        return model.decoder.final_layernorm(hidden[-1:])
 
     def _greedy(self, hidden: Optional[torch.Tensor], src_cp_rank: Optional[int], b: int) -> torch.Tensor:
         """Greedy ids ``[b]`` on all ranks from the last stage's ``hidden`` ``[1, b, h]``.
@@ -261,10 +286,10 @@ class MegatronRunner:
         self.reset()
         ids = shard_sequence(prompt_ids.to(self.device), self.cp_rank, self.cp_size)
         positions = local_positions(length, self.cp_rank, self.cp_size, device=self.device)
-        hidden = self._stage(ids, positions)
+        hidden = self._pipelined(ids, positions)
         self._pos = length
         # Zigzag puts the last global token (chunk 2P-1) last on CP rank 0.
-        return self._greedy(None if hidden is None else hidden[-1:], 0, b)
+        return self._greedy(hidden, 0, b)
 
     @torch.no_grad()
     def decode(self, ids: torch.Tensor) -> torch.Tensor:
@@ -274,7 +299,9 @@ class MegatronRunner:
         for cache in self.caches:
             cache.decoding, cache.owner = True, owner
         positions = torch.tensor([self._pos], device=self.device)
-        hidden = self._stage(ids.to(self.device)[:, None], positions)
+        hidden = self._pipelined(ids.to(self.device)[:, None], positions)
+        for cache in self.caches:
+            cache.length += int(owner)
         self._pos += 1
         self._step += 1
         # Every CP rank computed the same token, so the ids agree without a CP broadcast.
