@@ -1,1 +1,17 @@
-"""Pure-torch attention core: sharding, block attention, log-sum-exp merge, the ring, decode."""
+"""The attention core, pure torch: sharding, block kernels, log-sum-exp merge, the ring, decode.
+
+Files:
+
+* ``sharding.py``           zigzag / contiguous shards of a sequence and their global positions;
+* ``schedule.py``           which queries meet which keys at each ring step (pure);
+* ``block.py``              one block's attention and its backward (math, torch's fused kernels, flash-attn);
+* ``flash_attn_backend.py`` the flash-attn package's kernels behind ``backend="flash_attn"``;
+* ``merge.py``              the fp32 log-sum-exp merge of partial results;
+* ``ring.py``               ``ring_attention``: the p2p ring and its autograd function;
+* ``allgather.py``          the all-gather variant on the same schedule;
+* ``auto_comm.py``          ``comm="auto"``: p2p or all_gather from a cost model;
+* ``decode.py``             ``decode_attention`` against a KV cache sharded over the CP group;
+* ``checks.py``             validation at the boundary;
+* ``instrument.py``         ``ring_stats``: bytes sent, compute and exposed communication time;
+* ``reference.py``          float64 references for tests, benchmarks and the demo.
+"""

@@ -1,4 +1,12 @@
-"""Validated configuration schemas (pydantic) shared by the CLI, launchers and integrations."""
+"""Validated configuration schemas (pydantic) shared by every entry point.
+
+Files:
+
+* ``strict.py``  the strict base model (unknown keys rejected with a did-you-mean), file loading;
+* ``layout.py``  :class:`LayoutConfig`, the one layout schema;
+* ``gpt.py``     the GPT model files of ``configs/megatron``;
+* ``shipped.py`` finding a config: relative to the working directory, else the shipped one.
+"""
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping, load_model
 
 __all__ = ["ConfigError", "StrictModel", "load_mapping", "load_model"]

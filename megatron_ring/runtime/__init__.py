@@ -1,1 +1,8 @@
-"""Process-level helpers shared by inference and training: lost-rank monitor, reporting."""
+"""Process-level helpers shared by inference, training and the benchmarks.
+
+Files:
+
+* ``faults.py``    :class:`PeerMonitor`: a lost or stalled rank ends the job, naming the rank;
+* ``reporting.py`` peak memory, atomic JSON result files, progress bars;
+* ``pool.py``      :class:`GlooPool`: a function run on N CPU ranks over loopback.
+"""
