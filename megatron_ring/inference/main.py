@@ -94,6 +94,7 @@ def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: to
         "layout_text": layout.describe(),
         "world_size": layout.world_size,
         "device": device.type, "backend": backend, "dtype": str(dtype).replace("torch.", ""),
+        "threads_per_rank": torch.get_num_threads(),
         "model": spec.model_summary,
         "workload": spec.ring.workload.model_dump(),
         "metrics": median_metrics(requests),
