@@ -202,7 +202,8 @@ def derive_config(config: Path, point: SweepPoint, out_dir: Path) -> Path:
     return write_json_atomic(out_dir / f"{config.stem}_{point.tag}.json", {**deepspeed, SECTION: ours})
 
 
-def derive_all(configs: dict[str, Path], points: Sequence[SweepPoint], out_dir: Path) -> dict[tuple[str, SweepPoint], Path]:
+def derive_all(configs: dict[str, Path], points: Sequence[SweepPoint],
+               out_dir: Path) -> dict[tuple[str, SweepPoint], Path]:
     """The derived config of every side and point, each validated; one ConfigError naming every bad point."""
     derived, errors = {}, []
     for point in points:
@@ -260,9 +261,11 @@ def side_stats(runs: list[tuple[str, dict[str, Any]]]) -> SideStats:
 
 def relative_errors(predicted: dict[str, TimingFields], stats: dict[str, SideStats]) -> dict[str, TimingFields]:
     """(predicted - measured median) / measured median, per side and quantity."""
-    return {side: TimingFields(**{f: (getattr(pred, f) - getattr(stats[side], f).median) / getattr(stats[side], f).median
-                                  for f in TimingFields.model_fields})
-            for side, pred in predicted.items()}
+    def error(side: str, field: str) -> float:
+        measured_median = getattr(stats[side], field).median
+        return (getattr(predicted[side], field) - measured_median) / measured_median
+
+    return {side: TimingFields(**{f: error(side, f) for f in TimingFields.model_fields}) for side in predicted}
 
 
 def predictions(predict: Predict, configs: dict[str, Path], points: Sequence[SweepPoint]

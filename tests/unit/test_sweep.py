@@ -25,7 +25,8 @@ def test_crossings_interpolate_linearly_in_log2_length() -> None:
     assert crossings([32, 128], [0.5, 1.5]) == [64.0]  # halfway in log2: 2^((5 + 7) / 2)
     (x,) = crossings([32, 128], [0.5, 2.0])
     assert math.isclose(x, 2 ** (5 + 2 * (1 / 3)))
-    assert crossings([16, 32, 64], [2.0, 0.5, 2.0]) == [pytest.approx(2 ** (4 + 2 / 3)), pytest.approx(2 ** (5 + 1 / 3))]
+    assert crossings([16, 32, 64], [2.0, 0.5, 2.0]) == [pytest.approx(2 ** (4 + 2 / 3)),
+                                                         pytest.approx(2 ** (5 + 1 / 3))]
     assert crossings([16, 32, 64], [0.5, 1.0, 2.0]) == [32.0]  # a point exactly at parity, counted once
     assert crossings([16, 32], [0.5, 0.9]) == [] and crossings([16], [2.0]) == []
 
