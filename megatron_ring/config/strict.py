@@ -38,6 +38,8 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     """Field names (and aliases) of the (nested) model that holds the location ``loc``."""
     current: Any = model
     for part in loc[:-1]:
+        if isinstance(part, int):  # an index into a list of models: the models' fields follow
+            continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)):
             return []
         field = current.model_fields.get(str(part))

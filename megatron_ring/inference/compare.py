@@ -88,11 +88,14 @@ def launch_command(config: Path, output: Path, *, nprocs: int, launcher: str) ->
             "--master_port", str(_free_port()), "-m", "megatron_ring.inference.main", *args]
 
 
-def run_config(config: Path, out_dir: Path, *, launcher: str) -> dict:
-    """Run one config to completion; return its result (RuntimeError with the log's tail on failure)."""
+def run_config(config: Path, out_dir: Path, *, launcher: str, name: str | None = None) -> dict:
+    """Run one config to completion; return its result (RuntimeError with the log's tail on failure).
+
+    The result and the log are ``out_dir/<name>.json`` and ``.log``, ``name`` the config's stem by default.
+    """
     nprocs = world_size_of(config)
-    output = out_dir / f"{config.stem}.json"
-    log = out_dir / f"{config.stem}.log"
+    output = out_dir / f"{name or config.stem}.json"
+    log = out_dir / f"{name or config.stem}.log"
     output.unlink(missing_ok=True)
     env = dict(os.environ)
     if "DS_ACCELERATOR" not in env:

@@ -95,6 +95,7 @@ def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: to
         "world_size": layout.world_size,
         "device": device.type, "backend": backend, "dtype": str(dtype).replace("torch.", ""),
         "attention_kernel": attention_kernel,
+        "threads_per_rank": torch.get_num_threads(),
         "model": spec.model_summary,
         "workload": spec.ring.workload.model_dump(),
         "metrics": median_metrics(requests),

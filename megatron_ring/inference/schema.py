@@ -110,24 +110,26 @@ def runner_module(name: str) -> Any:
         ) from err
 
 
-def load_model_mapping(section: ModelSection, base: Path | None) -> dict[str, Any]:
-    """The model description: the inline mapping, or the file it names.
+def find_model_file(given: str, base: Path | None) -> Path:
+    """The model file named by ``model.config``: absolute, else relative to ``base`` (the directory of
+    the config file, so configs work from any working directory), then to the working directory."""
+    path = Path(given)
+    if path.is_absolute():
+        tried = [path]
+    else:
+        tried = ([base / path] if base is not None else []) + [Path.cwd() / path]
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"megatron_ring.model.config = {given!r}: file not found; tried "
+                      f"{', '.join(str(p) for p in tried)}")
 
-    A relative path is resolved against ``base`` (the directory of the config file, so configs
-    work from any working directory), then against the working directory.
-    """
+
+def load_model_mapping(section: ModelSection, base: Path | None) -> dict[str, Any]:
+    """The model description: the inline mapping, or the file it names (:func:`find_model_file`)."""
     if isinstance(section.config, dict):
         return dict(section.config)
-    given = Path(section.config)
-    if given.is_absolute():
-        tried = [given]
-    else:
-        tried = ([base / given] if base is not None else []) + [Path.cwd() / given]
-    for path in tried:
-        if path.is_file():
-            return load_mapping(path)
-    raise ConfigError(f"megatron_ring.model.config = {section.config!r}: file not found; tried "
-                      f"{', '.join(str(p) for p in tried)}")
+    return load_mapping(find_model_file(section.config, base))
 
 
 def validate(ring_data: Any, deepspeed: dict[str, Any], *, world_size: int, path: Path | None = None) -> InferenceSpec:
