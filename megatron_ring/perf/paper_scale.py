@@ -10,6 +10,7 @@ TPS (overall) and TPOT and the term that dominates TTFT and TPOT. ``--out PREFIX
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{first['micro_batch']}; {args.baseline} vs {args.ring}")
     print_table(title, COLUMNS, rows(entries))
     if args.out:
-        write_json_atomic(Path(f"{args.out}.json"), {"argv": argv or [], "entries": entries})
+        write_json_atomic(Path(f"{args.out}.json"), {"argv": sys.argv[1:] if argv is None else argv,
+                                                     "entries": entries})
         Path(f"{args.out}.md").write_text(f"{title}\n\n{markdown_table(COLUMNS, rows(entries))}\n")
         print(f"wrote {args.out}.md and {args.out}.json")
     return 0
