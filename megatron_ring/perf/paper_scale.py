@@ -63,8 +63,8 @@ def rows(entries: list[dict[str, Any]]) -> list[list[str]]:
             out.append([e["profile"], e["batch"], s["layout"],
                         f"{'yes' if s['fits'] else 'NO'} ({fmt_bytes(s['memory_per_rank_bytes'])})",
                         fmt_time(s["ttft_s"]), fmt_time(s["tpot_s"]), fmt_rate(s["tps"]),
-                        f"{s['dominant']['ttft']} ({share['ttft']:.0%})", f"{s['dominant']['tpot']} ({share['tpot']:.0%})",
-                        f"{e['tps_ratio']:.2f}" if side == "ring" else "", f"{e['tpot_ratio']:.2f}" if side == "ring" else ""])
+                        *(f"{s['dominant'][m]} ({share[m]:.0%})" for m in ("ttft", "tpot")),
+                        *((f"{e['tps_ratio']:.2f}", f"{e['tpot_ratio']:.2f}") if side == "ring" else ("", ""))])
     return out
 
 
