@@ -1,4 +1,4 @@
-"""``megatron-ring``: inspect layouts, run the ring demo, plan, benchmark and compare setups.
+"""``megatron-ring``: inspect layouts, run the ring demo, plan, calibrate, benchmark and compare setups.
 
 Subcommands that need optional frameworks import them only when called.
 """
@@ -17,6 +17,8 @@ from megatron_ring.parallel.layout import AXES, ParallelLayout
 # name -> (module, function, help): each takes its own argv and returns an exit code
 DELEGATED: dict[str, tuple[str, str, str]] = {
     "plan": ("megatron_ring.perf.plan_cli", "plan_main", "analytical model of a config on a hardware profile"),
+    "calibrate": ("megatron_ring.perf.calibrate", "calibrate_main",
+                  "measure this machine (CPU ranks, gloo) and write a hardware profile for the planner"),
     "compare": ("megatron_ring.inference.compare", "compare_main",
                 "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
     "sweep": ("megatron_ring.inference.sweep", "sweep_main",

@@ -22,9 +22,39 @@ is, and the CP partial results are merged by one small collective per layer. LM 
 RoPE and embeddings are left out of the time (they are < 1 % here) but the embeddings count in
 memory. Activation memory assumes a flash-style kernel (no ``L x L`` scores) and one layer live
 at a time, as in inference.
-"""
-from __future__ import annotations
 
+Note [Model terms that follow the Megatron runner]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Checked against what ``inference/runners/gpt.py`` does (``predict.py`` evaluates its configs):
+
+* Every term is one summand of TTFT or TPOT (``Prediction.terms_ms``), so the dominant one can
+  be named. TTFT = ``(micro_batches + pp - 1)`` x (stage time + PP send) + one "step" per
+  micro-batch; TPOT = ``pp`` x (stage time) + ``(pp - 1)`` sends + one step.
+* Fixed host costs: ``layer_overhead_s`` per layer per pass and ``step_overhead_s`` per pass
+  (embedding, final norm, LM head, sampling), both measured by ``megatron-ring calibrate`` from a
+  real Megatron layer; they dominate the tiny CPU models (a d=64 layer does ~0.1 MFLOP per token
+  but costs about a millisecond of Python). 0 in the bundled GPU profiles, which were not
+  calibrated this way.
+* "step" also holds the LM head (last token of each sequence only, as the runner computes it) and
+  "step_comm" the per-pass collectives: the TP all-reduce of the vocab-parallel embedding, the
+  TP all-gather of the logits, the broadcast of the new ids along PP (and along CP after prefill).
+* The PP send carries the whole hidden state ``[s, b, h]`` from each TP rank (no scatter-gather
+  over TP), so it is no longer divided by ``tp`` (it was).
+* Decode's CP merge is one all-gather of ``(o, lse)``, ``[b, heads, 1, head_dim + 1]`` fp32 per
+  rank: ``latency + (cp - 1) x bytes / bandwidth`` (it was one rank's bytes, not ``cp - 1``).
+* Collectives use the profile's measured all-reduce / all-gather bandwidth and latency when it
+  has them (``HardwareProfile.collective_s``), the link otherwise.
+* Local attention (``cp = 1``) is not a ring step: it no longer pays ``p2p_latency_s``.
+* CPU profiles: ranks share the cores and the memory bandwidth. Ranks that compute at once are
+  ``world / pp`` (the runner's stages take turns; all ranks when several prefill micro-batches
+  pipeline); FLOP/s, bandwidth and host overheads are scaled by that share
+  (``HardwareProfile.flops(ranks=)``, ``hbm(ranks=)``, ``host_slowdown(ranks=)``). Before, each
+  rank was given the whole machine. GPU profiles are unaffected.
+
+Not modelled: collective latency growing with the group size (the profile's latency is a
+2-rank measurement when calibrated), gloo's CPU time competing with compute, and the KV-cache
+append.
+"""
 from __future__ import annotations
 
 import math
@@ -170,11 +200,6 @@ def layer_costs(model: ModelDims, batch: int, seq: int, element_size: int, causa
     }
 
 
-def _allreduce_s(nbytes: float, ranks: int, link: float, latency: float) -> float:
-    """Ring all-reduce of ``nbytes`` over ``ranks`` ranks (0 for one rank)."""
-    return 0.0 if ranks == 1 else latency + 2.0 * (ranks - 1) / ranks * nbytes / link
-
-
 @dataclass
 class RingStep:
     """One step of the CP ring, per rank, for one prefill micro-batch and one layer."""
@@ -223,7 +248,14 @@ class Prediction:
     breakdown_ms: dict[str, float]
     max_batch: int
     max_prompt_len: int
+    terms_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    """``{"ttft": {term: ms}, "tpot": {term: ms}}``: the summands of TTFT and TPOT."""
     findings: list[str] = field(default_factory=list)
+
+    def dominant(self, metric: str) -> str:
+        """The largest term of ``metric`` ("ttft" or "tpot")."""
+        terms = self.terms_ms[metric]
+        return max(terms, key=terms.__getitem__)
 
 
 class Planner:
@@ -244,11 +276,18 @@ class Planner:
     def _kv_heads_rank(self, p: PlanInput) -> int:
         return max(1, p.model.num_kv_heads // p.layout.tp)
 
+    @staticmethod
+    def active_ranks(p: PlanInput, phase: str) -> int:
+        """Ranks computing at the same time in ``phase`` ("prefill" or "decode"); see the Note on CPU profiles."""
+        lay = p.layout
+        pipelined = phase == "prefill" and p.workload.batch // p.workload.micro_batch > 1
+        return lay.world_size if pipelined else lay.world_size // lay.pp
+
     def ring_step(self, p: PlanInput) -> RingStep:
         """The CP ring's per-step compute and communication for one micro-batch, one layer."""
         lay, m, w = p.layout, p.model, p.workload
         cross = self._cross_node(lay.tp * lay.cp)
-        costs = self.hw.comm_costs(p.dtype, cross_node=cross)
+        costs = self.hw.comm_costs(p.dtype, cross_node=cross, ranks=self.active_ranks(p, "prefill"))
         heads_q, heads_kv = m.num_heads // lay.tp, self._kv_heads_rank(p)
         c = w.prompt_len // lay.cp
         args = dict(seq_local=c, cp_size=lay.cp, batch=w.micro_batch, heads_q=heads_q, heads_kv=heads_kv,
@@ -259,7 +298,7 @@ class Planner:
         step_comm = 2.0 * w.micro_batch * c * heads_kv * m.head_dim * p.element_size / costs.p2p_bytes_per_s
         c_star = crossover_tokens(costs, heads_q=heads_q, heads_kv=heads_kv, causal=p.causal,
                                   element_size=p.element_size)
-        exposed = times[comm] - lay.cp * step_compute
+        exposed = times[comm] - lay.cp * step_compute if lay.cp > 1 else 0.0
         return RingStep(c, step_compute, step_comm if lay.cp > 1 else 0.0, c_star, self._link_name(cross), comm,
                         exposed)
 
@@ -282,9 +321,22 @@ class Planner:
         usable = self.hw.usable_memory(ranks=lay.world_size)
         return Memory(weights, kv, acts, total, usable, total <= usable)
 
-    def _op_time(self, flops: float, nbytes: float, dtype: str, kind: str) -> float:
-        hbm = self.hw.hbm_bytes_per_s * self.hw.hbm_efficiency
-        return max(flops / self.hw.flops(dtype, kind=kind), nbytes / hbm)
+    def _op_time(self, flops: float, nbytes: float, dtype: str, kind: str, ranks: int) -> float:
+        return max(flops / self.hw.flops(dtype, kind=kind, ranks=ranks), nbytes / self.hw.hbm(ranks=ranks))
+
+    def _step_terms(self, p: PlanInput, seqs: int, tokens: int, ranks: int, *, prefill: bool) -> tuple[float, float]:
+        """(host + LM head, collectives) of one forward pass outside the layers: ``seqs`` sequences of
+        ``tokens`` tokens per rank; the LM head runs on the last token of each sequence."""
+        lay, m, s, hw = p.layout, p.model, p.element_size, self.hw
+        vocab = m.vocab_size // lay.tp
+        head = self._op_time(2.0 * seqs * m.hidden_size * vocab, vocab * m.hidden_size * s, p.dtype, "matmul", ranks)
+        tp_cross = self._cross_node(lay.tp)
+        comm = hw.collective_s("all_reduce", seqs * tokens * m.hidden_size * s, lay.tp, cross_node=tp_cross)
+        comm += hw.collective_s("all_gather", seqs * vocab * 4, lay.tp, cross_node=tp_cross)
+        for size, needed in ((lay.pp, True), (lay.cp, prefill)):
+            if size > 1 and needed:  # a broadcast of the new ids: latency only
+                comm += hw.collective_latency_s
+        return head + hw.step_overhead_s * hw.host_slowdown(ranks=ranks), comm
 
     # -- the whole job -------------------------------------------------------------------------
     def predict(self, p: PlanInput) -> Prediction:
@@ -294,34 +346,51 @@ class Planner:
         layers = m.num_layers // lay.pp
         mb, c = w.micro_batch, w.prompt_len // lay.cp
         split = lay.tp * lay.cp
+        ranks = self.active_ranks(p, "prefill")
         costs = layer_costs(m, mb, w.prompt_len, s, p.causal)
-        t_lin = sum(self._op_time(costs[op]["flops"] / split, costs[op]["bytes"] / split, p.dtype, "matmul")
+        t_lin = sum(self._op_time(costs[op]["flops"] / split, costs[op]["bytes"] / split, p.dtype, "matmul", ranks)
                     for op in ("qkv_proj", "out_proj", "mlp"))
         ring = self.ring_step(p)
         t_attn = lay.cp * ring.compute_s + ring.exposed_s
-        tp_link = hw.link_bytes_per_s(cross_node=self._cross_node(lay.tp))
-        t_tp = 2 * _allreduce_s(mb * c * m.hidden_size * s, lay.tp, tp_link, hw.collective_latency_s)
+        tp_cross = self._cross_node(lay.tp)
+        t_tp = 2 * hw.collective_s("all_reduce", mb * c * m.hidden_size * s, lay.tp, cross_node=tp_cross)
+        t_ovh = hw.layer_overhead_s * hw.host_slowdown(ranks=ranks)
         pp_cross = self._cross_node(lay.tp * lay.cp * lay.dp)
         pp_link = hw.link_bytes_per_s(cross_node=pp_cross)
-        t_send = 0.0 if lay.pp == 1 else hw.p2p_latency_s + mb * c * m.hidden_size * s / lay.tp / pp_link
-        t_stage = layers * (t_lin + t_attn + t_tp)
+        t_send = 0.0 if lay.pp == 1 else hw.p2p_latency_s + mb * c * m.hidden_size * s / pp_link
         micro_batches = w.batch // mb
-        prefill = (micro_batches + lay.pp - 1) * (t_stage + t_send)
+        fill = micro_batches + lay.pp - 1
+        t_step, t_step_comm = self._step_terms(p, mb, c, ranks, prefill=True)
+        ttft_terms = {
+            "linear": fill * layers * t_lin, "attention": fill * layers * lay.cp * ring.compute_s,
+            "ring_comm": fill * layers * ring.exposed_s, "tp_comm": fill * layers * t_tp, "pp_send": fill * t_send,
+            "layer_overhead": fill * layers * t_ovh, "step": micro_batches * t_step,
+            "step_comm": micro_batches * t_step_comm,
+        }
+        prefill = sum(ttft_terms.values())
 
         # decode: one token per sequence, all `batch` sequences of the replica together
+        ranks = self.active_ranks(p, "decode")
         ctx = w.prompt_len + w.new_tokens / 2
         lin_flops = 2.0 * w.batch * m.params_per_layer() / lay.tp
         lin_bytes = m.params_per_layer() * s / lay.tp
-        t_dlin = self._op_time(lin_flops, lin_bytes, p.dtype, "matmul")
+        t_dlin = self._op_time(lin_flops, lin_bytes, p.dtype, "matmul", ranks)
         hq, hkv = m.num_heads // lay.tp, self._kv_heads_rank(p)
         att_flops = 4.0 * w.batch * ctx / lay.cp * hq * m.head_dim
         att_bytes = 2.0 * w.batch * ctx / lay.cp * hkv * m.head_dim * s
-        t_datt = self._op_time(att_flops, att_bytes, p.dtype, "attention")
-        cp_link = hw.link_bytes_per_s(cross_node=self._cross_node(lay.tp * lay.cp))
-        t_merge = 0.0 if lay.cp == 1 else hw.collective_latency_s + w.batch * hq * (m.head_dim + 1) * 4 / cp_link
-        t_dtp = 2 * _allreduce_s(w.batch * m.hidden_size * s, lay.tp, tp_link, hw.collective_latency_s)
+        t_datt = self._op_time(att_flops, att_bytes, p.dtype, "attention", ranks)
+        t_merge = hw.collective_s("all_gather", w.batch * hq * (m.head_dim + 1) * 4, lay.cp,
+                                  cross_node=self._cross_node(lay.tp * lay.cp))
+        t_dtp = 2 * hw.collective_s("all_reduce", w.batch * m.hidden_size * s, lay.tp, cross_node=tp_cross)
+        t_dovh = hw.layer_overhead_s * hw.host_slowdown(ranks=ranks)
         t_dsend = 0.0 if lay.pp == 1 else hw.p2p_latency_s + w.batch * m.hidden_size * s / pp_link
-        tpot = lay.pp * layers * (t_dlin + t_datt + t_merge + t_dtp) + (lay.pp - 1) * t_dsend
+        t_dstep, t_dstep_comm = self._step_terms(p, w.batch, 1, ranks, prefill=False)
+        tpot_terms = {
+            "linear": m.num_layers * t_dlin, "attention": m.num_layers * t_datt, "cp_merge": m.num_layers * t_merge,
+            "tp_comm": m.num_layers * t_dtp, "pp_send": (lay.pp - 1) * t_dsend,
+            "layer_overhead": m.num_layers * t_dovh, "step": t_dstep, "step_comm": t_dstep_comm,
+        }
+        tpot = sum(tpot_terms.values())
 
         replicas = lay.dp
         prompt_tokens = replicas * w.batch * w.prompt_len
@@ -342,7 +411,10 @@ class Planner:
                 "prefill_tp_comm_per_layer": 1e3 * t_tp, "prefill_pp_send": 1e3 * t_send,
                 "decode_linear_per_layer": 1e3 * t_dlin, "decode_attention_per_layer": 1e3 * t_datt,
                 "decode_comm_per_layer": 1e3 * (t_merge + t_dtp),
+                "layer_overhead_prefill": 1e3 * t_ovh, "layer_overhead_decode": 1e3 * t_dovh,
             },
+            terms_ms={"ttft": {k: 1e3 * v for k, v in ttft_terms.items()},
+                      "tpot": {k: 1e3 * v for k, v in tpot_terms.items()}},
             max_batch=self.max_fit(p, "batch"), max_prompt_len=self.max_fit(p, "prompt_len"),
         )
         pred.findings = self._findings(p, pred)
@@ -386,6 +458,9 @@ class Planner:
                 "communication-bound"
             out.append(f"ring step: L/P = {r.tokens_per_rank} vs c* = {r.crossover_tokens:.0f} on the {r.link} link "
                        f"({bound}; compute {fmt_time(r.compute_s)}, K/V transfer {fmt_time(r.comm_s)} per step)")
+        for metric, total in (("ttft", pred.ttft_s), ("tpot", pred.tpot_s)):
+            term = pred.dominant(metric)
+            out.append(f"{metric.upper()} is dominated by {term} ({pred.terms_ms[metric][term] / (1e3 * total):.0%})")
         return out
 
 

@@ -6,6 +6,9 @@ to ``megatron-ring plan --hardware my.json``. Unknown keys are rejected with a d
 
 Peak numbers are the vendor's; the ``*_efficiency`` factors turn them into achieved numbers and are
 the knobs to calibrate against measurements (``megatron-ring bench attention`` prints them for CPU).
+``megatron-ring calibrate`` (:mod:`megatron_ring.perf.calibrate`) measures all of them on the
+machine it runs on and writes a profile; its optional fields (collective bandwidths, fixed host
+overheads) default to values that leave older profiles' predictions unchanged.
 """
 from __future__ import annotations
 
@@ -40,7 +43,21 @@ class HardwareProfile(StrictModel):
     p2p_latency_s: float = Field(ge=0, description="fixed cost of one ring step (send/recv + launch + merge)")
     collective_latency_s: float = Field(ge=0, description="fixed cost of one small collective")
     cpu_cores: int | None = Field(default=None, ge=1, description="CPU profiles: cores shared by all ranks; "
-                                                                  "peak_flops is then per core")
+                                                                  "peak_flops is then per core and "
+                                                                  "hbm_bytes_per_s the whole machine's")
+    allreduce_bytes_per_s: float | None = Field(
+        default=None, gt=0, description="all-reduce bus bandwidth inside a node: t = latency + 2 (n-1)/n x bytes "
+                                        "/ this; None: the intra-node link")
+    allgather_bytes_per_s: float | None = Field(
+        default=None, gt=0, description="all-gather bandwidth inside a node: t = latency + (n-1) x bytes per rank "
+                                        "/ this; None: the intra-node link")
+    allgather_latency_s: float | None = Field(default=None, ge=0, description="fixed cost of one small all-gather; "
+                                                                              "None: collective_latency_s")
+    layer_overhead_s: float = Field(default=0.0, ge=0, description="host time of one transformer layer's forward "
+                                                                   "that does not grow with its size (Python, "
+                                                                   "dispatch, launches), per pass")
+    step_overhead_s: float = Field(default=0.0, ge=0, description="the same for the rest of one forward pass "
+                                                                  "(embedding, final norm, LM head, sampling)")
 
     @field_validator("peak_flops")
     @classmethod
@@ -78,6 +95,30 @@ class HardwareProfile(StrictModel):
         share = 1.0 if self.cpu_cores is None else self.cpu_cores / max(1, ranks)
         return self.peak_flops[dtype] * eff * share
 
+    def hbm(self, *, ranks: int = 1) -> float:
+        """Achieved memory bandwidth of one rank when ``ranks`` ranks run at once (CPU ranks share the machine's)."""
+        share = 1.0 if self.cpu_cores is None else 1.0 / max(1, ranks)
+        return self.hbm_bytes_per_s * self.hbm_efficiency * share
+
+    def host_slowdown(self, *, ranks: int = 1) -> float:
+        """How much slower host-bound work of one rank runs when ``ranks`` ranks share the CPU cores (1 on GPUs)."""
+        return 1.0 if self.cpu_cores is None else max(1.0, ranks / self.cpu_cores)
+
+    def collective_s(self, kind: str, nbytes: float, ranks: int, *, cross_node: bool) -> float:
+        """Time of one ``kind`` ("all_reduce" of an ``nbytes`` buffer, or "all_gather" of ``nbytes`` per
+        rank) over ``ranks`` ranks; 0 for one rank."""
+        if ranks == 1:
+            return 0.0
+        link = self.link_bytes_per_s(cross_node=cross_node)
+        if kind == "all_reduce":
+            bw = link if cross_node or self.allreduce_bytes_per_s is None else self.allreduce_bytes_per_s
+            return self.collective_latency_s + 2.0 * (ranks - 1) / ranks * nbytes / bw
+        if kind == "all_gather":
+            bw = link if cross_node or self.allgather_bytes_per_s is None else self.allgather_bytes_per_s
+            latency = self.collective_latency_s if self.allgather_latency_s is None else self.allgather_latency_s
+            return latency + (ranks - 1) * nbytes / bw
+        raise ValueError(f"kind must be 'all_reduce' or 'all_gather', got {kind!r}")
+
     def link_bytes_per_s(self, *, cross_node: bool) -> float:
         """Achieved bytes/s per direction of one device's link inside a node or between nodes."""
         peak = self.inter_node_bytes_per_s if cross_node else self.intra_node_bytes_per_s
@@ -91,9 +132,11 @@ class HardwareProfile(StrictModel):
     def comm_costs(self, dtype: str = "bf16", *, cross_node: bool = False, ranks: int = 1) -> CommCosts:
         """The :class:`CommCosts` of this profile, for ``comm="auto"`` and the planner's ring model."""
         link = self.link_bytes_per_s(cross_node=cross_node)
+        gather = link if cross_node or self.allgather_bytes_per_s is None else self.allgather_bytes_per_s
+        latency = self.collective_latency_s if self.allgather_latency_s is None else self.allgather_latency_s
         return CommCosts(flops_per_s=self.flops(dtype, kind="attention", ranks=ranks), p2p_bytes_per_s=link,
-                         allgather_bytes_per_s=link, step_latency_s=self.p2p_latency_s,
-                         collective_latency_s=self.collective_latency_s)
+                         allgather_bytes_per_s=gather, step_latency_s=self.p2p_latency_s,
+                         collective_latency_s=latency)
 
 
 def profile_names() -> list[str]:
