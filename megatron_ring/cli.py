@@ -21,7 +21,7 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
                   "measure this machine (CPU ranks, gloo) and write a hardware profile for the planner"),
     "compare": ("megatron_ring.inference.compare", "compare_main",
                 "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
-    "sweep": ("megatron_ring.inference.sweep", "sweep_main",
+    "sweep": ("megatron_ring.perf.sweep", "sweep_main",
               "baseline vs ring of a pair over prompt lengths (and batches), repeated: sweep.json and plots"),
     "infer": ("megatron_ring.inference.main", "infer_main",
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),

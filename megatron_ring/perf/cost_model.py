@@ -29,7 +29,9 @@ Checked against what ``inference/runners/gpt.py`` does (``predict.py`` evaluates
 
 * Every term is one summand of TTFT or TPOT (``Prediction.terms_ms``), so the dominant one can
   be named. TTFT = ``(micro_batches + pp - 1)`` x (stage time + PP send) + one "step" per
-  micro-batch; TPOT = ``pp`` x (stage time) + ``(pp - 1)`` sends + one step.
+  micro-batch (with pp, the runner prefills one sequence per micro-batch); TPOT = ``(dm + pp - 1)``
+  x (stage time of ``b / dm`` sequences) + ``(dm + pp - 2)`` sends + one step, where a decode step
+  runs ``dm = min(pp, b)`` pipelined micro-batches (1 without pp).
 * Fixed host costs: ``layer_overhead_s`` per layer per pass and ``step_overhead_s`` per pass
   (embedding, final norm, LM head, sampling), both measured by ``megatron-ring calibrate`` from a
   real Megatron layer; they dominate the tiny CPU models (a d=64 layer does ~0.1 MFLOP per token
@@ -46,8 +48,8 @@ Checked against what ``inference/runners/gpt.py`` does (``predict.py`` evaluates
   has them (``HardwareProfile.collective_s``), the link otherwise.
 * Local attention (``cp = 1``) is not a ring step: it no longer pays ``p2p_latency_s``.
 * CPU profiles: ranks share the cores and the memory bandwidth. Ranks that compute at once are
-  ``world / pp`` (the runner's stages take turns; all ranks when several prefill micro-batches
-  pipeline); FLOP/s, bandwidth and host overheads are scaled by that share
+  ``world / pp`` when the stages take turns (one micro-batch), all ranks when several micro-batches
+  pipeline; FLOP/s, bandwidth and host overheads are scaled by that share
   (``HardwareProfile.flops(ranks=)``, ``hbm(ranks=)``, ``host_slowdown(ranks=)``). Before, each
   rank was given the whole machine. GPU profiles are unaffected.
 
@@ -277,11 +279,17 @@ class Planner:
         return max(1, p.model.num_kv_heads // p.layout.tp)
 
     @staticmethod
-    def active_ranks(p: PlanInput, phase: str) -> int:
+    def decode_micro_batches(p: PlanInput) -> int:
+        """Micro-batches of a decode step: ``pp`` with pipeline stages (the runner's Note [Pipelined
+        micro-batches]), at most one per sequence; 1 without."""
+        return min(p.layout.pp, p.workload.batch)
+
+    @classmethod
+    def active_ranks(cls, p: PlanInput, phase: str) -> int:
         """Ranks computing at the same time in ``phase`` ("prefill" or "decode"); see the Note on CPU profiles."""
         lay = p.layout
-        pipelined = phase == "prefill" and p.workload.batch // p.workload.micro_batch > 1
-        return lay.world_size if pipelined else lay.world_size // lay.pp
+        micro_batches = p.workload.batch // p.workload.micro_batch if phase == "prefill" else cls.decode_micro_batches(p)
+        return lay.world_size if micro_batches > 1 else lay.world_size // lay.pp
 
     def ring_step(self, p: PlanInput) -> RingStep:
         """The CP ring's per-step compute and communication for one micro-batch, one layer."""
@@ -369,26 +377,29 @@ class Planner:
         }
         prefill = sum(ttft_terms.values())
 
-        # decode: one token per sequence, all `batch` sequences of the replica together
+        # decode: one token per sequence; with pp, `dm` micro-batches of `db` sequences pipelined
         ranks = self.active_ranks(p, "decode")
+        dm = self.decode_micro_batches(p)
+        db = -(-w.batch // dm)
         ctx = w.prompt_len + w.new_tokens / 2
-        lin_flops = 2.0 * w.batch * m.params_per_layer() / lay.tp
+        lin_flops = 2.0 * db * m.params_per_layer() / lay.tp
         lin_bytes = m.params_per_layer() * s / lay.tp
         t_dlin = self._op_time(lin_flops, lin_bytes, p.dtype, "matmul", ranks)
         hq, hkv = m.num_heads // lay.tp, self._kv_heads_rank(p)
-        att_flops = 4.0 * w.batch * ctx / lay.cp * hq * m.head_dim
-        att_bytes = 2.0 * w.batch * ctx / lay.cp * hkv * m.head_dim * s
+        att_flops = 4.0 * db * ctx / lay.cp * hq * m.head_dim
+        att_bytes = 2.0 * db * ctx / lay.cp * hkv * m.head_dim * s
         t_datt = self._op_time(att_flops, att_bytes, p.dtype, "attention", ranks)
-        t_merge = hw.collective_s("all_gather", w.batch * hq * (m.head_dim + 1) * 4, lay.cp,
+        t_merge = hw.collective_s("all_gather", db * hq * (m.head_dim + 1) * 4, lay.cp,
                                   cross_node=self._cross_node(lay.tp * lay.cp))
-        t_dtp = 2 * hw.collective_s("all_reduce", w.batch * m.hidden_size * s, lay.tp, cross_node=tp_cross)
+        t_dtp = 2 * hw.collective_s("all_reduce", db * m.hidden_size * s, lay.tp, cross_node=tp_cross)
         t_dovh = hw.layer_overhead_s * hw.host_slowdown(ranks=ranks)
-        t_dsend = 0.0 if lay.pp == 1 else hw.p2p_latency_s + w.batch * m.hidden_size * s / pp_link
+        t_dsend = 0.0 if lay.pp == 1 else hw.p2p_latency_s + db * m.hidden_size * s / pp_link
         t_dstep, t_dstep_comm = self._step_terms(p, w.batch, 1, ranks, prefill=False)
+        dlayers = (dm + lay.pp - 1) * layers  # layer times on the critical path of a pipelined step
         tpot_terms = {
-            "linear": m.num_layers * t_dlin, "attention": m.num_layers * t_datt, "cp_merge": m.num_layers * t_merge,
-            "tp_comm": m.num_layers * t_dtp, "pp_send": (lay.pp - 1) * t_dsend,
-            "layer_overhead": m.num_layers * t_dovh, "step": t_dstep, "step_comm": t_dstep_comm,
+            "linear": dlayers * t_dlin, "attention": dlayers * t_datt, "cp_merge": dlayers * t_merge,
+            "tp_comm": dlayers * t_dtp, "pp_send": (dm + lay.pp - 2) * t_dsend,
+            "layer_overhead": dlayers * t_dovh, "step": t_dstep, "step_comm": t_dstep_comm,
         }
         tpot = sum(tpot_terms.values())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ring.inference.sweep import load_sweep, run_sweep, sweep_main
+from megatron_ring.perf.sweep import load_sweep, run_sweep, sweep_main
 from megatron_ring.runtime.reporting import write_json_atomic
 
 pytestmark = pytest.mark.integration

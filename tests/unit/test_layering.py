@@ -117,6 +117,16 @@ def test_integrations_never_import_each_other_nor_what_composes_them() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_inference_and_training_do_not_import_perf() -> None:
+    """``perf/`` measures whole runs (sweeps) and models them; what it measures never depends on it."""
+    bad = [f"{path.relative_to(ROOT)} imports {name}" for sub in ("inference", "training")
+           for path in (PACKAGE / sub).rglob("*.py") for name in imports_of(path)
+           if name.startswith(("megatron_ring.perf", "megatron_ring.cli"))]
+    bad += [f"{path.relative_to(ROOT)} imports {name}" for path in (PACKAGE / "inference").rglob("*.py")
+            for name in imports_of(path) if name.startswith("megatron_ring.training")]
+    assert not bad, "\n".join(bad)
+
+
 def test_frameworks_stay_out_of_the_package_import() -> None:
     """``import megatron_ring`` needs torch alone: the modules it loads import no optional framework."""
     graph = library_modules()

@@ -9,7 +9,7 @@ import pytest
 from megatron_ring.perf.calibrate import fit_line
 from megatron_ring.perf.hardware import HardwareProfile
 from megatron_ring.perf.paper_scale import paper_scale_plan
-from megatron_ring.perf.predict import make_predictor, predict_inference, prediction_errors
+from megatron_ring.perf.predict import make_predictor, predict_inference
 
 ROOT = Path(__file__).resolve().parents[2]
 DS = ROOT / "configs/deepspeed"
@@ -55,12 +55,16 @@ def test_ring_vs_baseline_direction() -> None:
                       for n in ("cpu_ring_cp4", "cpu_baseline_tp2_pp2"))
         return ring[key] / base[key]
 
-    # compute-bound: the ring computes on all 4 ranks at once, the baseline's 2 stages take turns
-    assert ratio(COMPUTE_BOUND, "ttft_s") == pytest.approx(0.5, rel=0.05)
-    assert ratio(COMPUTE_BOUND, "tps") > 1
-    assert ratio(COMPUTE_BOUND, "tpot_s") > 1  # but decode repeats the linear layers on every CP rank
-    # p2p latency-bound: 2 layers x 4 ring steps against the baseline's 2 stage sends
-    assert ratio(P2P_BOUND, "ttft_s") > 3
+    # compute-bound: the ring computes on all 4 ranks at once; the baseline pipelines its 4 sequences
+    # over 2 stages, (4 + 2 - 1) stage times of a quarter of the work: 1.25 against the ring's 1
+    assert ratio(COMPUTE_BOUND, "ttft_s") == pytest.approx(0.8, rel=0.05)
+    # but decode repeats the linear layers on every CP rank, and 15 decode steps after a 48-token
+    # prompt outweigh the prefill: overall TPS favours the (pipelined) baseline here
+    assert ratio(COMPUTE_BOUND, "tpot_s") > 1
+    assert ratio(COMPUTE_BOUND, "tps") < 1
+    # p2p latency-bound: 2 layers x 4 ring steps = 8 latencies against the baseline's 4 + 2 - 1 = 5
+    # pipelined stage sends
+    assert ratio(P2P_BOUND, "ttft_s") == pytest.approx(8 / 5, rel=0.05)
     assert predict_inference(DS / "cpu_ring_cp4.json", prompt_len=48, batch=4, new_tokens=16,
                              profile=P2P_BOUND)["dominant"]["ttft"] == "ring_comm"
 
@@ -86,18 +90,6 @@ def test_collectives_default_to_the_link() -> None:
     assert tuned.collective_s("all_gather", 1e6, 2, cross_node=True) == pytest.approx(1e-3 + 1e6 / (50e9 * 0.8))
     with pytest.raises(ValueError, match="kind must be"):
         hw.collective_s("broadcast", 1.0, 2, cross_node=False)
-
-
-def test_prediction_errors() -> None:
-    errs = prediction_errors({"ttft_s": 2.0, "tpot_s": 0.5}, {"ttft_s": 3.0, "tpot_s": 0.25, "tps": 10.0})
-    assert errs == pytest.approx({"ttft_rel_err": 0.5, "tpot_rel_err": -0.5})
-    metrics = {"ttft_ms": 2000.0, "tpot_mean_ms": 500.0, "overall_tps": 20.0}
-    assert prediction_errors(metrics, {"ttft_s": 1.0, "tpot_s": 0.5, "tps": 10.0}) == pytest.approx(
-        {"ttft_rel_err": -0.5, "tpot_rel_err": 0.0, "tps_rel_err": -0.5})
-    with pytest.raises(ValueError, match="tpot is missing"):
-        prediction_errors({"ttft_s": 1.0}, {"ttft_s": 1.0, "tpot_s": 1.0})
-    with pytest.raises(ValueError, match="must be > 0"):
-        prediction_errors({"ttft_s": 0.0, "tpot_s": 1.0}, {"ttft_s": 1.0, "tpot_s": 1.0})
 
 
 def test_fit_line() -> None:

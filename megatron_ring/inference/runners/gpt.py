@@ -27,11 +27,15 @@ group, so every rank returns the same ids.
 
 Note [Pipelined micro-batches]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-With pp > 1 a batch runs as one-sequence micro-batches, in prefill and in every decode step, as
-Megatron's inference pipelines them: stage ``i`` sends micro-batch ``m`` and goes on to ``m + 1``
-while stage ``i + 1`` works on ``m``, so the stages overlap instead of waiting for the whole batch
-(a blocking send returns once the next stage has posted its receive). At batch 1 there is nothing
-to overlap. Layouts without pp run the batch at once.
+With pp > 1 a batch runs as micro-batches, as Megatron's inference pipelines them: stage ``i``
+sends micro-batch ``m`` and goes on to ``m + 1`` while stage ``i + 1`` works on ``m``, so the
+stages overlap instead of waiting for the whole batch (a blocking send returns once the next stage
+has posted its receive). Prefill, compute-bound, takes one sequence per micro-batch: ``b`` of them
+cost ``b + pp - 1`` stage times of one sequence. A decode step is bound by per-layer costs that do
+not shrink with the micro-batch (reading the weights, launching each layer), so it takes the fewest
+micro-batches that fill the pipeline, ``pp`` of them: ``2 pp - 1`` stage times of ``b / pp``
+sequences instead of ``pp`` of ``b``. At batch 1 there is nothing to overlap. Layouts without pp run
+the batch at once.
 
 Weights are drawn per parameter from ``(seed, global parameter name)`` in the unsharded layout
 and then cut for this rank's TP shard and PP stage, so every layout serves the same global model.
@@ -213,11 +217,11 @@ class MegatronRunner:
 
     # -- pieces of GPTModel.forward, with explicit global positions -----------------------------
 
-    def _pipelined(self, ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
-        """:meth:`_stage` over the micro-batches of ``ids`` ``[b, s]`` (Note [Pipelined micro-batches]);
-        the last stage returns the final hidden state of the last position ``[1, b, h]``."""
+    def _pipelined(self, ids: torch.Tensor, positions: torch.Tensor, micro_batches: int) -> Optional[torch.Tensor]:
+        """:meth:`_stage` over ``micro_batches`` micro-batches of ``ids`` ``[b, s]`` (Note [Pipelined
+        micro-batches]); the last stage returns the final hidden state of the last position ``[1, b, h]``."""
         b = ids.shape[0]
-        step = 1 if self.groups.layout.pp > 1 else b
+        step = -(-b // micro_batches)
         outs = []
         for start in range(0, b, step):
             rows = slice(start, start + step)
@@ -286,7 +290,7 @@ class MegatronRunner:
         self.reset()
         ids = shard_sequence(prompt_ids.to(self.device), self.cp_rank, self.cp_size)
         positions = local_positions(length, self.cp_rank, self.cp_size, device=self.device)
-        hidden = self._pipelined(ids, positions)
+        hidden = self._pipelined(ids, positions, b if self.groups.layout.pp > 1 else 1)
         self._pos = length
         # Zigzag puts the last global token (chunk 2P-1) last on CP rank 0.
         return self._greedy(hidden, 0, b)
@@ -299,7 +303,7 @@ class MegatronRunner:
         for cache in self.caches:
             cache.decoding, cache.owner = True, owner
         positions = torch.tensor([self._pos], device=self.device)
-        hidden = self._pipelined(ids.to(self.device)[:, None], positions)
+        hidden = self._pipelined(ids.to(self.device)[:, None], positions, min(self.groups.layout.pp, ids.shape[0]))
         for cache in self.caches:
             cache.length += int(owner)
         self._pos += 1

@@ -39,11 +39,12 @@ from megatron_ring.inference import compare
 from megatron_ring.inference.main import load_spec
 from megatron_ring.inference.metrics import rank_max
 from megatron_ring.inference.schema import InferenceSpec, find_model_file
-from megatron_ring.inference.sweep_plots import plot_sweep
+from megatron_ring.perf.predict import make_predictor
+from megatron_ring.perf.sweep_plots import plot_sweep
 from megatron_ring.integrations.deepspeed.config import SECTION, split_config
 from megatron_ring.runtime.reporting import progress, write_json_atomic
 
-SWEEP_SCHEMA = "megatron_ring.inference.sweep/1"
+SWEEP_SCHEMA = "megatron_ring.perf.sweep/1"
 SIDES = ("baseline", "ring")
 MEASURED: dict[str, tuple[str, float]] = {
     "tps": ("overall_tps", 1.0),
@@ -139,7 +140,7 @@ class Provenance(StrictModel):
 class SweepResult(StrictModel):
     """The whole ``sweep.json``."""
 
-    schema_id: Literal["megatron_ring.inference.sweep/1"] = Field(SWEEP_SCHEMA, alias="schema")
+    schema_id: Literal["megatron_ring.perf.sweep/1"] = Field(SWEEP_SCHEMA, alias="schema")
     baseline: SideInfo
     ring: SideInfo
     launcher: str
@@ -394,6 +395,27 @@ def format_sweep_table(summary: SweepResult) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"medians over {summary.repeats} repeat(s); x = ring / baseline; TPS overall tok/s, TPOT p50, "
                  "memory = peak per rank (max over ranks)")
+    if any(p.relative_error for p in summary.points):
+        lines += ["", format_error_table(summary)]
+    return "\n".join(lines)
+
+
+def format_error_table(summary: SweepResult) -> str:
+    """One row per point and side: the planner's TTFT and TPOT beside the measured medians, and the error."""
+    rows = [["L", "batch", "side", "TTFT ms meas", "TTFT ms pred", "err", "TPOT ms meas", "TPOT ms pred", "err"]]
+    for p in summary.points:
+        if not (p.predicted and p.relative_error):
+            continue
+        for side in SIDES:
+            measured, predicted, error = getattr(p, side), p.predicted[side], p.relative_error[side]
+            rows.append([str(p.prompt_len), str(p.batch), side]
+                        + [cell for field in ("ttft_s", "tpot_s") for cell in (
+                            f"{getattr(measured, field).median * 1e3:,.2f}", f"{getattr(predicted, field) * 1e3:,.2f}",
+                            f"{getattr(error, field):+.0%}")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("planner vs measured: err = (predicted - measured median) / measured median")
     return "\n".join(lines)
 
 
@@ -418,12 +440,16 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=positive_int, default=None, help="override the configs' new_tokens")
     parser.add_argument("--out-dir", default="results/sweep", help="where configs, runs, sweep.json and plots go")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    parser.add_argument("--predict", metavar="PROFILE", default=None,
+                        help="also predict every point with the planner on this hardware profile (a bundled name "
+                             "or a JSON, e.g. one written by megatron-ring calibrate) and store the errors")
     args = parser.parse_args(argv)
     out_dir = Path(args.out_dir)
     try:
         baseline, ring = compare.resolve_pair(args.configs)
         summary = run_sweep(baseline, ring, lengths=args.lengths, batches=args.batches, repeats=args.repeats,
                             new_tokens=args.new_tokens, out_dir=out_dir, launcher=args.launcher,
+                            predict=make_predictor(args.predict) if args.predict else None,
                             command=shlex.join(["megatron-ring", "sweep", *argv]))
     except (ConfigError, RuntimeError) as err:
         print(f"[sweep] {err}", file=sys.stderr)
