@@ -14,7 +14,6 @@ rank 0 after every rank is done, atomically.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time
@@ -31,7 +30,7 @@ from megatron_ring.inference.metrics import RequestTiming, format_table, median_
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
 from megatron_ring.integrations import deepspeed as ds_glue
 from megatron_ring.parallel.groups import init_parallel
-from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
+from megatron_ring.runtime.faults import PeerMonitor
 from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
 
 RESULT_SCHEMA = "megatron_ring.inference.result/1"
@@ -149,11 +148,7 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
         monitor.done()
         dist.barrier()
     except Exception:
-        lost = monitor.lost(wait_s=3 * monitor.interval_s + 1)
-        if lost:
-            print(f"[megatron_ring] rank {monitor.rank}: lost {'; '.join(lost)}; stopping (exit "
-                  f"{EXIT_PEER_LOST}), no result is written", file=sys.stderr, flush=True)
-            os._exit(EXIT_PEER_LOST)
+        monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
         raise
     if rank == 0:
         result = build_result(spec, ranks, device=device, backend=backend, dtype=dtype, started=started,
