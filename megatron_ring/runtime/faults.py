@@ -23,11 +23,15 @@ worse: a stopped process ignores SIGTERM, so the launcher waits on it for ever. 
   an observer that was itself not scheduled (a loaded machine, a suspended VM) never blames its
   peers for its own gap;
 * a stalled peer on this host is ended with SIGKILL (to the pid it published), so that the
-  launcher, which waits for every child, returns. The verdict ``rank J (no heartbeat for Ns,
-  stalled; killed pid P)`` is written to the store *before* the kill: a survivor that then finds
-  the process gone repeats that verdict instead of reporting a second, different loss; rank 0
-  lingers ``2 * interval_s`` before exiting so that the store still answers meanwhile. A stalled
-  peer on another host cannot be killed from here: the survivors stop, its host's launcher waits;
+  launcher, which waits for every child, returns. A stalled peer on another host cannot be killed
+  from here: the survivors stop, its host's launcher waits;
+* one loss sets off others: the killed peer, then each survivor that leaves, is "gone" to the
+  ranks that have not concluded yet. So the job has one verdict: a rank's finding goes to the
+  store with ``compare_set`` and the first one stored wins; every rank reports that one. The
+  stall verdict ``rank J (no heartbeat for Ns, stalled; killed pid P)`` is stored *before* the
+  kill. Rank 0 hosts the store: it exits only once its peers on this host are gone (at most
+  ``2 * interval_s``), so that they can still read the verdict. Should the store be gone all the
+  same, a rank that finds rank 0 gone along with another peer names the other one;
 * a terminated rank also says why: SIGTERM gets a Python handler plus ``signal.set_wakeup_fd``,
   whose C-level part writes the signal number to a pipe the monitor thread waits on. The monitor
   wakes at once whichever thread took the signal, even while the main thread is stuck in a C++
@@ -58,6 +62,7 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 """Exit status of a rank terminated by its launcher (as if killed by SIGTERM)."""
 
 _PREFIX = "megatron_ring/monitor"
+_VERDICT = f"{_PREFIX}/verdict"
 
 
 def _process_gone(pid: int) -> bool:
@@ -102,8 +107,7 @@ class PeerMonitor:
         self._beats: dict[int, tuple[bytes, float]] = {}  # peer -> (last heartbeat seen, observed silence s)
         self._checked_at = 0.0
         self._max_gap_s = max(1.0, 4 * interval_s)
-        self._lost: list[str] = []
-        self._stalled = False  # a lost peer was stalled: rank 0 keeps the store up a moment longer
+        self._lost: str | None = None  # the job's verdict, once there is one
         self._lock = threading.RLock()  # _check_peers runs in the monitor thread and the main thread
         self._exit_lock = threading.Lock()
         self._exiting_thread: int | None = None
@@ -191,14 +195,16 @@ class PeerMonitor:
                 self._exit_lost()
 
     def _check_peers(self) -> None:
-        """Record lost peers: processes gone on this host first (exact), then silent heartbeats."""
+        """Find a lost peer: processes gone on this host first (exact), then silent heartbeats."""
         with self._lock:
             if not self._attached.is_set() or self._lost:
                 return
-            for r, (host, pid) in self._peers.items():
-                if host == self._host and _process_gone(pid) and not self._peer_done(r):
-                    self._lost.append(self._verdict(r) or f"rank {r} (pid {pid} on {host} exited)")
-            if self._lost:
+            gone = [r for r, (host, pid) in self._peers.items()
+                    if host == self._host and _process_gone(pid) and not self._peer_done(r)]
+            if gone:
+                r = min(gone, key=lambda g: (g == 0, g))  # rank 0 gone with others: it left after them
+                host, pid = self._peers[r]
+                self._conclude(f"rank {r} (pid {pid} on {host} exited)")
                 return
             now = time.monotonic()
             gap = min(now - self._checked_at, self._max_gap_s)  # observed time only: see the Note
@@ -215,42 +221,34 @@ class PeerMonitor:
                 silent = 0.0 if value != last else silent + gap
                 self._beats[r] = (value, silent)
                 if silent > self.timeout_s:
-                    self._lost.append(self._declare_stalled(r, silent))
+                    self._declare_stalled(r, silent)
                     return
 
-    def _declare_stalled(self, rank: int, silent_s: float) -> str:
-        """The verdict on a stalled peer; one on this host is killed, after the verdict is stored."""
-        self._stalled = True
+    def _conclude(self, finding: str) -> None:
+        """Record the job's verdict: the first finding any rank stored, else ``finding`` (see the Note)."""
+        try:
+            first = self._store.compare_set(_VERDICT, "", finding).decode()
+        except Exception:  # the store is gone: this rank's own finding is all there is
+            first = finding
+        self._lost = first
+
+    def _declare_stalled(self, rank: int, silent_s: float) -> None:
+        """Conclude on a stalled peer; one on this host is killed once the verdict is stored."""
         host, pid = self._peers[rank]
         why = f"no heartbeat for {silent_s:.0f}s"
         if host != self._host:
-            return f"rank {rank} ({why}, stalled on {host}; not killed from {self._host})"
-        verdict = f"rank {rank} ({why}, stalled; killed pid {pid})"
-        try:
-            self._store.set(f"{_PREFIX}/lost/{rank}", verdict)
-        except Exception:  # the store went down meanwhile: nobody can read the verdict anyway
-            pass
+            self._conclude(f"rank {rank} ({why}, stalled on {host}; not killed from {self._host})")
+            return
+        self._conclude(f"rank {rank} ({why}, stalled; killed pid {pid})")
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        return verdict
 
     def _store_lost(self, err: Exception) -> None:
         with self._lock:
             if not self._lost:
-                self._lost.append(f"rank 0 (hosts the rendezvous store, which stopped answering: {err})")
-
-    def _verdict(self, rank: int) -> str | None:
-        """The verdict another rank stored before it killed ``rank``, if any."""
-        key = f"{_PREFIX}/lost/{rank}"
-        try:
-            if self._store.check([key]):
-                self._stalled = True
-                return self._store.get(key).decode()
-        except Exception:
-            pass
-        return None
+                self._lost = f"rank 0 (hosts the rendezvous store, which stopped answering: {err})"
 
     def _peer_done(self, rank: int) -> bool:
         try:
@@ -261,12 +259,11 @@ class PeerMonitor:
     # -- leaving --------------------------------------------------------------------------------
 
     def _exit_lost(self) -> None:
-        self._exit_once(f"lost {'; '.join(self._lost)}; stopping (exit {EXIT_PEER_LOST}), no result is written",
-                        EXIT_PEER_LOST)
+        self._exit_once(f"lost {self._lost}; stopping (exit {EXIT_PEER_LOST}), no result is written", EXIT_PEER_LOST)
 
     def _exit_terminated(self) -> None:
         self._check_peers()
-        why = f"after lost {'; '.join(self._lost)}" if self._lost else "no lost peer seen"
+        why = f"after lost {self._lost}" if self._lost else "no lost peer seen"
         self._exit_once(f"terminated by SIGTERM ({why}); stopping (exit {EXIT_TERMINATED}), no result is written",
                         EXIT_TERMINATED)
 
@@ -284,6 +281,16 @@ class PeerMonitor:
         who = f"rank {self.rank}" if self.rank >= 0 else f"pid {os.getpid()}"
         sys.stderr.write(f"[megatron_ring] {who}: {text}\n")
         sys.stderr.flush()
-        if self.rank == 0 and self._stalled:
-            time.sleep(2 * self.interval_s)  # peers read the stored verdict from this rank's store
+        if self.rank == 0:
+            self._keep_store_up()
         os._exit(status)
+
+    def _keep_store_up(self) -> None:
+        """Wait until the peers on this host are gone, at most ``2 * interval_s`` (the full time with peers
+        on other hosts): they may still have to read the verdict from the store this process hosts."""
+        deadline = time.monotonic() + 2 * self.interval_s
+        remote = any(host != self._host for host, _ in self._peers.values())
+        while time.monotonic() < deadline:
+            if not remote and all(_process_gone(pid) for _, pid in self._peers.values()):
+                return
+            time.sleep(0.01)

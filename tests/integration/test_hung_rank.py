@@ -105,31 +105,31 @@ def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int,
 
 
 def check_survivors(out: str, survivors: list[int], victim: int, victim_pid: int) -> None:
-    """One line per surviving rank, each naming the stalled rank (and, one of them at least, its kill)."""
+    """One line per surviving rank, each with the same verdict: the stalled rank, killed (not "exited")."""
     for rank in survivors:
         lines = [ln for ln in out.splitlines() if f"[megatron_ring] rank {rank}:" in ln]
-        assert len(lines) == 1 and f"lost rank {victim} (" in lines[0], \
-            f"rank {rank} did not name rank {victim} once:\n{out[-3000:]}"
-    assert f"stalled; killed pid {victim_pid})" in out, out[-3000:]
+        assert len(lines) == 1, f"rank {rank} did not say exactly one line:\n{out[-3000:]}"
+        assert f"lost rank {victim} (no heartbeat for " in lines[0] \
+            and f"s, stalled; killed pid {victim_pid})" in lines[0], lines[0]
 
 
 @needs_deepspeed
 @pytest.mark.timeout(420)
 def test_stopped_rank_stops_inference(tmp_path: Path) -> None:
-    """SIGSTOP rank 1 of 2 while decoding: the launcher returns non-zero within peer_timeout_s + 15 s."""
+    """SIGSTOP rank 2 of 4 while decoding: the launcher returns non-zero within peer_timeout_s + 15 s."""
     model = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 128, "vocab_size": 128}
     cfg = {"dtype": "fp32", "replace_with_kernel_inject": False,
-           "megatron_ring": {"model": {"runner": "toy", "config": model}, "layout": {"cp": 2},
+           "megatron_ring": {"model": {"runner": "toy", "config": model}, "layout": {"cp": 4},
                              "workload": {"batch": 2, "prompt_len": 64, "new_tokens": 400, "warmup": 0, "repeats": 3,
                                           "seed": 3},
                              "peer_timeout_s": PEER_TIMEOUT_S, "output": str(tmp_path / "hung.json")}}
     config = tmp_path / "hung_config.json"
     config.write_text(json.dumps(cfg))
-    code, elapsed, victim_pid, out = stop_rank_mid_run("infer.py", config, 2, 1, lambda o: "request 1/3" in o)
+    code, elapsed, victim_pid, out = stop_rank_mid_run("infer.py", config, 4, 2, lambda o: "request 1/3" in o)
     assert code != 0, out[-3000:]
     assert elapsed < BOUND_S
-    check_survivors(out, [0], 1, victim_pid)
+    check_survivors(out, [0, 1, 3], 2, victim_pid)
     result = tmp_path / "hung.json"
     assert not result.exists() or json.loads(result.read_text())["metrics"], "a half-written result file"
     assert not list(tmp_path.glob(".*.tmp"))
