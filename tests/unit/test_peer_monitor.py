@@ -123,9 +123,9 @@ def test_silence_counts_only_observed_time(monkeypatch: pytest.MonkeyPatch) -> N
         monitor._check_peers()
         return monitor._lost
 
-    assert check_at(0.25) is None
-    assert check_at(100.0) is None, "the observer's own 100 s gap was blamed on the peer"
-    assert check_at(100.5) is None and check_at(101.0) is None  # 2.0 s of observed silence: not more than timeout
+    assert not check_at(0.25)
+    assert not check_at(100.0), "the observer's own 100 s gap was blamed on the peer"
+    assert not check_at(100.5) and not check_at(101.0)  # 2.0 s of observed silence: not more than timeout
     assert check_at(101.5) == \
         f"rank 1 (no heartbeat for 2s, stalled on elsewhere; not killed from {socket.gethostname()})"
 
