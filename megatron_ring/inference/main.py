@@ -14,7 +14,6 @@ rank 0 after every rank is done, atomically.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time
@@ -33,7 +32,7 @@ from megatron_ring.integrations.deepspeed import config as ds_config
 from megatron_ring.integrations.deepspeed import process_group as ds_glue
 from megatron_ring.integrations.deepspeed.inference_engine import init_inference
 from megatron_ring.parallel.groups import init_parallel
-from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
+from megatron_ring.runtime.faults import PeerMonitor
 from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
 
 RESULT_SCHEMA = "megatron_ring.inference.result/1"
@@ -153,11 +152,7 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
         monitor.done()
         dist.barrier()
     except Exception:
-        lost = monitor.lost(wait_s=3 * monitor.interval_s + 1)
-        if lost:
-            print(f"[megatron_ring] rank {monitor.rank}: lost {'; '.join(lost)}; stopping (exit "
-                  f"{EXIT_PEER_LOST}), no result is written", file=sys.stderr, flush=True)
-            os._exit(EXIT_PEER_LOST)
+        monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
         raise
     if rank == 0:
         result = build_result(spec, ranks, device=device, backend=backend, dtype=dtype,

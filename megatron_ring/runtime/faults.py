@@ -2,21 +2,44 @@
 
 Note [Lost ranks]
 ~~~~~~~~~~~~~~~~~
-When a rank dies mid-run its peers are usually blocked inside a collective or a p2p receive and
-would wait for the collective timeout (minutes), or are terminated by the launcher without a word
-(the DeepSpeed launcher and torchrun both SIGTERM the survivors). A :class:`PeerMonitor` thread on
-every rank avoids both:
+When a rank dies or hangs mid-run its peers are usually blocked inside a collective or a p2p
+receive and would wait for the collective timeout (minutes), or are terminated by the launcher
+without a word (the DeepSpeed launcher and torchrun both SIGTERM the survivors). A hung rank is
+worse: a stopped process ignores SIGTERM, so the launcher waits on it for ever. A
+:class:`PeerMonitor` thread on every rank handles all three:
 
-* every rank publishes ``host:pid`` and a heartbeat counter in the job's rendezvous store;
-* the monitor checks each peer every ``interval_s``: a peer on this host whose process is gone (or
-  a zombie) is lost at once; a peer on another host whose heartbeat has not moved for
-  ``timeout_s`` is lost; a store that stops answering means rank 0, which hosts it, is lost;
+* every rank publishes ``host:pid`` and a heartbeat counter in the job's rendezvous store, through
+  a store connection of its own (a main thread waiting in the store, e.g. while a group is created,
+  would otherwise hold up the beats);
+* the counter is bumped by the monitor thread, not by the main thread: a rank that is merely slow
+  (a long collective, a long kernel: torch releases the GIL in its ops and gloo waits) still beats;
+  a stopped or deadlocked process does not;
+* the monitor checks each peer every ``interval_s``. A peer on this host whose process is gone (or
+  a zombie) is lost at once. A peer, on any host, whose heartbeat has not moved for ``timeout_s``
+  is lost as *stalled*; a store that stops answering means rank 0, which hosts it, is gone. (A
+  *stopped* rank 0 is not caught: its store stops too and every monitor waits in it; c10d's store
+  client retries a timed-out call rather than failing it.) Silence is counted in *observed* time:
+  each check adds the time since the previous check but at most ``max(1 s, 4 * interval_s)``, so
+  an observer that was itself not scheduled (a loaded machine, a suspended VM) never blames its
+  peers for its own gap;
+* a stalled peer on this host is ended with SIGKILL (to the pid it published), so that the
+  launcher, which waits for every child, returns. A stalled peer on another host cannot be killed
+  from here: the survivors stop, its host's launcher waits;
+* one loss sets off others: the killed peer, then each survivor that leaves, is "gone" to the
+  ranks that have not concluded yet. So the job has one verdict: a rank's finding goes to the
+  store with ``compare_set`` and the first one stored wins; every rank reports that one. The
+  stall verdict ``rank J (no heartbeat for Ns, stalled; killed pid P)`` is stored *before* the
+  kill. Rank 0 hosts the store: it exits only once its peers on this host are gone (at most
+  ``2 * interval_s``), so that they can still read the verdict. Should the store be gone all the
+  same, a rank that finds rank 0 gone along with another peer names the other one;
 * a terminated rank also says why: SIGTERM gets a Python handler plus ``signal.set_wakeup_fd``,
   whose C-level part writes the signal number to a pipe the monitor thread waits on. The monitor
   wakes at once whichever thread took the signal, even while the main thread is stuck in a C++
   collective (where the Python handler itself would only run after the collective returns);
-* on a loss the monitor prints ``lost rank K`` to stderr and ends the process with
-  :data:`EXIT_PEER_LOST` (``os._exit``: nothing else runs, in particular no result file is written).
+* on a loss the rank prints one line, ``rank K: lost rank J (...)``, to stderr and ends with
+  :data:`EXIT_PEER_LOST` (``os._exit``: nothing else runs, in particular no result file is
+  written). Whichever thread gets there first (monitor, main thread after a failed collective,
+  SIGTERM) speaks; the others stay silent.
 
 A rank that finishes marks itself done first, so a peer that exits normally is never reported.
 The result file is written only by rank 0 after every rank is done, atomically
@@ -39,6 +62,7 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 """Exit status of a rank terminated by its launcher (as if killed by SIGTERM)."""
 
 _PREFIX = "megatron_ring/monitor"
+_VERDICT = f"{_PREFIX}/verdict"
 
 
 def _process_gone(pid: int) -> bool:
@@ -59,11 +83,18 @@ def _process_gone(pid: int) -> bool:
             return False
 
 
+def _own_connection(store: Any) -> Any:
+    """A connection to ``store`` of the monitor's own (``Store.clone``); ``store`` itself where the
+    installed torch cannot clone it."""
+    return store.clone() if hasattr(store, "clone") else store
+
+
 class PeerMonitor:
     """Watches the other ranks of a job from a daemon thread; see Note [Lost ranks].
 
     Use: :meth:`start` from the main thread before the run (takes over SIGTERM), :meth:`attach`
-    once the process group (and its store) exists, :meth:`done` when this rank's work is over.
+    once the process group (and its store) exists, :meth:`done` when this rank's work is over, and
+    :meth:`stop_if_lost` when the main thread caught an error (a peer's loss explains it).
     """
 
     def __init__(self, *, timeout_s: float = 20.0, interval_s: float = 0.25) -> None:
@@ -73,8 +104,13 @@ class PeerMonitor:
         self._store: Any = None
         self._world = 0
         self._peers: dict[int, tuple[str, int]] = {}
-        self._beats: dict[int, tuple[bytes, float]] = {}
-        self._lost: list[str] = []
+        self._beats: dict[int, tuple[bytes, float]] = {}  # peer -> (last heartbeat seen, observed silence s)
+        self._checked_at = 0.0
+        self._max_gap_s = max(1.0, 4 * interval_s)
+        self._lost: str | None = None  # the job's verdict, once there is one
+        self._lock = threading.RLock()  # _check_peers runs in the monitor thread and the main thread
+        self._exit_lock = threading.Lock()
+        self._exiting_thread: int | None = None
         self._attached = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -96,17 +132,18 @@ class PeerMonitor:
 
     def attach(self, store: Any, rank: int, world_size: int) -> None:
         """Publish this rank and start watching the others (every rank calls it)."""
-        self._store, self.rank, self._world = store, rank, world_size
+        self.rank, self._world = rank, world_size
         store.set(f"{_PREFIX}/pid/{rank}", f"{self._host}:{os.getpid()}")
         store.set(f"{_PREFIX}/beat/{rank}", "0")
         keys = [f"{_PREFIX}/pid/{r}" for r in range(world_size)]
-        store.wait(keys)
+        store.wait(keys)  # under the job's store timeout: peers may still be starting
+        self._store = _own_connection(store)
         for r in range(world_size):
             if r != rank:
                 host, pid = store.get(keys[r]).decode().rsplit(":", 1)
                 self._peers[r] = (host, int(pid))
-        now = time.monotonic()
-        self._beats = {r: (b"", now) for r in self._peers}
+        self._beats = {r: (b"", 0.0) for r in self._peers}
+        self._checked_at = time.monotonic()
         self._attached.set()
 
     def done(self) -> None:
@@ -127,13 +164,16 @@ class PeerMonitor:
             os.close(self._wake_w)
             self._saved = None
 
-    def lost(self, wait_s: float = 0.0) -> list[str]:
-        """Reasons of the peers found lost so far, waiting up to ``wait_s`` for a verdict."""
+    def stop_if_lost(self, wait_s: float) -> None:
+        """Exit with :data:`EXIT_PEER_LOST`, saying why, if a peer is lost or found lost within ``wait_s``."""
         deadline = time.monotonic() + wait_s
-        while not self._lost and time.monotonic() < deadline:
+        while True:
             self._check_peers()
+            if self._lost:
+                self._exit_lost()
+            if time.monotonic() >= deadline:
+                return
             time.sleep(self.interval_s)
-        return list(self._lost)
 
     # -- the thread -------------------------------------------------------------------------------
 
@@ -148,37 +188,67 @@ class PeerMonitor:
             beat += 1
             try:
                 self._store.set(f"{_PREFIX}/beat/{self.rank}", str(beat))
-            except Exception:  # rank 0 (the store's host) or another peer is gone: _check_peers says which
-                pass
+            except Exception as err:
+                self._store_lost(err)
             self._check_peers()
             if self._lost:
                 self._exit_lost()
 
     def _check_peers(self) -> None:
-        """Record lost peers: processes gone on this host first (exact), then silent heartbeats."""
-        if not self._attached.is_set() or self._lost:
-            return
-        for r, (host, pid) in self._peers.items():
-            if host == self._host and _process_gone(pid) and not self._peer_done(r):
-                self._lost.append(f"rank {r} (pid {pid} on {host} exited)")
-        if self._lost:
-            return
-        now = time.monotonic()
-        for r, (host, _) in self._peers.items():
-            if host == self._host:  # the process check above is exact; a slow or loaded peer is not lost
-                continue
-            try:
-                value = self._store.get(f"{_PREFIX}/beat/{r}")
-            except Exception as err:
-                self._lost.append(f"rank 0 (hosts the rendezvous store, which stopped answering: {err})")
+        """Find a lost peer: processes gone on this host first (exact), then silent heartbeats."""
+        with self._lock:
+            if not self._attached.is_set() or self._lost:
                 return
-            if value == b"done":
-                continue
-            last, since = self._beats[r]
-            if value != last:
-                self._beats[r] = (value, now)
-            elif now - since > self.timeout_s:
-                self._lost.append(f"rank {r} (no heartbeat for {now - since:.0f}s)")
+            gone = [r for r, (host, pid) in self._peers.items()
+                    if host == self._host and _process_gone(pid) and not self._peer_done(r)]
+            if gone:
+                r = min(gone, key=lambda g: (g == 0, g))  # rank 0 gone with others: it left after them
+                host, pid = self._peers[r]
+                self._conclude(f"rank {r} (pid {pid} on {host} exited)")
+                return
+            now = time.monotonic()
+            gap = min(now - self._checked_at, self._max_gap_s)  # observed time only: see the Note
+            self._checked_at = now
+            for r in self._peers:
+                try:
+                    value = self._store.get(f"{_PREFIX}/beat/{r}")
+                except Exception as err:
+                    self._store_lost(err)
+                    return
+                if value == b"done":
+                    continue
+                last, silent = self._beats[r]
+                silent = 0.0 if value != last else silent + gap
+                self._beats[r] = (value, silent)
+                if silent > self.timeout_s:
+                    self._declare_stalled(r, silent)
+                    return
+
+    def _conclude(self, finding: str) -> None:
+        """Record the job's verdict: the first finding any rank stored, else ``finding`` (see the Note)."""
+        try:
+            first = self._store.compare_set(_VERDICT, "", finding).decode()
+        except Exception:  # the store is gone: this rank's own finding is all there is
+            first = finding
+        self._lost = first
+
+    def _declare_stalled(self, rank: int, silent_s: float) -> None:
+        """Conclude on a stalled peer; one on this host is killed once the verdict is stored."""
+        host, pid = self._peers[rank]
+        why = f"no heartbeat for {silent_s:.0f}s"
+        if host != self._host:
+            self._conclude(f"rank {rank} ({why}, stalled on {host}; not killed from {self._host})")
+            return
+        self._conclude(f"rank {rank} ({why}, stalled; killed pid {pid})")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _store_lost(self, err: Exception) -> None:
+        with self._lock:
+            if not self._lost:
+                self._lost = f"rank 0 (hosts the rendezvous store, which stopped answering: {err})"
 
     def _peer_done(self, rank: int) -> bool:
         try:
@@ -186,17 +256,41 @@ class PeerMonitor:
         except Exception:
             return False
 
+    # -- leaving --------------------------------------------------------------------------------
+
     def _exit_lost(self) -> None:
-        self._say(f"lost {'; '.join(self._lost)}; stopping (exit {EXIT_PEER_LOST}), no result is written")
-        os._exit(EXIT_PEER_LOST)
+        self._exit_once(f"lost {self._lost}; stopping (exit {EXIT_PEER_LOST}), no result is written", EXIT_PEER_LOST)
 
     def _exit_terminated(self) -> None:
         self._check_peers()
-        why = f"after lost {'; '.join(self._lost)}" if self._lost else "no lost peer seen"
-        self._say(f"terminated by SIGTERM ({why}); stopping (exit {EXIT_TERMINATED}), no result is written")
-        os._exit(EXIT_TERMINATED)
+        why = f"after lost {self._lost}" if self._lost else "no lost peer seen"
+        self._exit_once(f"terminated by SIGTERM ({why}); stopping (exit {EXIT_TERMINATED}), no result is written",
+                        EXIT_TERMINATED)
 
-    def _say(self, text: str) -> None:
+    def _exit_once(self, text: str, status: int) -> None:
+        """Print ``text`` and ``os._exit(status)``; the first caller does, every later one is silent.
+
+        A later caller in another thread waits for the process to end; in the same thread (the
+        SIGTERM handler interrupting the exit) it returns, and the interrupted exit goes on.
+        """
+        if not self._exit_lock.acquire(blocking=False):
+            if self._exiting_thread == threading.get_ident():
+                return
+            threading.Event().wait()
+        self._exiting_thread = threading.get_ident()
         who = f"rank {self.rank}" if self.rank >= 0 else f"pid {os.getpid()}"
         sys.stderr.write(f"[megatron_ring] {who}: {text}\n")
         sys.stderr.flush()
+        if self.rank == 0:
+            self._keep_store_up()
+        os._exit(status)
+
+    def _keep_store_up(self) -> None:
+        """Wait until the peers on this host are gone, at most ``2 * interval_s`` (the full time with peers
+        on other hosts): they may still have to read the verdict from the store this process hosts."""
+        deadline = time.monotonic() + 2 * self.interval_s
+        remote = any(host != self._host for host, _ in self._peers.values())
+        while time.monotonic() < deadline:
+            if not remote and all(_process_gone(pid) for _, pid in self._peers.values()):
+                return
+            time.sleep(0.01)

@@ -279,8 +279,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one training job on this rank; return the exit status."""
-    from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
     from megatron_ring.integrations.deepspeed import process_group as ds_glue
+    from megatron_ring.runtime.faults import PeerMonitor
 
     args = parse_args(argv)
     env = ds_glue.launch_env()
@@ -305,11 +305,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[megatron_ring] rank {env['rank']}: config error:\n{err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except Exception:
-        lost = monitor.lost(wait_s=3 * monitor.interval_s + 1)
-        if lost:
-            print(f"[megatron_ring] rank {monitor.rank}: lost {'; '.join(lost)}; stopping (exit {EXIT_PEER_LOST})",
-                  file=sys.stderr, flush=True)
-            os._exit(EXIT_PEER_LOST)
+        monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
         raise
     if rank == 0 and run.records:
         first, last = run.records[0], run.records[-1]

@@ -1,0 +1,171 @@
+"""A rank that hangs (SIGSTOP) under the real DeepSpeed launcher, in inference and in training.
+
+A stopped process ignores SIGTERM, so without the watchdog of Note [Lost ranks]
+(megatron_ring/runtime/faults.py) the survivors block in their next collective and the launcher
+waits for ever. With it, within ``peer_timeout_s + 15 s`` of the stop every survivor exits non-zero
+naming the stalled rank, the stalled rank is killed, and the launcher returns.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or not DEEPSPEED.exists(),
+                                     reason="deepspeed launcher not installed")
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
+
+PEER_TIMEOUT_S = 5.0
+BOUND_S = PEER_TIMEOUT_S + 15
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_pid(launcher_pid: int, script: str, local_rank: int) -> int | None:
+    import psutil
+
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            cmdline = child.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if f"--local_rank={local_rank}" in cmdline and any(arg.endswith(script) for arg in cmdline):
+            return child.pid
+    return None
+
+
+def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int,
+                      running: Callable[[str], bool]) -> tuple[int, float, int, str]:
+    """Launch ``script`` on ``nprocs`` local processes, SIGSTOP rank ``victim`` once ``running(output)``.
+
+    Returns (launcher exit status, seconds from the stop to the launcher's return, victim pid,
+    output). Whatever happens, nothing is left behind: the launcher's process group is killed and
+    the victim gets SIGKILL then SIGCONT.
+    """
+    cmd = [str(DEEPSPEED), "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(ROOT / "launch" / script),
+           "--deepspeed_config", str(config)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: proc.stdout.read1(4096), b"")), daemon=True)
+    reader.start()
+    victim_pid = None
+    try:
+        deadline = time.monotonic() + 300
+        while not running(b"".join(chunks).decode(errors="replace")):
+            assert proc.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.2)
+        victim_pid = rank_pid(proc.pid, script, victim)
+        assert victim_pid
+        os.kill(victim_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            code = proc.wait(timeout=BOUND_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if victim_pid is not None:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(victim_pid, sig)
+                except ProcessLookupError:
+                    pass
+        proc.wait(timeout=30)
+        reader.join(timeout=5)
+    out = b"".join(chunks).decode(errors="replace")
+    assert code is not None, f"the launcher had not returned {BOUND_S:.0f} s after the stop:\n{out[-3000:]}"
+    print(f"{script}: the launcher returned {code} {elapsed:.1f} s after rank {victim} was stopped",
+          *[ln for ln in out.splitlines() if "[megatron_ring] rank" in ln], sep="\n")
+    return code, elapsed, victim_pid, out
+
+
+def check_survivors(out: str, survivors: list[int], victim: int, victim_pid: int) -> None:
+    """One line per surviving rank, each with the same verdict: the stalled rank, killed (not "exited")."""
+    for rank in survivors:
+        lines = [ln for ln in out.splitlines() if f"[megatron_ring] rank {rank}:" in ln]
+        assert len(lines) == 1, f"rank {rank} did not say exactly one line:\n{out[-3000:]}"
+        assert f"lost rank {victim} (no heartbeat for " in lines[0] \
+            and f"s, stalled; killed pid {victim_pid})" in lines[0], lines[0]
+
+
+@needs_deepspeed
+@pytest.mark.timeout(420)
+def test_stopped_rank_stops_inference(tmp_path: Path) -> None:
+    """SIGSTOP rank 2 of 4 while decoding: the launcher returns non-zero within peer_timeout_s + 15 s."""
+    model = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 128, "vocab_size": 128}
+    cfg = {"dtype": "fp32", "replace_with_kernel_inject": False,
+           "megatron_ring": {"model": {"runner": "toy", "config": model}, "layout": {"cp": 4},
+                             "workload": {"batch": 2, "prompt_len": 64, "new_tokens": 400, "warmup": 0, "repeats": 3,
+                                          "seed": 3},
+                             "peer_timeout_s": PEER_TIMEOUT_S, "output": str(tmp_path / "hung.json")}}
+    config = tmp_path / "hung_config.json"
+    config.write_text(json.dumps(cfg))
+    code, elapsed, victim_pid, out = stop_rank_mid_run("infer.py", config, 4, 2, lambda o: "request 1/3" in o)
+    assert code != 0, out[-3000:]
+    assert elapsed < BOUND_S
+    check_survivors(out, [0, 1, 3], 2, victim_pid)
+    result = tmp_path / "hung.json"
+    assert not result.exists() or json.loads(result.read_text())["metrics"], "a half-written result file"
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+@needs_deepspeed
+@needs_megatron
+@pytest.mark.timeout(420)
+def test_stopped_rank_stops_training(tmp_path: Path) -> None:
+    """SIGSTOP rank 1 of cp = 2 mid-training: the launcher returns non-zero within peer_timeout_s + 15 s and
+    the latest checkpoint, if any, is a complete one."""
+    from megatron_ring.training.loop import COMPLETE, latest_checkpoint
+
+    cfg = {
+        "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+        "megatron_ring": {
+            "name": "hung", "model": str(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml"),
+            "layout": {"cp": 2, "dp": 1}, "seq_len": 64, "steps": 100000, "peer_timeout_s": PEER_TIMEOUT_S,
+            "data": {"kind": "text", "paths": [str(ROOT / "docs")]},
+            "checkpoint": {"dir": str(tmp_path / "ckpt"), "save_interval": 2},
+            "log": {"jsonl": str(tmp_path / "train.jsonl"), "progress": False},
+        },
+    }
+    config = tmp_path / "hung.json"
+    config.write_text(json.dumps(cfg))
+    log = tmp_path / "train.jsonl"
+
+    def checkpointed(_: str) -> bool:
+        return log.exists() and any('"event": "checkpoint"' in ln for ln in log.read_text().splitlines())
+
+    code, elapsed, victim_pid, out = stop_rank_mid_run("train.py", config, 2, 1, checkpointed)
+    assert code != 0, out[-3000:]
+    assert elapsed < BOUND_S
+    check_survivors(out, [0], 1, victim_pid)
+    tag = latest_checkpoint(tmp_path / "ckpt")
+    assert tag is not None
+    assert json.loads((tmp_path / "ckpt" / tag / COMPLETE).read_text())["step"] == int(tag[4:])

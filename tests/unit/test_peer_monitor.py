@@ -1,0 +1,150 @@
+"""PeerMonitor (Note [Lost ranks] in megatron_ring/runtime/faults.py): stalled peers on one host.
+
+Two processes share a TCPStore; one is SIGSTOPped and the other must declare it lost within the
+timeout and kill it (a stopped process ignores SIGTERM, so its launcher would wait for ever).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_ring.runtime import faults
+from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 2.0
+
+WORKER = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from megatron_ring.runtime.faults import PeerMonitor
+
+    rank, port, timeout_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
+    monitor = PeerMonitor(timeout_s=timeout_s, interval_s=0.1).start()
+    monitor.attach(store, rank, 2)
+    print("attached", flush=True)
+    time.sleep(120)
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def end(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL, then SIGCONT so that no stopped process is left behind."""
+    for proc in procs:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_stopped_peer_on_same_host_is_declared_lost_and_killed() -> None:
+    """SIGSTOP rank 1 of 2: rank 0 exits EXIT_PEER_LOST within timeout + 3 s, naming and killing it."""
+    victim = 1
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), str(TIMEOUT_S)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "attached", proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.5)  # a few heartbeats seen both ways
+        os.kill(procs[victim].pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        survivor = procs[1 - victim]
+        code = survivor.wait(timeout=TIMEOUT_S + 20)
+        elapsed = time.monotonic() - stopped_at
+        assert procs[victim].wait(timeout=5) == -signal.SIGKILL, "the stopped rank was not killed"
+        err = survivor.stderr.read()
+    finally:
+        end(procs)
+    assert code == EXIT_PEER_LOST, err
+    assert elapsed < TIMEOUT_S + 3, f"declared lost only {elapsed:.1f}s after the stop"
+    lines = [ln for ln in err.splitlines() if ln.startswith("[megatron_ring]")]
+    assert len(lines) == 1, err
+    assert f"rank {1 - victim}: lost rank {victim} (" in lines[0], err
+    assert f"stalled; killed pid {procs[victim].pid})" in lines[0], err
+
+
+class FakeStore:
+    """The part of a c10d store PeerMonitor uses, in memory, recording when each key was set."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.times: dict[str, list[float]] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+        self.times.setdefault(key, []).append(time.monotonic())
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        if self.data.get(key, b"") == expected.encode():
+            self.set(key, desired)
+        return self.data[key]
+
+    def wait(self, keys: list[str]) -> None:
+        assert all(k in self.data for k in keys)
+
+
+def test_silence_counts_only_observed_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gap in the observer's own checks (it was not scheduled) adds at most max(1 s, 4 intervals)."""
+    clock = [0.0]
+    monkeypatch.setattr(faults, "time", SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
+    store = FakeStore()
+    store.set("megatron_ring/monitor/pid/1", "elsewhere:4242")
+    store.set("megatron_ring/monitor/beat/1", "0")
+    monitor = PeerMonitor(timeout_s=2.0, interval_s=0.25)
+    monitor.attach(store, 0, 2)
+
+    def check_at(t: float) -> str | None:
+        clock[0] = t
+        monitor._check_peers()
+        return monitor._lost
+
+    assert not check_at(0.25)
+    assert not check_at(100.0), "the observer's own 100 s gap was blamed on the peer"
+    assert not check_at(100.5) and not check_at(101.0)  # 2.0 s of observed silence: not more than timeout
+    assert check_at(101.5) == \
+        f"rank 1 (no heartbeat for 2s, stalled on elsewhere; not killed from {socket.gethostname()})"
+
+
+@pytest.mark.timeout(60)
+def test_heartbeat_moves_while_main_thread_runs_torch_ops() -> None:
+    """Torch releases the GIL in its ops: a main thread busy in matmuls does not silence the heartbeat."""
+    store = FakeStore()
+    store.set("megatron_ring/monitor/pid/1", "elsewhere:4242")
+    store.set("megatron_ring/monitor/beat/1", "0")
+    monitor = PeerMonitor(timeout_s=60.0, interval_s=0.05).start()
+    try:
+        monitor.attach(store, 0, 2)
+        x = torch.randn(1500, 1500)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            x = torch.tanh(x @ x)
+    finally:
+        monitor.done()
+    beats = store.times["megatron_ring/monitor/beat/0"][:-1]  # the last one is "done"
+    assert len(beats) >= 5, beats
+    assert max(later - earlier for earlier, later in zip(beats, beats[1:])) < 1.0
