@@ -107,17 +107,21 @@ def _differs(name: str, column: list[int], show: Callable[[int], str]) -> str | 
     return f"{name} differs across the CP group: " + ", ".join(parts)
 
 
-def _problems(entry: str, fields: Sequence[Field], table: list[list[int]]) -> list[str]:
-    """What the ranks' rows (``table[rank] = [entry, valid, *codes]``) disagree on, in field order."""
+def _problem(entry: str, fields: Sequence[Field], table: list[list[int]]) -> str | None:
+    """What the ranks' rows (``table[rank] = [entry, valid, *codes]``) disagree on, or None."""
     entries = _differs("entry point", [row[0] for row in table], ENTRIES.__getitem__)
     if entries is not None:
-        return [entries]
+        return f"{entries}; every rank of the group must make the same call"
     invalid = [rank for rank, row in enumerate(table) if not row[1]]
     if invalid:
-        return [f"the inputs were rejected on {_ranks(invalid)} (see the error raised there); {entry} raises on "
-                f"every rank so that none waits in a collective"]
-    found = (_differs(f.name, [row[2 + i] for row in table], f.show) for i, f in enumerate(fields))
-    return [problem for problem in found if problem is not None]
+        return (f"the inputs were rejected on {_ranks(invalid)} (see the error raised there); {entry} raises on "
+                "every rank so that none waits in a collective")
+    found = [_differs(f.name, [row[2 + i] for row in table], f.show) for i, f in enumerate(fields)]
+    differing = [text for text in found if text is not None]
+    if not differing:
+        return None
+    return "; ".join(differing) + ". Every rank of the group must pass the same value (check_consistency=False " \
+                                  "skips this check)"
 
 
 def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup | None, size: int,
@@ -132,9 +136,6 @@ def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup |
     row = torch.zeros(WIDTH, dtype=torch.int64)
     row[: 2 + len(codes)] = torch.tensor([ENTRIES.index(entry), fields is not None, *codes], dtype=torch.int64)
     table = all_gather_stacked(row.to(_device(group, hint)), group, size).tolist()
-    if fields is None:
-        return
-    problems = _problems(entry, fields, table)
-    if problems:
-        raise ValueError(f"{entry}: " + "; ".join(problems) + ". Every rank of the group must pass the same "
-                         "value (check_consistency=False skips this check)")
+    problem = None if fields is None else _problem(entry, fields, table)
+    if problem is not None:
+        raise ValueError(f"{entry}: {problem}")
