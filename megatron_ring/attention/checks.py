@@ -23,6 +23,9 @@ def check_qkv(q: object, k: object, v: object, *, same_seq: bool) -> None:
         raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    for name, t, dim, field in (("q", q, 2, "heads_q"), ("k", k, 2, "heads_kv"), ("q", q, 3, "head_dim")):
+        if t.shape[dim] == 0:
+            raise ValueError(f"{name} has {field} = 0; {field} must be >= 1")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch mismatch: q has {q.shape[0]}, k/v have {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
@@ -33,6 +36,12 @@ def check_qkv(q: object, k: object, v: object, *, same_seq: bool) -> None:
         raise ValueError(
             f"heads_q ({q.shape[2]}) must be divisible by heads_kv ({k.shape[2]}) for grouped-query attention"
         )
+
+
+def check_tokens(q: torch.Tensor, seq_name: str, entry: str, rule: str) -> None:
+    """Raise ValueError if q ``[batch, seq, heads, head_dim]`` has no token (``seq_name`` = 0)."""
+    if q.shape[1] == 0:
+        raise ValueError(f"q has {seq_name} = 0; {entry} needs {rule} ({seq_name} >= 1)")
 
 
 def check_key_padding_mask(mask: object, k: torch.Tensor) -> None:
@@ -57,9 +66,16 @@ def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
 
 
 def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(rank, size) of this process in ``group``; (0, 1) when torch.distributed is not initialised."""
+    """(rank, size) of this process in ``group``; (0, 1) when torch.distributed is not initialised.
+
+    ValueError, before any collective, when this process is not a member of ``group``.
+    """
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised")
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group "
+                         "(torch.distributed.get_rank(group) is -1); call it only on the group's members")
+    return rank, dist.get_world_size(group)

@@ -31,7 +31,9 @@ import torch.distributed as dist
 from megatron_ring.attention.allgather import GatheredKV, all_gather_stacked
 from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, resolve_backend
-from megatron_ring.attention.checks import check_choice, check_key_padding_mask, check_qkv, group_rank_size
+from megatron_ring.attention.checks import (check_choice, check_key_padding_mask, check_qkv, check_tokens,
+                                            group_rank_size)
+from megatron_ring.attention.handshake import Field, agree, choice_field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.merge import merge_into
 from megatron_ring.attention.schedule import StepPlan, step_plan
@@ -209,17 +211,68 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+@dataclass(frozen=True)
+class _Call:
+    """A checked ``ring_attention`` call: its spec and the comm it runs with (``"auto"`` resolved)."""
+
+    spec: _Spec
+    comm: str
+    masked: bool
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, size: int, *, causal: bool,
+             softmax_scale: float | None, sharding: str, comm: str, backend: str,
+             key_padding_mask: torch.Tensor | None) -> _Call:
+    """Every local check of a call (TypeError/ValueError naming the field), before any collective."""
+    check_qkv(q, k, v, same_seq=True)
+    check_tokens(q, "seq_local", "ring_attention", "at least one token per rank")
+    check_key_padding_mask(key_padding_mask, k)
+    check_choice("sharding", sharding, SHARDINGS)
+    check_choice("comm", comm, COMMS)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+    seq_local, masked = q.shape[1], key_padding_mask is not None
+    if size > 1:
+        check_divisible(seq_local * size, size, sharding, what=f"global sequence length (seq_local {seq_local} x cp {size})")
+    spec = _Spec(
+        rank=rank, size=size, seq_local=seq_local, causal=causal, sharding=sharding,
+        scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked),
+    )
+    if comm == "auto" and q.shape[0] > 0:  # an empty batch moves nothing
+        comm = choose_comm_for_shapes(tuple(q.shape), tuple(k.shape), size, causal=causal,
+                                      element_size=q.element_size(), device_type=q.device.type)
+    return _Call(spec, comm, masked)
+
+
+def _fields(q: torch.Tensor, k: torch.Tensor, call: _Call, comm: str) -> list[Field]:
+    """What every rank must agree on (Note [Cross-rank handshake]); ``comm`` as requested."""
+    spec = call.spec
+    return [*tensor_fields(q, k, "seq_local"), flag_field("causal", spec.causal),
+            choice_field("sharding", spec.sharding, SHARDINGS), choice_field("comm", comm, COMMS),
+            scale_field(spec.scale), flag_field("key_padding_mask", call.masked, ("None", "a mask"))]
+
+
+def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The ``[0, seq_local, heads_q, head_dim]`` output of an empty batch, in the autograd graph of
+    q, k and v (whose gradients are then empty too); nothing moves."""
+    return q + (k.sum() + v.sum()).to(q.dtype)  # sums over no element: 0
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                    causal: bool = False, softmax_scale: float | None = None, sharding: str = "zigzag",
-                   comm: str = "p2p", backend: str = "auto",
-                   key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   comm: str = "p2p", backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
+                   check_consistency: bool = True) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
         q: ``[batch, seq_local, heads_q, head_dim]``, this rank's queries.
         k, v: ``[batch, seq_local, heads_kv, head_dim]``; ``heads_q % heads_kv == 0`` (GQA/MQA).
         group: the context-parallel group; its ranks in group order form the ring. None = world
-            (or a single process when torch.distributed is not initialised).
+            (or a single process when torch.distributed is not initialised). ValueError on a
+            process that is not a member.
         causal: causal mask on *global* positions.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         sharding: ``"zigzag"`` (rank r holds chunks r and 2P-1-r of 2P; Megatron's split) or
@@ -231,33 +284,35 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             False = padding that no query may see), given on every rank of the group or on none.
             The masks are all-gathered once per call (one byte per token); a query that sees no
             key gets a zero output. With a mask, ``auto`` uses the CPU ``sdpa`` kernel or ``math``.
+        check_consistency: first check, with one small all-gather, that every rank passed the same
+            shapes, dtype, device type, causal, sharding, comm, scale and mask presence, and raise
+            ValueError on every rank naming what differs (or which rank rejected its inputs):
+            Note [Cross-rank handshake] in handshake.py. Must be the same on every rank; with
+            False, a rank whose input differs or is rejected aborts or hangs the others.
 
     Returns:
-        ``[batch, seq_local, heads_q, head_dim]`` in q's dtype; differentiable w.r.t. q, k, v.
+        ``[batch, seq_local, heads_q, head_dim]`` in q's dtype; differentiable w.r.t. q, k, v. An
+        empty batch (batch 0) gives an empty result; ``seq_local``, heads or ``head_dim`` of 0 are
+        a ValueError.
     """
-    check_qkv(q, k, v, same_seq=True)
-    check_key_padding_mask(key_padding_mask, k)
-    check_choice("sharding", sharding, SHARDINGS)
-    check_choice("comm", comm, COMMS)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
     rank, size = group_rank_size(group)
-    seq_local = q.shape[1]
-    if size > 1:
-        check_divisible(seq_local * size, size, sharding, what=f"global sequence length (seq_local {seq_local} x cp {size})")
-    spec = _Spec(
-        rank=rank, size=size, seq_local=seq_local, causal=causal, sharding=sharding,
-        scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=key_padding_mask is not None),
-    )
-    if comm == "auto":
-        comm = choose_comm_for_shapes(tuple(q.shape), tuple(k.shape), size, causal=causal,
-                                      element_size=q.element_size(), device_type=q.device.type)
-    channel = P2PRing(group, rank, size) if comm == "p2p" else GatheredKV(group, rank, size)
+    call: _Call | None = None
+    error: Exception | None = None
+    try:
+        call = _prepare(q, k, v, rank, size, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
+                        comm=comm, backend=backend, key_padding_mask=key_padding_mask)
+    except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
+        error = err
+    if check_consistency and size > 1:
+        agree("ring_attention", None if call is None else _fields(q, k, call, comm), group, size, q)
+    if call is None:
+        assert error is not None
+        raise error
+    if q.shape[0] == 0:
+        return _empty_batch(q, k, v)
+    channel = P2PRing(group, rank, size) if call.comm == "p2p" else GatheredKV(group, rank, size)
     key_masks = None
     if key_padding_mask is not None:
         key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, size).bool()
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec, key_masks)
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, call.spec, key_masks)
     return out.transpose(1, 2)

@@ -1,4 +1,7 @@
-"""The p2p path is a true ring: P-1 rotations forward, no all-gather anywhere."""
+"""The p2p path is a true ring: P-1 rotations forward, no K/V all-gather anywhere.
+
+With ``check_consistency=True`` (the default) each call adds one all-gather of 16 int64s per rank
+before any data moves (Note [Cross-rank handshake]); backward adds nothing."""
 import pytest
 import torch
 
@@ -8,22 +11,26 @@ from tests.gloo import workers
 
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False])
-def test_p2p_forward_issues_p_minus_1_rotations_and_no_all_gather(gloo_pool, size, causal):
-    for forward, backward in gloo_pool(size).run(workers.count_collectives, "p2p", causal):
-        assert forward == {"p2p_batches": size - 1, "all_gather": 0}
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_p2p_forward_issues_p_minus_1_rotations_and_no_all_gather(gloo_pool, size, causal, check):
+    worker = workers.count_collectives if check else workers.count_collectives_unchecked
+    for forward, backward in gloo_pool(size).run(worker, "p2p", causal):
+        assert forward == {"p2p_batches": size - 1, "all_gather": int(check)}  # the handshake's all-gather
         # backward: P-1 K/V rotations + P gradient transfers (the last one carries dK/dV home)
         assert backward == {"p2p_batches": 2 * size - 1, "all_gather": 0}
 
 
-def test_all_gather_path_gathers_once(gloo_pool):
-    forward, _ = gloo_pool(3).run(workers.count_collectives, "all_gather", True)[0]
-    assert forward == {"p2p_batches": 0, "all_gather": 1}
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_all_gather_path_gathers_once(gloo_pool, check):
+    worker = workers.count_collectives if check else workers.count_collectives_unchecked
+    forward, _ = gloo_pool(3).run(worker, "all_gather", True)[0]
+    assert forward == {"p2p_batches": 0, "all_gather": 1 + int(check)}
 
 
 def test_ranks_disagreeing_on_shapes_fail_instead_of_hanging():
     pool = GlooPool(3, timeout_s=60, env={})
     try:
-        with pytest.raises(WorkerError, match="failed on ranks|died|timed out"):
+        with pytest.raises(WorkerError, match=r"(?s)failed on ranks \[0, 1, 2\].*seq_local differs across the CP group"):
             pool.run(workers.mismatched_shapes, timeout_s=60)
     finally:
         pool.close(force=True)

@@ -158,3 +158,134 @@ def odd_local_length_error():
     except ValueError as err:
         return str(err)
     return None
+
+
+# --- Cross-rank handshake (Note [Cross-rank handshake]) and zero-size inputs ---------------------
+
+RING_DEFAULTS = dict(batch=1, seq=4, heads_q=4, heads_kv=2, head_dim=8, dtype=torch.float32, causal=False,
+                     sharding="zigzag", comm="p2p", softmax_scale=None, masked=False)
+"""A consistent ring_attention call; :func:`mismatched_call` changes one field on some ranks."""
+RING_CHANGES = dict(seq=8, batch=2, heads_q=8, heads_kv=1, head_dim=4, dtype=torch.bfloat16, causal=True,
+                    sharding="contiguous", comm="all_gather", softmax_scale=0.5, masked=True)
+DECODE_DEFAULTS = dict(batch=1, q_len=1, heads_q=4, heads_kv=2, head_dim=8, dtype=torch.float32,
+                       softmax_scale=None, masked=False)
+DECODE_CHANGES = dict(batch=2, q_len=2, heads_q=8, heads_kv=1, head_dim=4, dtype=torch.bfloat16,
+                      softmax_scale=0.5, masked=True)
+
+
+def _call_ring(a, group=None, check=True):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(a["batch"], a["seq"], a["heads_q"], a["head_dim"], generator=gen).to(a["dtype"])
+    k = torch.randn(a["batch"], a["seq"], a["heads_kv"], a["head_dim"], generator=gen).to(a["dtype"])
+    mask = torch.ones(a["batch"], a["seq"], dtype=torch.bool) if a["masked"] else None
+    return ring_attention(q, k, k, group, causal=a["causal"], sharding=a["sharding"], comm=a["comm"],
+                          softmax_scale=a["softmax_scale"], key_padding_mask=mask, backend="math",
+                          check_consistency=check)
+
+
+def _call_decode(a, s_local, group=None, check=True):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(a["batch"], a["q_len"], a["heads_q"], a["head_dim"], generator=gen).to(a["dtype"])
+    k = torch.randn(a["batch"], s_local, a["heads_kv"], a["head_dim"], generator=gen).to(a["dtype"])
+    mask = torch.ones(a["batch"], s_local, dtype=torch.bool) if a["masked"] else None
+    return decode_attention(q, k, k, group, softmax_scale=a["softmax_scale"], key_padding_mask=mask,
+                            check_consistency=check)
+
+
+def _outcome(fn, *args, **kwargs):
+    """``("ok", shape)`` or ``(exception type name, message)``."""
+    try:
+        return "ok", tuple(fn(*args, **kwargs).shape)
+    except (TypeError, ValueError) as err:
+        return type(err).__name__, str(err)
+
+
+def mismatched_call(entry, field, odd_ranks, comm="p2p"):
+    """``entry`` ("ring" or "decode") with ``field`` changed on ``odd_ranks``; this rank's outcome.
+    Decode shards have a different length on every rank (legitimately)."""
+    rank = dist.get_rank()
+    if entry == "ring":
+        args = dict(RING_DEFAULTS, comm=comm)
+        if rank in odd_ranks:
+            args[field] = RING_CHANGES[field]
+        return _outcome(_call_ring, args)
+    args = dict(DECODE_DEFAULTS)
+    if rank in odd_ranks:
+        args[field] = DECODE_CHANGES[field]
+    return _outcome(_call_decode, args, rank + 1)
+
+
+def consistent_calls_with_and_without_check(comm):
+    """Ring (forward and backward) and decode, checked and unchecked: bitwise equal results."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = _inputs(2, 4 * size, 4, 2, 8, torch.float32)
+    results = []
+    for check in (True, False):
+        ql, kl, vl = (shard_sequence(t, rank, size).requires_grad_() for t in (q, k, v))
+        out = ring_attention(ql, kl, vl, causal=True, comm=comm, check_consistency=check)
+        out.backward(shard_sequence(dout, rank, size))
+        dec = decode_attention(q[:, :1], k[:, rank:2 * rank + 1], v[:, rank:2 * rank + 1], check_consistency=check)
+        results.append((out, ql.grad, kl.grad, vl.grad, dec))
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def count_collectives_unchecked(comm, causal):
+    """:func:`count_collectives` with ``check_consistency=False``: the data collectives alone."""
+    import functools
+
+    global ring_attention
+    checked = ring_attention
+    ring_attention = functools.partial(checked, check_consistency=False)
+    try:
+        return count_collectives(comm, causal)
+    finally:
+        ring_attention = checked
+
+
+def rejected_on_one_rank(entry, bad_rank):
+    """``bad_rank`` passes input its own checks reject (int dtype); every rank's outcome, no hang."""
+    rank = dist.get_rank()
+    dtype = torch.int32 if rank == bad_rank else torch.float32
+    q = torch.ones(1, 4, 2, 8, dtype=dtype)
+    if entry == "ring":
+        return _outcome(ring_attention, q, q, q)
+    return _outcome(decode_attention, q[:, :1], q, q)
+
+
+def call_from_outside_the_group(entry):
+    """All ranks build a group of ranks 0 and 1; every rank calls with it (rank 2 is no member)."""
+    group = dist.new_group([0, 1])
+    if entry == "ring":
+        return _outcome(_call_ring, RING_DEFAULTS, group)
+    return _outcome(_call_decode, DECODE_DEFAULTS, 3, group)
+
+
+def zero_sized(entry, field, backend, zero_ranks=None):
+    """``field`` ("batch", "seq", "heads", "heads_kv", "head_dim", "cache") set to 0 on ``zero_ranks``
+    (all ranks when None); this rank's outcome, and for batch 0 the gradients' shapes."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    zero = zero_ranks is None or rank in zero_ranks
+    dims = dict(batch=2, seq=4, heads=4, heads_kv=2, head_dim=8, cache=3)
+    if zero:
+        dims[field] = 0
+    q = torch.randn(dims["batch"], dims["seq"], dims["heads"], dims["head_dim"], requires_grad=True)
+    k = torch.randn(dims["batch"], dims["seq"] if entry == "ring" else dims["cache"], dims["heads_kv"],
+                    dims["head_dim"], requires_grad=True)
+    try:
+        if entry == "ring":
+            out = ring_attention(q, k, k, backend=backend, causal=True)
+            out.sum().backward()
+            return "ok", tuple(out.shape), tuple(q.grad.shape), tuple(k.grad.shape)
+        out = decode_attention(q.detach()[:, :1] if field != "seq" else q.detach(), k.detach(), k.detach(),
+                               backend=backend)
+        return "ok", tuple(out.shape), float(out.abs().sum()), size
+    except (TypeError, ValueError) as err:
+        return type(err).__name__, str(err)
+
+
+def different_entry_points():
+    """Rank 0 calls ring_attention, the others decode_attention (same group)."""
+    q = torch.ones(1, 4, 2, 8)
+    if dist.get_rank() == 0:
+        return _outcome(ring_attention, q, q, q)
+    return _outcome(decode_attention, q[:, :1], q, q)

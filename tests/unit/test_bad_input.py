@@ -130,3 +130,72 @@ def test_long_left_padding_over_kernel_blocks(causal):
     assert rel_err(out, ref) < 1e-5
     for leaf, ref_leaf in zip(leaves, refs):
         assert rel_err(leaf.grad, ref_leaf.grad) < 1e-5
+
+
+ZERO_SIZES = {  # field -> (q shape, k/v shape, the ValueError or None for an empty result); single process
+    "batch": ((0, 4, 4, 8), (0, 4, 2, 8), None),
+    "seq": ((1, 0, 4, 8), (1, 0, 2, 8), r"q has seq_local = 0; ring_attention needs at least one token per rank"),
+    "heads": ((1, 4, 0, 8), (1, 4, 2, 8), r"q has heads_q = 0; heads_q must be >= 1"),
+    "heads_kv": ((1, 4, 4, 8), (1, 4, 0, 8), r"k has heads_kv = 0; heads_kv must be >= 1"),
+    "head_dim": ((1, 4, 4, 0), (1, 4, 2, 0), r"q has head_dim = 0; head_dim must be >= 1"),
+}
+
+
+@pytest.fixture(params=["math", "sdpa", "auto", "flash_attn"])
+def any_backend(request, monkeypatch):
+    """Each block backend; "flash_attn" served on CPU by the stand-in of the package
+    (tests/unit/flash_attn_standin.py)."""
+    if request.param != "flash_attn":
+        yield request.param
+        return
+    import sys
+
+    from megatron_ring.attention import block, flash_attn_backend
+    from tests.unit import flash_attn_standin as standin
+
+    for name, module in standin.modules("2.7.4.post1").items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(block, "flash_attn_problem", lambda device, dtype, head_dim: None)
+    flash_attn_backend._load.cache_clear()
+    yield request.param
+    flash_attn_backend._load.cache_clear()
+
+
+@pytest.mark.parametrize("field", list(ZERO_SIZES))
+def test_ring_zero_sizes_single_process(any_backend, field):
+    """No SIGFPE in the CPU kernel: a ValueError naming the field, or (batch 0) an empty result."""
+    q_shape, kv_shape, error = ZERO_SIZES[field]
+    backend = any_backend
+    dtype = torch.bfloat16 if backend == "flash_attn" else torch.float32
+    q = torch.randn(q_shape, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(kv_shape, dtype=dtype, requires_grad=True) for _ in range(2))
+    if error is not None:
+        with pytest.raises(ValueError, match=error):
+            ring_attention(q, k, v, causal=True, backend=backend)
+        return
+    out = ring_attention(q, k, v, causal=True, backend=backend)
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == v.grad.shape == k.shape
+
+
+@pytest.mark.parametrize("field", [*ZERO_SIZES, "cache"])
+def test_decode_zero_sizes_single_process(any_backend, field):
+    """batch 0: empty; q_len 0, heads 0, head_dim 0: ValueError; an empty cache: the zero output."""
+    q_shape, kv_shape, error = ZERO_SIZES.get(field, ((2, 1, 4, 8), (2, 0, 2, 8), None))
+    if field == "seq":
+        kv_shape, error = (1, 3, 2, 8), r"q has q_len = 0; decode_attention needs at least one query token"
+    backend = any_backend
+    dtype = torch.bfloat16 if backend == "flash_attn" else torch.float32
+    q, k = torch.randn(q_shape, dtype=dtype), torch.randn(kv_shape, dtype=dtype)
+    if error is not None:
+        with pytest.raises(ValueError, match=error):
+            decode_attention(q, k, k, backend=backend)
+        return
+    out = decode_attention(q, k, k, backend=backend)
+    assert out.shape == q.shape and out.dtype == dtype and not out.abs().sum()
+
+
+def test_check_consistency_is_a_no_op_in_one_process():
+    q, k, v = qkv()
+    assert torch.equal(ring_attention(q, k, v, check_consistency=False), ring_attention(q, k, v))
+    assert torch.equal(decode_attention(q[:, :1], k, v, check_consistency=False), decode_attention(q[:, :1], k, v))

@@ -1,0 +1,141 @@
+"""Cross-rank agreement on a call's arguments before any data moves (``check_consistency=True``).
+
+Note [Cross-rank handshake]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The collectives of ``ring_attention`` and ``decode_attention`` are sized by the call's arguments.
+If the ranks of a group disagree (one rank's ``seq_local`` or ``dtype`` differs, one passes
+``causal=True``, one a key mask), the transfers no longer pair up: gloo aborts the process
+("Received data size doesn't match"), NCCL hangs or reads garbage, and a rank may even return a
+wrong tensor as success. So each call first describes itself as a row of ``WIDTH`` int64s::
+
+    [entry point, valid, batch, seq_local, heads_q, heads_kv, head_dim, dtype, ..., 0 padding]
+
+(dtypes and string choices as indices, ``softmax_scale`` as its float64 bits) and every rank
+all-gathers the rows of the group. Every rank then sees the same ``[P, WIDTH]`` table and raises
+the same ValueError naming each differing field, its values and the ranks holding each, before
+any data collective. A rank whose own checks rejected its inputs sends ``valid = 0``: it raises its
+own error and the others raise a ValueError naming it, so no rank is left waiting in a collective.
+
+Cost: one all-gather of ``WIDTH * 8 = 128`` bytes per rank per call (one collective latency,
+tens of microseconds on NVLink, ~0.1 ms on gloo) and, when the group has no CPU (gloo) backend,
+one host-device synchronisation to read the table. Nothing is added per ring step or in backward.
+The rows are not cached per (group, shapes): a rank whose cache hit would skip the collective that
+a rank with a changed shape enters, which is exactly the mismatch to catch. A caller that knows
+its ranks agree (a decode loop after its first step, a training step after the first) can pass
+``check_consistency=False``; it must then do so on every rank of the group, as the check itself
+is a collective.
+
+Not compared: the block ``backend`` (each rank's kernel computes its own blocks, no collective
+depends on it) and, in decode, the cache shard length ``s_local`` (which legitimately differs).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.attention.allgather import all_gather_stacked
+from megatron_ring.attention.checks import DTYPES
+
+WIDTH = 16
+"""Int64s per rank in the handshake: entry point, valid flag, up to 14 fields, zero padding."""
+ENTRIES: tuple[str, ...] = ("ring_attention", "decode_attention")
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "mps", "hpu", "meta", "other")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One compared argument: its name in error messages, its int64 code and how to show a code."""
+
+    name: str
+    code: int
+    show: Callable[[int], str] = str
+
+
+def choice_field(name: str, value: object, allowed: Sequence[object]) -> Field:
+    """An argument that is one of ``allowed`` (already validated), sent as its index."""
+    return Field(name, list(allowed).index(value), lambda code: repr(allowed[code]))
+
+
+def flag_field(name: str, value: bool, shown: tuple[str, str] = ("False", "True")) -> Field:
+    """A two-valued argument; ``shown`` names its values (False, True) in messages."""
+    return Field(name, int(value), lambda code: shown[code])
+
+
+def scale_field(scale: float) -> Field:
+    """``softmax_scale`` (the resolved float) sent as its exact float64 bits."""
+    return Field("softmax_scale", struct.unpack("<q", struct.pack("<d", scale))[0],
+                 lambda code: repr(struct.unpack("<d", struct.pack("<q", code))[0]))
+
+
+def tensor_fields(q: torch.Tensor, k: torch.Tensor, seq_name: str) -> list[Field]:
+    """Shape, dtype and device fields of q ``[batch, seq, heads_q, head_dim]`` and k ``[.., heads_kv, ..]``."""
+    device = q.device.type if q.device.type in DEVICE_TYPES else "other"
+    return [
+        Field("batch", q.shape[0]), Field(seq_name, q.shape[1]), Field("heads_q", q.shape[2]),
+        Field("heads_kv", k.shape[2]), Field("head_dim", q.shape[3]),
+        choice_field("dtype", q.dtype, DTYPES),
+        choice_field("device", device, DEVICE_TYPES),
+    ]
+
+
+def _device(group: dist.ProcessGroup | None, hint: object) -> torch.device:
+    """Where the rows travel: CPU for groups with a gloo backend, else the inputs' (CUDA) device."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend:
+        return torch.device("cpu")
+    if isinstance(hint, torch.Tensor):
+        return hint.device
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _differs(name: str, column: list[int], show: Callable[[int], str]) -> str | None:
+    """``None`` if every rank has the same code, else "<name> differs ...: ranks [..] have .., rank [..] has ..."."""
+    holders: dict[int, list[int]] = {}
+    for rank, code in enumerate(column):
+        holders.setdefault(code, []).append(rank)
+    if len(holders) == 1:
+        return None
+    parts = [f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {show(code)}" for code, ranks in holders.items()]
+    return f"{name} differs across the CP group: " + ", ".join(parts)
+
+
+def _problem(entry: str, fields: Sequence[Field], table: list[list[int]]) -> str | None:
+    """What the ranks' rows (``table[rank] = [entry, valid, *codes]``) disagree on, or None."""
+    entries = _differs("entry point", [row[0] for row in table], ENTRIES.__getitem__)
+    if entries is not None:
+        return f"{entries}; every rank of the group must make the same call"
+    invalid = [rank for rank, row in enumerate(table) if not row[1]]
+    if invalid:
+        return (f"the inputs were rejected on {_ranks(invalid)} (see the error raised there); {entry} raises on "
+                "every rank so that none waits in a collective")
+    found = [_differs(f.name, [row[2 + i] for row in table], f.show) for i, f in enumerate(fields)]
+    differing = [text for text in found if text is not None]
+    if not differing:
+        return None
+    return "; ".join(differing) + ". Every rank of the group must pass the same value (check_consistency=False " \
+                                  "skips this check)"
+
+
+def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup | None, size: int,
+          hint: object) -> None:
+    """All-gather this rank's row and raise ValueError unless every rank of ``group`` sent the same one.
+
+    ``fields`` is None when this rank's own checks failed: it then only tells the others (and
+    returns, to raise its own error). ``hint`` is the caller's q, for the device of NCCL groups.
+    """
+    codes = [] if fields is None else [f.code for f in fields]
+    assert len(codes) <= WIDTH - 2, "widen WIDTH for more fields"
+    row = torch.zeros(WIDTH, dtype=torch.int64)
+    row[: 2 + len(codes)] = torch.tensor([ENTRIES.index(entry), fields is not None, *codes], dtype=torch.int64)
+    table = all_gather_stacked(row.to(_device(group, hint)), group, size).tolist()
+    problem = None if fields is None else _problem(entry, fields, table)
+    if problem is not None:
+        raise ValueError(f"{entry}: {problem}")
