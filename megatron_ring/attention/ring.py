@@ -13,7 +13,8 @@ attention math when compute >= communication (L/P above the crossover). Step 0 s
 caller's own K/V; two receive buffers (one for P = 2), allocated once per call, alternate after
 that. The buffer being received into was last read at step t-1, whose communication has
 completed, so there is no hazard. Only the ``heads_kv`` heads travel, in the caller's layout and
-dtype (bf16 on the wire for bf16 models).
+dtype (bf16 for bf16 models) in forward; the backward's dK/dV accumulator travels in fp32, twice
+the bytes of bf16 K/V.
 
 Backward runs a second ring: K/V rotate as in forward, and a gradient accumulator (fp32) travels
 one step behind them, collecting every rank's dK/dV contribution for that block; a final

@@ -103,8 +103,11 @@ class CachedCoreAttention(torch.nn.Module):
     """A layer's ``core_attention`` plus this rank's KV cache for it (Note [Sharded KV cache]).
 
     Cache: K and V ``[capacity, batch, ng, hn]`` (Megatron's layout; ng = this TP rank's K/V heads).
-    The runner sets :attr:`decoding`, :attr:`owner` and :attr:`rows` (the batch rows of the running
-    micro-batch) before each forward, and advances :attr:`length` after each decode step.
+    The runner sets :attr:`decoding`, :attr:`owner`, :attr:`check` and :attr:`rows` (the batch rows
+    of the running micro-batch) before each forward, and advances :attr:`length` after each decode
+    step. ``check``: whether ``decode_attention`` runs its cross-rank handshake; the runner asks for
+    it on the first decode step of a request only, since later steps repeat the same shapes and the
+    handshake would double the step's collectives.
     """
 
     def __init__(self, inner: torch.nn.Module, *, batch: int, capacity: int, dtype: torch.dtype,
@@ -117,6 +120,7 @@ class CachedCoreAttention(torch.nn.Module):
         self.length = 0
         self.decoding = False
         self.owner = False
+        self.check = True
         self.rows = slice(None)
 
     def _ensure(self, key: torch.Tensor) -> None:
@@ -149,7 +153,7 @@ class CachedCoreAttention(torch.nn.Module):
         k, v = self.k[:end, rows], self.v[:end, rows]
         if isinstance(self.inner, RingAttention):
             out = decode_attention(query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.inner.cp_group,
-                                   softmax_scale=self.inner.softmax_scale)
+                                   softmax_scale=self.inner.softmax_scale, check_consistency=self.check)
             return out.transpose(0, 1).reshape(sq, b, -1)
         # Megatron's DotProductAttention applies no mask to a single query (sq = 1).
         return self.inner(query, k.contiguous(), v.contiguous(), None, attn_mask_type=AttnMaskType.no_mask)
@@ -301,7 +305,7 @@ class MegatronRunner:
             raise RuntimeError("decode() before prefill(): call reset() then prefill(prompt) first")
         owner = self._step % self.cp_size == self.cp_rank
         for cache in self.caches:
-            cache.decoding, cache.owner = True, owner
+            cache.decoding, cache.owner, cache.check = True, owner, self._step == 0
         positions = torch.tensor([self._pos], device=self.device)
         hidden = self._pipelined(ids.to(self.device)[:, None], positions, min(self.groups.layout.pp, ids.shape[0]))
         for cache in self.caches:
