@@ -26,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from itertools import pairwise
@@ -134,7 +135,8 @@ class Provenance(StrictModel):
     machine: Machine
     load_before: list[float] = Field(..., description="os.getloadavg() before the first run (1, 5, 15 min)")
     load_after: list[float]
-    noisy: bool = Field(..., description="the 1-minute load before or after exceeded the core count")
+    noisy: bool = Field(..., description="the 1-minute load exceeded the core count before the sweep, or the core "
+                        "count plus the sweep's own processes after it")
 
 
 class SweepResult(StrictModel):
@@ -321,19 +323,29 @@ def git_commit() -> str | None:
     return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
-def is_noisy(load_before: Sequence[float], load_after: Sequence[float], cpu_count: int | None) -> bool:
-    """The 1-minute load average before or after exceeded the core count."""
-    return cpu_count is not None and max(load_before[0], load_after[0]) > cpu_count
+def is_noisy(load_before: Sequence[float], load_after: Sequence[float], cpu_count: int | None, own: int) -> bool:
+    """Other work shared the cores: the 1-minute load average exceeded the core count before the
+    sweep, or the core count plus the sweep's own ``own`` processes after it."""
+    return cpu_count is not None and (load_before[0] > cpu_count or load_after[0] > cpu_count + own)
+
+
+def settle(max_s: float, cpu_count: int | None) -> None:
+    """Wait up to ``max_s`` seconds for the 1-minute load average to fall to half the cores (what
+    earlier work left in it decays with a time constant of a minute)."""
+    deadline = time.monotonic() + max_s
+    while cpu_count and os.getloadavg()[0] > cpu_count / 2 and time.monotonic() < deadline:
+        time.sleep(5)
 
 
 # --- the sweep -------------------------------------------------------------------------------
 
 def run_sweep(baseline: Path, ring: Path, *, lengths: Sequence[int], batches: Sequence[int] | None = None,
               repeats: int = 3, new_tokens: int | None = None, out_dir: Path, launcher: str = "deepspeed",
-              predict: Predict | None = None, command: str | None = None) -> SweepResult:
+              predict: Predict | None = None, command: str | None = None, settle_s: float = 0.0) -> SweepResult:
     """Run the sweep, write ``sweep.json`` (validated) and the plots to ``out_dir``; return the summary.
 
-    Every config and the ``predict`` hook are checked for every point before the first launch.
+    Every config and the ``predict`` hook are checked for every point before the first launch;
+    then up to ``settle_s`` seconds pass waiting for a quiet machine (:func:`settle`).
     """
     configs = {"baseline": Path(baseline), "ring": Path(ring)}
     if configs["baseline"].stem == configs["ring"].stem:
@@ -343,6 +355,7 @@ def run_sweep(baseline: Path, ring: Path, *, lengths: Sequence[int], batches: Se
     points = plan_points(specs, lengths, batches, new_tokens)
     derived = derive_all(configs, points, out_dir / "configs")
     predicted = predictions(predict, configs, points) if predict else {}
+    settle(settle_s, os.cpu_count())
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     load_before = list(os.getloadavg())
     runs = run_points(derived, points, repeats=repeats, out_dir=out_dir, launcher=launcher)
@@ -355,7 +368,8 @@ def run_sweep(baseline: Path, ring: Path, *, lengths: Sequence[int], batches: Se
         new_tokens=new_tokens, points=summary_points, crossover=crossovers(summary_points),
         provenance=Provenance(command=command or shlex.join(sys.argv), git_commit=git_commit(), date=started,
                               machine=machine, load_before=load_before, load_after=load_after,
-                              noisy=is_noisy(load_before, load_after, machine.cpu_count)))
+                              noisy=is_noisy(load_before, load_after, machine.cpu_count,
+                                             own=max(specs[side].layout.world_size for side in SIDES))))
     if summary.provenance.noisy:
         print(f"[sweep] WARNING: noisy machine: 1-minute load average {load_before[0]:.2f} before, "
               f"{load_after[0]:.2f} after the sweep, on {machine.cpu_count} cores; timings are unreliable",
@@ -440,6 +454,8 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=positive_int, default=None, help="override the configs' new_tokens")
     parser.add_argument("--out-dir", default="results/sweep", help="where configs, runs, sweep.json and plots go")
     parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                        help="first wait up to this long for the load average to fall to half the cores")
     parser.add_argument("--predict", metavar="PROFILE", default=None,
                         help="also predict every point with the planner on this hardware profile (a bundled name "
                              "or a JSON, e.g. one written by megatron-ring calibrate) and store the errors")
@@ -449,7 +465,7 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
         baseline, ring = compare.resolve_pair(args.configs)
         summary = run_sweep(baseline, ring, lengths=args.lengths, batches=args.batches, repeats=args.repeats,
                             new_tokens=args.new_tokens, out_dir=out_dir, launcher=args.launcher,
-                            predict=make_predictor(args.predict) if args.predict else None,
+                            predict=make_predictor(args.predict) if args.predict else None, settle_s=args.settle,
                             command=shlex.join(["megatron-ring", "sweep", *argv]))
     except (ConfigError, RuntimeError) as err:
         print(f"[sweep] {err}", file=sys.stderr)
