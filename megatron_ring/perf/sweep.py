@@ -271,10 +271,15 @@ def relative_errors(predicted: dict[str, TimingFields], stats: dict[str, SideSta
     return {side: TimingFields(**{f: error(side, f) for f in TimingFields.model_fields}) for side in predicted}
 
 
+def _timing(prediction: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a prediction the sweep compares (a predictor may say more, e.g. its dominant terms)."""
+    return {field: prediction.get(field) for field in TimingFields.model_fields}
+
+
 def predictions(predict: Predict, configs: dict[str, Path], points: Sequence[SweepPoint]
                 ) -> dict[SweepPoint, dict[str, TimingFields]]:
     """The hook's prediction for every point and side, validated (ConfigError naming the point)."""
-    return {p: {side: TimingFields.parse(predict(config, p.prompt_len, p.batch, p.new_tokens),
+    return {p: {side: TimingFields.parse(_timing(predict(config, p.prompt_len, p.batch, p.new_tokens)),
                                          where=f"prediction for {side} at L={p.prompt_len} batch={p.batch}")
                 for side, config in configs.items()}
             for p in points}
