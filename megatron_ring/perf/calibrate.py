@@ -23,8 +23,12 @@ cuDNN attention) need one GPU per rank and are not measured here.
 
 Note [Calibration fits]
 ~~~~~~~~~~~~~~~~~~~~~~~
-Every point is the median over ``repeats`` of the slowest rank's time. A collective moving
-``n`` bytes is fitted by least squares to ``t = alpha + x / beta`` over the message sizes, with
+Every point is the median over ``repeats`` of the slowest rank's time; a communication repeat
+times ``calls`` calls back to back (after one barrier) and divides, so the skew with which ranks
+leave the barrier is not charged to a small message. A collective moving ``n`` bytes is fitted to
+``t = alpha + x / beta`` over the message sizes by least squares in *relative* error (weights
+``1 / t^2``): sizes span 1 KB to 32 MB, and a plain fit lets the largest messages decide the
+intercept, the latency that small messages (decode's collectives) actually pay. It uses
 ``x = n`` for p2p (one way: half a ping-pong), ``x = 2 (P-1)/P n`` for an all-reduce of an
 ``n``-byte buffer and ``x = (P-1) n`` for an all-gather of ``n`` bytes per rank (the cost
 model's formulas, ``HardwareProfile.collective_s``): ``alpha`` is the latency, ``beta`` the
@@ -52,10 +56,10 @@ from megatron_ring.attention.auto_comm import work_fraction
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FULL: dict[str, Any] = {"matmul_n": {"fp32": 1024, "bf16": 512}, "attention": (1, 8, 2048, 64),
                         "copy_bytes": 256 << 20, "message_bytes": [1 << 10, 16 << 10, 256 << 10, 4 << 20, 32 << 20],
-                        "layers": [1, 2, 4], "repeats": 5, "warmup": 1}
+                        "layers": [1, 2, 4], "repeats": 5, "warmup": 1, "calls": 8}
 QUICK: dict[str, Any] = {"matmul_n": {"fp32": 64, "bf16": 32}, "attention": (1, 2, 64, 16),
                          "copy_bytes": 1 << 20, "message_bytes": [1 << 10, 16 << 10, 64 << 10],
-                         "layers": [1, 2], "repeats": 3, "warmup": 1}
+                         "layers": [1, 2], "repeats": 3, "warmup": 1, "calls": 2}
 TINY_GPT: dict[str, Any] = {
     "name": "calibrate-overhead", "dtype": "fp32", "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1},
     "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
@@ -67,16 +71,18 @@ TINY_GPT: dict[str, Any] = {
 # worker side (every rank of the pool)
 
 
-def _times(fn: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
-    """Wall time of ``fn`` per repeat on this rank, all ranks starting together."""
+def _times(fn: Callable[[], Any], repeats: int, warmup: int, calls: int = 1) -> list[float]:
+    """Wall time of one ``fn`` per repeat on this rank, all ranks starting together; each repeat
+    times ``calls`` calls back to back and divides (Note [Calibration fits])."""
     for _ in range(warmup):
         fn()
     out = []
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls)
     return out
 
 
@@ -123,9 +129,10 @@ def comm_worker(sizes: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
                 dist.irecv(buf, 0).wait()
                 dist.isend(buf, 0).wait()
 
-        out["p2p"][nbytes] = [t / 2 for t in _times(ping_pong, reps, warm)] if rank < 2 else []
-        out["all_reduce"][nbytes] = _times(lambda: dist.all_reduce(buf), reps, warm)
-        out["all_gather"][nbytes] = _times(lambda: all_gather_stacked(buf, None, world), reps, warm)
+        calls = sizes["calls"]
+        out["p2p"][nbytes] = [t / 2 for t in _times(ping_pong, reps, warm, calls)] if rank < 2 else []
+        out["all_reduce"][nbytes] = _times(lambda: dist.all_reduce(buf), reps, warm, calls)
+        out["all_gather"][nbytes] = _times(lambda: all_gather_stacked(buf, None, world), reps, warm, calls)
     return out
 
 
@@ -163,11 +170,14 @@ def overhead_worker(sizes: dict[str, Any]) -> dict[int, list[float]] | str:
 
 
 def fit_line(xs: list[float], ts: list[float]) -> dict[str, Any]:
-    """Least squares ``t = alpha + x / beta`` (Note [Calibration fits]): alpha, beta, r2, clamped."""
+    """Least squares ``t = alpha + x / beta`` in relative error (weights ``1 / t^2``, Note [Calibration
+    fits]): alpha, beta, r2 (of the weighted fit), clamped."""
     n = len(xs)
-    mx, mt = sum(xs) / n, sum(ts) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx if sxx > 0 else 0.0
+    ws = [1.0 / t ** 2 if t > 0 else 1.0 for t in ts]
+    sw = sum(ws)
+    mx, mt = sum(w * x for w, x in zip(ws, xs)) / sw, sum(w * t for w, t in zip(ws, ts)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (t - mt) for w, x, t in zip(ws, xs, ts)) / sxx if sxx > 0 else 0.0
     alpha = mt - slope * mx
     clamped = []
     if slope <= 0:  # size made no difference here: latency only; bandwidth at least x / t of the largest point
@@ -177,8 +187,8 @@ def fit_line(xs: list[float], ts: list[float]) -> dict[str, Any]:
     elif alpha < 0:
         alpha = 0.0
         clamped.append("alpha")
-    sst = sum((t - mt) ** 2 for t in ts)
-    sse = sum((t - alpha - slope * x) ** 2 for x, t in zip(xs, ts))
+    sst = sum(w * (t - mt) ** 2 for w, t in zip(ws, ts))
+    sse = sum(w * (t - alpha - slope * x) ** 2 for w, x, t in zip(ws, xs, ts))
     return {"alpha": alpha, "beta": 1.0 / slope, "r2": 1.0 - sse / sst if sst > 0 else 1.0, "clamped": clamped,
             "x": xs, "t": ts}
 

@@ -36,6 +36,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 from pydantic import Field
 
 from megatron_ring.config import ConfigError, StrictModel, load_mapping
+from megatron_ring.config.shipped import find_config
 from megatron_ring.inference import compare
 from megatron_ring.inference.main import load_spec
 from megatron_ring.inference.metrics import rank_max
@@ -379,12 +380,41 @@ def run_sweep(baseline: Path, ring: Path, *, lengths: Sequence[int], batches: Se
         print(f"[sweep] WARNING: noisy machine: 1-minute load average {load_before[0]:.2f} before, "
               f"{load_after[0]:.2f} after the sweep, on {machine.cpu_count} cores; timings are unreliable",
               file=sys.stderr, flush=True)
-    path = write_json_atomic(out_dir / "sweep.json", summary.model_dump(mode="json", by_alias=True))
-    load_sweep(path)
-    plot_sweep(summary.model_dump(mode="json", by_alias=True), out_dir,
-               predicted={side: {(p.prompt_len, p.batch): predicted[p][side].model_dump() for p in points}
-                          for side in SIDES} if predict else None)
+    write_outputs(summary, out_dir)
     return summary
+
+
+def write_outputs(summary: SweepResult, out_dir: Path) -> None:
+    """``sweep.json`` (validated on the way back) and the plots, predictions dashed where there are any."""
+    data = summary.model_dump(mode="json", by_alias=True)
+    load_sweep(write_json_atomic(out_dir / "sweep.json", data))
+    predicted = {side: {(p.prompt_len, p.batch): p.predicted[side].model_dump() for p in summary.points if p.predicted}
+                 for side in SIDES}
+    plot_sweep(data, out_dir, predicted=predicted if any(predicted.values()) else None)
+
+
+def repredict(out_dir: Path, predict: Predict | None) -> SweepResult:
+    """A stored sweep with new predictions (or none), its errors and plots rewritten; nothing is rerun.
+
+    For a hardware profile measured after the sweep (``megatron-ring calibrate``). The configs are
+    the stored paths, or the shipped configs of the same names where those paths do not exist.
+    """
+    summary = load_sweep(out_dir / "sweep.json")
+    configs = {side: _stored_config(getattr(summary, side).config) for side in SIDES}
+    points = [SweepPoint(p.prompt_len, p.batch, p.new_tokens) for p in summary.points]
+    predicted = predictions(predict, configs, points) if predict else {}
+    summary.points = [
+        p.model_copy(update={"predicted": predicted.get(sp),
+                             "relative_error": relative_errors(predicted[sp], {side: getattr(p, side) for side in SIDES})
+                             if predict else None})
+        for p, sp in zip(summary.points, points)]
+    write_outputs(summary, out_dir)
+    return summary
+
+
+def _stored_config(path: str) -> Path:
+    stored = Path(path)
+    return stored if stored.is_file() else find_config(stored.name)
 
 
 def side_info(spec: InferenceSpec) -> SideInfo:
@@ -450,9 +480,9 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="megatron-ring sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("configs", nargs="+", metavar="PAIR|CONFIG",
+    parser.add_argument("configs", nargs="*", metavar="PAIR|CONFIG",
                         help=f"a pair name ({', '.join(sorted(compare.PAIRS))}) or baseline and ring config paths")
-    parser.add_argument("--lengths", type=positive_int, nargs="+", required=True, help="prompt lengths")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", help="prompt lengths (required unless --replot)")
     parser.add_argument("--batches", type=positive_int, nargs="+", default=None,
                         help="batch sizes (default: the configs' own)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="runs of each side per point")
@@ -464,7 +494,22 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--predict", metavar="PROFILE", default=None,
                         help="also predict every point with the planner on this hardware profile (a bundled name "
                              "or a JSON, e.g. one written by megatron-ring calibrate) and store the errors")
+    parser.add_argument("--replot", metavar="DIR", default=None,
+                        help="run nothing: recompute a stored sweep's predictions (with --predict, else drop them), "
+                             "errors and plots in DIR")
     args = parser.parse_args(argv)
+    if args.replot:
+        if args.configs or args.lengths:
+            parser.error("--replot takes no pair and no --lengths: it reads DIR/sweep.json")
+        try:
+            summary = repredict(Path(args.replot), make_predictor(args.predict) if args.predict else None)
+        except (ConfigError, OSError) as err:
+            print(f"[sweep] {err}", file=sys.stderr)
+            return 1
+        print(format_sweep_table(summary))
+        return 0
+    if not args.configs or not args.lengths:
+        parser.error("give a pair (or two configs) and --lengths")
     out_dir = Path(args.out_dir)
     try:
         baseline, ring = compare.resolve_pair(args.configs)
