@@ -49,7 +49,8 @@ Checked against what ``inference/runners/gpt.py`` does (``predict.py`` evaluates
 * Local attention (``cp = 1``) is not a ring step: it no longer pays ``p2p_latency_s``.
 * CPU profiles: ranks share the cores and the memory bandwidth. Ranks that compute at once are
   ``world / pp`` when the stages take turns (one micro-batch), all ranks when several micro-batches
-  pipeline; FLOP/s, bandwidth and host overheads are scaled by that share
+  pipeline; a rank runs ``cores // world`` torch threads (as the launch sets them), so it never
+  gets more than that many cores even while the other stage waits; FLOP/s, bandwidth and host overheads are scaled by that share
   (``HardwareProfile.flops(ranks=)``, ``hbm(ranks=)``, ``host_slowdown(ranks=)``). Before, each
   rank was given the whole machine. GPU profiles are unaffected.
 
@@ -284,12 +285,17 @@ class Planner:
         micro-batches]), at most one per sequence; 1 without."""
         return min(p.layout.pp, p.workload.batch)
 
-    @classmethod
-    def active_ranks(cls, p: PlanInput, phase: str) -> int:
-        """Ranks computing at the same time in ``phase`` ("prefill" or "decode"); see the Note on CPU profiles."""
+    def active_ranks(self, p: PlanInput, phase: str) -> int:
+        """How many ranks share the machine in ``phase`` ("prefill" or "decode"): the ranks computing at
+        once, and on CPU profiles at least ``cores / threads`` (a rank runs ``cores // world`` torch
+        threads, so it never gets more cores than that); see the Note on CPU profiles."""
         lay = p.layout
-        micro_batches = p.workload.batch // p.workload.micro_batch if phase == "prefill" else cls.decode_micro_batches(p)
-        return lay.world_size if micro_batches > 1 else lay.world_size // lay.pp
+        micro_batches = p.workload.batch // p.workload.micro_batch if phase == "prefill" else self.decode_micro_batches(p)
+        active = lay.world_size if micro_batches > 1 else lay.world_size // lay.pp
+        cores = self.hw.cpu_cores
+        if cores is None:
+            return active
+        return max(active, math.ceil(cores / max(1, cores // lay.world_size)))
 
     def ring_step(self, p: PlanInput) -> RingStep:
         """The CP ring's per-step compute and communication for one micro-batch, one layer."""
