@@ -14,7 +14,7 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
-from megatron_ring.config.args import positive_int, usage_error
+from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.demo import add_demo_arguments, check_demo_args, demo_argv
 from megatron_ring.parallel.layout import AXES, ParallelLayout
 

@@ -19,8 +19,7 @@ from megatron_ring.attention.instrument import ring_stats
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import shard_sequence
 from megatron_ring.attention.reference import attention_reference, rel_err
-from megatron_ring.config.args import positive_int, usage_error
-from megatron_ring.config.strict import ConfigError
+from megatron_ring.runtime.args import positive_int, usage_error
 
 
 def ring_demo(seq_len: int, heads: int, heads_kv: int, head_dim: int, dtype: torch.dtype,
@@ -55,11 +54,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_demo_args(args: argparse.Namespace, ranks: int) -> None:
-    """ConfigError naming the flags when ``args`` cannot run on ``ranks`` processes."""
+    """ValueError naming the flags when ``args`` cannot run on ``ranks`` processes."""
     if args.heads % args.heads_kv:
-        raise ConfigError(f"--heads {args.heads} is not a multiple of --heads-kv {args.heads_kv}")
+        raise ValueError(f"--heads {args.heads} is not a multiple of --heads-kv {args.heads_kv}")
     if args.seq_len % (2 * ranks):
-        raise ConfigError(f"--seq-len {args.seq_len} is not divisible by 2 x {ranks} ranks = {2 * ranks}: zigzag "
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2 x {ranks} ranks = {2 * ranks}: zigzag "
                           "sharding gives every rank two equal chunks")
 
 
@@ -79,7 +78,7 @@ def demo_main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_demo_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    except ConfigError as err:
+    except ValueError as err:
         return usage_error(parser.prog, err)
     cuda = torch.cuda.is_available()
     if cuda:

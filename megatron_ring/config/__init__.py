@@ -5,8 +5,7 @@ Files:
 * ``strict.py``  the strict base model (unknown keys rejected with a did-you-mean), file loading;
 * ``layout.py``  :class:`LayoutConfig`, the one layout schema;
 * ``gpt.py``     the GPT model files of ``configs/megatron``;
-* ``shipped.py`` finding a config: relative to the working directory, else the shipped one;
-* ``args.py``    command-line value types (``positive_int`` ...) and the one-line usage error.
+* ``shipped.py`` finding a config: relative to the working directory, else the shipped one.
 """
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping, load_model
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_ring.config import ConfigError, load_mapping
-from megatron_ring.config.args import usage_error
+from megatron_ring.runtime.args import usage_error
 from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed.config import split_config
 from megatron_ring.config.layout import LayoutConfig

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ring.config.args import non_negative_int, positive_float, positive_int, usage_error
+from megatron_ring.runtime.args import non_negative_int, positive_float, positive_int, usage_error
 
 IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "ulysses")
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
@@ -389,7 +389,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa, flash_attn)")
     ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--warmup", type=non_negative_int, default=1)
-    ap.add_argument("--timeout", type=positive_float, default=600.0, help="seconds per point before a rank is declared hung")
+    ap.add_argument("--timeout", type=positive_float, default=600.0,
+                    help="seconds per point before a rank is declared hung")
     ap.add_argument("--out", default="results/bench_attention.json", help="JSON output")
     ap.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
     ap.add_argument("--no-plots", action="store_true")

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ring.config.args import non_negative_int, positive_int, usage_error
+from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

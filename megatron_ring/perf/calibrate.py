@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.auto_comm import work_fraction
-from megatron_ring.config.args import int_at_least, positive_float, usage_error
+from megatron_ring.runtime.args import int_at_least, positive_float, usage_error
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FULL: dict[str, Any] = {"matmul_n": {"fp32": 1024, "bf16": 512}, "attention": (1, 8, 2048, 64),

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from megatron_ring.config.args import non_negative_int, positive_int, usage_error
+from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout

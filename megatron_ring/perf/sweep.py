@@ -36,7 +36,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 from pydantic import Field
 
 from megatron_ring.config import ConfigError, StrictModel, load_mapping
-from megatron_ring.config.args import positive_int, usage_error
+from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.inference import compare
 from megatron_ring.inference.main import load_spec
 from megatron_ring.inference.metrics import rank_max

@@ -3,8 +3,8 @@ one-line error at the boundary.
 
 An argparse ``type`` raising :class:`argparse.ArgumentTypeError` gives ``PROG: error: argument --L:
 expected an integer >= 1, got 0`` and exit status 2; :func:`usage_error` prints a rejected
-combination of flags (a :class:`~megatron_ring.config.strict.ConfigError` or ``ValueError``) the
-same way.
+combination of flags (a ``ValueError``, :class:`~megatron_ring.config.strict.ConfigError` included)
+the same way. The standard library only: entry points that need torch alone import it.
 """
 from __future__ import annotations
 
