@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, (module, func, text) in DELEGATED.items():
         sub.add_parser(name, help=text, add_help=False).set_defaults(delegate=_delegate(module, func))
     benches = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES)).add_subparsers(
-        dest="which", required=True)
+        dest="bench", required=True)
     for name, (module, func, text) in BENCHES.items():
         benches.add_parser(name, help=text, add_help=False).set_defaults(delegate=_delegate(module, func))
 

@@ -73,6 +73,8 @@ def test_every_subcommand_help_shows_its_own_flags(argv, prog, flags, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["bogus"], "invalid choice: 'bogus'"),
     (["bench", "bogus"], "invalid choice: 'bogus'"),
+    ([], "the following arguments are required: command"),
+    (["bench"], "the following arguments are required: bench"),
     (["layout", "--bogus"], "unrecognized arguments: --bogus"),
     (["demo", "--bogus"], "unrecognized arguments: --bogus"),
     (["plan", "--bogus"], "unrecognized arguments: --bogus"),
@@ -83,7 +85,7 @@ def test_every_subcommand_help_shows_its_own_flags(argv, prog, flags, capsys):
     (["bench", "attention", "--bogus"], "unrecognized arguments: --bogus"),
     (["bench", "numerics", "--bogus"], "unrecognized arguments: --bogus"),
 ])
-def test_unknown_subcommand_or_flag_exits_2(argv, message, capsys, no_launch):
+def test_unknown_or_missing_subcommand_or_flag_exits_2(argv, message, capsys, no_launch):
     code, _, err = run(argv, capsys)
     assert code == 2
     assert message in err
