@@ -1,6 +1,8 @@
 """``megatron-ring``: inspect layouts, run the ring demo, plan, calibrate, benchmark and compare setups.
 
-Subcommands that need optional frameworks import them only when called.
+Subcommands that need optional frameworks import them only when called. Delegated subcommands
+(``plan``, ``bench attention`` ...) parse their own flags, ``--help`` included; a bad value exits
+with status 2 and one ``megatron-ring <command>: error: ...`` line, never a traceback.
 """
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import subprocess
 import sys
 from typing import Callable, Sequence
 
+from megatron_ring.runtime.args import positive_int, usage_error
+from megatron_ring.demo import add_demo_arguments, check_demo_args, demo_argv
 from megatron_ring.parallel.layout import AXES, ParallelLayout
 
-# name -> (module, function, help): each takes its own argv and returns an exit code
+# name -> (module, function, help): each takes its own argv (--help included) and returns an exit code
 DELEGATED: dict[str, tuple[str, str, str]] = {
     "plan": ("megatron_ring.perf.plan_cli", "plan_main", "analytical model of a config on a hardware profile"),
     "calibrate": ("megatron_ring.perf.calibrate", "calibrate_main",
@@ -26,9 +30,11 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
     "infer": ("megatron_ring.inference.main", "infer_main",
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
 }
-BENCHES: dict[str, tuple[str, str]] = {
-    "attention": ("megatron_ring.perf.bench_attention", "bench_attention_main"),
-    "numerics": ("megatron_ring.perf.bench_numerics", "bench_numerics_main"),
+BENCHES: dict[str, tuple[str, str, str]] = {
+    "attention": ("megatron_ring.perf.bench_attention", "bench_attention_main",
+                  "ring (p2p) vs all-gather vs single process vs DeepSpeed Ulysses on gloo ranks"),
+    "numerics": ("megatron_ring.perf.bench_numerics", "bench_numerics_main",
+                 "relative error of ring attention against float64, by ring size and dtype"),
 }
 
 
@@ -60,11 +66,11 @@ def _cmd_layout(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    check_demo_args(args, args.nproc)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     if torchrun is None:
         raise SystemExit("torchrun not found on PATH (it ships with torch)")
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "megatron_ring.demo",
-           f"--seq-len={args.seq_len}", f"--dtype={args.dtype}"]
+    cmd = [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", "-m", "megatron_ring.demo", *demo_argv(args)]
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd)
 
@@ -82,33 +88,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = sub.add_parser("layout", help="print the rank grid and groups of a parallel layout")
     for axis in AXES:
-        p.add_argument(f"--{axis}", type=int, default=1, help=f"{axis} size")
-    p.add_argument("--world", type=int, default=None, help="check against this many launched ranks")
+        p.add_argument(f"--{axis}", type=positive_int, default=1, help=f"{axis} size")
+    p.add_argument("--world", type=positive_int, default=None, help="check against this many launched ranks")
     p.set_defaults(handler=_cmd_layout)
 
     p = sub.add_parser("demo", help="ring attention on N CPU processes (torchrun, gloo) checked against float64")
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--nproc", type=positive_int, default=4, help="ranks (CPU processes, or GPUs)")
+    add_demo_arguments(p)
     p.set_defaults(handler=_cmd_demo)
 
     for name, (module, func, text) in DELEGATED.items():
         sub.add_parser(name, help=text, add_help=False).set_defaults(delegate=_delegate(module, func))
-    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
-    bench.add_argument("which", choices=list(BENCHES))
+    benches = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES)).add_subparsers(
+        dest="bench", required=True)
+    for name, (module, func, text) in BENCHES.items():
+        benches.add_parser(name, help=text, add_help=False).set_defaults(delegate=_delegate(module, func))
 
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return _delegate(*BENCHES[args.which])(rest)
     if hasattr(args, "delegate"):
         return args.delegate(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.handler(args)
-    except (ValueError, TypeError) as err:
-        print(f"megatron-ring {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as err:  # ConfigError included
+        return usage_error(f"megatron-ring {args.command}", err)
 
 
 if __name__ == "__main__":

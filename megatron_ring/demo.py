@@ -19,6 +19,7 @@ from megatron_ring.attention.instrument import ring_stats
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import shard_sequence
 from megatron_ring.attention.reference import attention_reference, rel_err
+from megatron_ring.runtime.args import positive_int, usage_error
 
 
 def ring_demo(seq_len: int, heads: int, heads_kv: int, head_dim: int, dtype: torch.dtype,
@@ -42,15 +43,43 @@ def ring_demo(seq_len: int, heads: int, heads_kv: int, head_dim: int, dtype: tor
     }
 
 
-def demo_main(argv: Optional[Sequence[str]] = None) -> int:
-    """One rank of the demo: run it under a launcher (``torchrun -m megatron_ring.demo``); returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m megatron_ring.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--heads-kv", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's flags (``megatron-ring demo`` adds ``--nproc`` to them)."""
+    parser.add_argument("--seq-len", type=positive_int, default=4096,
+                        help="global sequence length, divisible by 2 x ranks (zigzag sharding)")
+    parser.add_argument("--heads", type=positive_int, default=8, help="query heads")
+    parser.add_argument("--heads-kv", type=positive_int, default=2, help="K/V heads (GQA), dividing --heads")
+    parser.add_argument("--head-dim", type=positive_int, default=64)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+
+
+def check_demo_args(args: argparse.Namespace, ranks: int) -> None:
+    """ValueError naming the flags when ``args`` cannot run on ``ranks`` processes."""
+    if args.heads % args.heads_kv:
+        raise ValueError(f"--heads {args.heads} is not a multiple of --heads-kv {args.heads_kv}")
+    if args.seq_len % (2 * ranks):
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by 2 x {ranks} ranks = {2 * ranks}: zigzag "
+                          "sharding gives every rank two equal chunks")
+
+
+def demo_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of :func:`add_demo_arguments` with their values in ``args``, as argv for :func:`demo_main`."""
+    return [f"--seq-len={args.seq_len}", f"--heads={args.heads}", f"--heads-kv={args.heads_kv}",
+            f"--head-dim={args.head_dim}", f"--dtype={args.dtype}"]
+
+
+def demo_main(argv: Optional[Sequence[str]] = None) -> int:
+    """One rank of the demo: run it under a launcher (``torchrun -m megatron_ring.demo``); returns the exit status.
+
+    The flags are checked against the launched world size before any process group exists.
+    """
+    parser = argparse.ArgumentParser(prog="python -m megatron_ring.demo", description=__doc__.split("\n")[0])
+    add_demo_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        check_demo_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as err:
+        return usage_error(parser.prog, err)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_ring.config import ConfigError, load_mapping
+from megatron_ring.runtime.args import usage_error
 from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed.config import split_config
 from megatron_ring.config.layout import LayoutConfig
@@ -145,7 +146,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         results = [run_config(c, out_dir, launcher=args.launcher) for c in (baseline_cfg, ring_cfg)]
-    except (ConfigError, RuntimeError) as err:
+    except ConfigError as err:
+        return usage_error(parser.prog, err)
+    except RuntimeError as err:
         print(f"[compare] {err}", file=sys.stderr)
         return 1
     print()

@@ -50,6 +50,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_ring.runtime.args import non_negative_int, positive_float, positive_int, usage_error
+
 IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "ulysses")
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -327,8 +329,8 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
         progress("deepspeed is not installed: skipping ulysses")
         impls = [i for i in impls if i != "ulysses"]
     cores = os.cpu_count() or 1
-    if any(p < 1 for p in ranks):
-        raise ValueError(f"every P must be >= 1, got {ranks}")
+    if any(p < 1 for p in ranks) or any(seq < 1 for seq in lengths):
+        raise ValueError(f"every P and every L must be >= 1, got P {ranks}, L {lengths}")
     pool_sizes = sorted({p for p in ranks if p > 1}) or [1]
     bad_len = [(seq, p) for p in pool_sizes for seq in lengths if seq % (2 * p)]
     if bad_len:
@@ -373,21 +375,22 @@ def borrow_pool(pools: Callable[[int, int], Any] | None, size: int, threads: int
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-ring bench attention", description=__doc__.split("\n")[0])
-    ap.add_argument("--L", dest="lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+    ap.add_argument("--L", dest="lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096, 8192],
                     help="global sequence lengths (divisible by 2*P)")
-    ap.add_argument("--P", dest="ranks", type=int, nargs="+", default=[2, 4], help="ring sizes (processes)")
+    ap.add_argument("--P", dest="ranks", type=positive_int, nargs="+", default=[2, 4], help="ring sizes (processes)")
     ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--heads-kv", type=int, default=0, help="K/V heads (default = heads)")
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--batch", type=positive_int, default=1)
+    ap.add_argument("--heads", type=positive_int, default=8)
+    ap.add_argument("--heads-kv", type=non_negative_int, default=0, help="K/V heads (default 0 = heads)")
+    ap.add_argument("--head-dim", type=positive_int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa, flash_attn)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per point before a rank is declared hung")
+    ap.add_argument("--repeats", type=positive_int, default=5)
+    ap.add_argument("--warmup", type=non_negative_int, default=1)
+    ap.add_argument("--timeout", type=positive_float, default=600.0,
+                    help="seconds per point before a rank is declared hung")
     ap.add_argument("--out", default="results/bench_attention.json", help="JSON output")
     ap.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
     ap.add_argument("--no-plots", action="store_true")
@@ -396,7 +399,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def bench_attention_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench attention``: run the sweep, write JSON, print the table, draw the plots."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
     machine_before = machine_description()
     try:
@@ -405,8 +409,7 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
                            head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
                            backend=args.backend, timeout_s=args.timeout)
     except ValueError as err:
-        print(f"megatron-ring bench attention: {err}")
-        return 2
+        return usage_error(parser.prog, err)
     write_outputs(points, machine_before, out=Path(args.out), argv=argv,
                   plots=None if args.no_plots else Path(args.plots) if args.plots else Path(args.out).parent / "plots")
     return 0

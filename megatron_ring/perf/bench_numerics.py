@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
+
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -74,8 +76,10 @@ def run_numerics(*, ranks: list[int], dtypes: list[str], causals: list[bool], se
     bad = [d for d in dtypes if d not in DTYPES]
     if bad:
         raise ValueError(f"dtype {bad} not allowed; allowed: {sorted(DTYPES)}")
+    if seq < 1 or any(p < 1 for p in ranks):
+        raise ValueError(f"L and every P must be >= 1, got L = {seq}, P {ranks}")
     for p in ranks:
-        if p < 1 or seq % (2 * p):
+        if seq % (2 * p):
             raise ValueError(f"L = {seq} must be divisible by 2*P for every P; P = {p} gives 2*P = {2 * p}")
     if heads % heads_kv:
         raise ValueError(f"heads ({heads}) must be a multiple of heads_kv ({heads_kv})")
@@ -100,14 +104,16 @@ def run_numerics(*, ranks: list[int], dtypes: list[str], causals: list[bool], se
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-ring bench numerics", description=__doc__.split("\n")[0])
-    ap.add_argument("--P", dest="ranks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--P", dest="ranks", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
+                    help="ring sizes (processes)")
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
-    ap.add_argument("--L", dest="seq", type=int, default=512, help="global sequence length, divisible by 2*max(P)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--heads-kv", type=int, default=0, help="default = heads")
-    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--L", dest="seq", type=positive_int, default=512,
+                    help="global sequence length, divisible by 2*max(P)")
+    ap.add_argument("--batch", type=positive_int, default=2)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--heads-kv", type=non_negative_int, default=0, help="K/V heads (default 0 = heads)")
+    ap.add_argument("--head-dim", type=positive_int, default=32)
     ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa, flash_attn)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/bench_numerics.json")
@@ -119,15 +125,15 @@ def bench_numerics_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench numerics``: run, write JSON (and Markdown), print the table."""
     from megatron_ring.perf import report
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
     try:
         points = run_numerics(ranks=args.ranks, dtypes=args.dtype, causals=causals, seq=args.seq, batch=args.batch,
                               heads=args.heads, heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim,
                               backend=args.backend, seed=args.seed)
     except ValueError as err:
-        print(f"megatron-ring bench numerics: {err}")
-        return 2
+        return usage_error(parser.prog, err)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"argv": argv if argv is not None else [], "points": points}, indent=2))

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.auto_comm import work_fraction
+from megatron_ring.runtime.args import int_at_least, positive_float, usage_error
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FULL: dict[str, Any] = {"matmul_n": {"fp32": 1024, "bf16": 512}, "attention": (1, 8, 2048, 64),
@@ -312,29 +313,29 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-ring calibrate", description=__doc__.split("\n")[0].strip("`"))
     ap.add_argument("--out", default="results/calibrated-profile.json", help="profile JSON (raw: <out>.raw.json)")
     ap.add_argument("--name", default="calibrated", help="profile name")
-    ap.add_argument("--ranks", type=int, default=2, help="gloo ranks (default 2)")
+    ap.add_argument("--ranks", type=int_at_least(2), default=2,
+                    help="gloo ranks, >= 2: communication needs two (default 2)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 3 repeats: checks plumbing, not the machine")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before a rank is declared hung")
+    ap.add_argument("--timeout", type=positive_float, default=600.0, help="seconds before a rank is declared hung")
     return ap
 
 
 def calibrate_main(argv: list[str] | None = None) -> int:
     """``megatron-ring calibrate``: measure, write the profile and the raw JSON, print the table."""
-    from megatron_ring.config.strict import ConfigError
     from megatron_ring.perf.bench_attention import machine_description
     from megatron_ring.perf.hardware import HardwareProfile
     from megatron_ring.perf.report import print_table
     from megatron_ring.runtime.reporting import write_json_atomic
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     machine = machine_description()
     try:
         fields, raw = calibrate(ranks=args.ranks, quick=args.quick, timeout_s=args.timeout)
         profile = build_profile(fields, name=args.name, machine=machine, memory_bytes=_memory_bytes())
         HardwareProfile.parse(profile, where="the calibrated profile")
-    except (ValueError, ConfigError) as err:
-        print(f"megatron-ring calibrate: {err}")
-        return 2
+    except ValueError as err:  # ConfigError included
+        return usage_error(parser.prog, err)
     out = Path(args.out)
     raw_path = out.with_suffix(".raw.json")
     write_json_atomic(out, profile)

@@ -13,6 +13,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
@@ -79,22 +80,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hardware", default=DEFAULT_PROFILE,
                     help=f"bundled profile {profile_names()} or a JSON path (default {DEFAULT_PROFILE})")
     g = ap.add_argument_group("model (without a config)")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--hidden", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--kv-heads", type=int, default=0)
-    g.add_argument("--head-dim", type=int, default=0)
-    g.add_argument("--ffn", type=int)
+    g.add_argument("--layers", type=positive_int)
+    g.add_argument("--hidden", type=positive_int)
+    g.add_argument("--heads", type=positive_int)
+    g.add_argument("--kv-heads", type=non_negative_int, default=0, help="K/V heads (default 0 = --heads)")
+    g.add_argument("--head-dim", type=non_negative_int, default=0, help="default 0 = hidden / heads")
+    g.add_argument("--ffn", type=positive_int)
     g.add_argument("--gated-mlp", action="store_true")
-    g.add_argument("--vocab", type=int, default=0)
+    g.add_argument("--vocab", type=non_negative_int, default=0, help="default 0 leaves the embeddings out")
     g.add_argument("--dtype", choices=sorted(DTYPE_BYTES))
     g = ap.add_argument_group("layout and workload (override the config)")
     for axis in LayoutConfig.model_fields:
-        g.add_argument(f"--{axis}", type=int)
-    g.add_argument("--batch", type=int)
-    g.add_argument("--prompt-len", type=int)
-    g.add_argument("--new-tokens", type=int)
-    g.add_argument("--micro-batch", type=int)
+        g.add_argument(f"--{axis}", type=positive_int)
+    g.add_argument("--batch", type=positive_int)
+    g.add_argument("--prompt-len", type=positive_int)
+    g.add_argument("--new-tokens", type=positive_int)
+    g.add_argument("--micro-batch", type=positive_int)
     g.add_argument("--cp-comm", choices=["p2p", "all_gather", "auto"], default="p2p")
     g.add_argument("--non-causal", action="store_true", help="bidirectional attention (default causal)")
     ap.add_argument("--no-alternative", action="store_true", help="plan only the given layout")
@@ -124,30 +125,40 @@ def _input_from_args(args: argparse.Namespace) -> PlanInput:
                    causal=not args.non_causal, cp_comm=args.cp_comm)
 
 
+def _read_measured(path: str) -> dict[str, Any]:
+    """The ``--measured`` bench JSON (ConfigError naming the file when it cannot be read)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--measured {path!r}: {err}") from None
+
+
 def plan_main(argv: list[str] | None = None) -> int:
     """``megatron-ring plan``: print (and optionally write) the predictions; 0 on success, 2 on bad input."""
     from megatron_ring.perf import report
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         hw = HardwareProfile.load(args.hardware)
         main = _input_from_args(args)
         inputs = [main]
-    except (ValueError, ConfigError) as err:
-        print(f"megatron-ring plan: {err}")
-        return 2
+        measured = _read_measured(args.measured) if args.measured else None
+    except ValueError as err:  # ConfigError included
+        return usage_error(parser.prog, err)
     if not args.no_alternative and main.layout.tp * main.layout.pp * main.layout.cp > 1:
         try:
             inputs.append(replace(main, name=f"{main.name} (alternative)",
                                   layout=alternative_layout(main.layout, hw)))
         except ValueError as err:
             print(f"no alternative layout: {err}")
-    planner = Planner(hw)
-    preds = [planner.predict(p) for p in inputs]
+    try:
+        preds = [Planner(hw).predict(p) for p in inputs]
+    except ValueError as err:  # e.g. a --dtype the profile has no numbers for
+        return usage_error(parser.prog, err)
     report.print_plan(inputs, preds, hw)
     out: dict[str, Any] = {"hardware": hw.model_dump(), "plans": [asdict(x) for x in preds]}
-    if args.measured:
-        measured = json.loads(Path(args.measured).read_text())
+    if measured is not None:
         rows = compare_measured(measured, hw)
         report.print_comparison(rows, hw.name)
         out["measured_vs_predicted"] = rows

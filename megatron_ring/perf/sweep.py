@@ -37,6 +37,7 @@ from pydantic import Field
 
 from megatron_ring.config import ConfigError, StrictModel, load_mapping
 from megatron_ring.config.shipped import find_config
+from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.inference import compare
 from megatron_ring.inference.main import load_spec
 from megatron_ring.inference.metrics import rank_max
@@ -468,13 +469,6 @@ def format_error_table(summary: SweepResult) -> str:
     return "\n".join(lines)
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
 def sweep_main(argv: Sequence[str] | None = None) -> int:
     """Entry of ``megatron-ring sweep``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -504,8 +498,7 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
         try:
             summary = repredict(Path(args.replot), make_predictor(args.predict) if args.predict else None)
         except (ConfigError, OSError) as err:
-            print(f"[sweep] {err}", file=sys.stderr)
-            return 1
+            return usage_error(parser.prog, err)
         print(format_sweep_table(summary))
         return 0
     if not args.configs or not args.lengths:
@@ -517,7 +510,9 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
                             new_tokens=args.new_tokens, out_dir=out_dir, launcher=args.launcher,
                             predict=make_predictor(args.predict) if args.predict else None, settle_s=args.settle,
                             command=shlex.join(["megatron-ring", "sweep", *argv]))
-    except (ConfigError, RuntimeError) as err:
+    except ConfigError as err:
+        return usage_error(parser.prog, err)
+    except RuntimeError as err:
         print(f"[sweep] {err}", file=sys.stderr)
         return 1
     print()

@@ -69,6 +69,6 @@ def test_bench_numerics_smoke(gloo_pool: Any) -> None:
 def test_cli_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_attention_main(["--L", "30", "--P", "4", "--impl", "ring_p2p", "--no-plots",
                                  "--out", "/dev/null"]) == 2
-    assert "not divisible by 2*P = 8" in capsys.readouterr().out
+    assert "megatron-ring bench attention: error: L = 30 is not divisible by 2*P = 8" in capsys.readouterr().err
     assert bench_numerics_main(["--P", "1", "3", "--L", "16", "--out", "/dev/null"]) == 2
-    assert "P = 3 gives 2*P = 6" in capsys.readouterr().out
+    assert "P = 3 gives 2*P = 6" in capsys.readouterr().err

@@ -77,13 +77,13 @@ def test_sweep_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 @needs_launcher
 @pytest.mark.timeout(300)
 def test_bad_lengths_fail_before_any_launch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A length not divisible by 2*cp and one past the model's seq_length: exit 1, both named, nothing run."""
+    """A length not divisible by 2*cp and one past the model's seq_length: exit 2, both named, nothing run."""
     baseline, ring = tiny_pair(tmp_path)
     out = tmp_path / "sweep"
     code = sweep_main([str(baseline), str(ring), "--lengths", "16", "30", "64", "--out-dir", str(out)])
     err = capsys.readouterr().err
-    assert code == 1
-    assert "rejected before any launch" in err
+    assert code == 2
+    assert "megatron-ring sweep: error: sweep rejected before any launch" in err
     assert "point L=30 batch=2 (ring tiny_ring_cp2.json)" in err and "divisible" in err
     assert "point L=64 batch=2 (baseline tiny_local.json)" in err and "exceeds model.seq_length = 64" in err
     assert "L=16" not in err

@@ -133,4 +133,4 @@ def test_plan_cli_and_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_plan_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main(["--layers", "16"]) == 2
-    assert "without a config file, give" in capsys.readouterr().out
+    assert "megatron-ring plan: error: without a config file, give" in capsys.readouterr().err
