@@ -102,10 +102,11 @@ def dynamic_llama(attn_implementation: str):
 
 
 def longrope_phi3(attn_implementation: str):
-    """Phi-3 longrope: the long factors apply past original_max_position_embeddings=8 (head_dim 16: 8 factors)."""
+    """Phi-3 longrope: the long factors apply past original_max_position_embeddings=12 (head_dim 16: 8 factors);
+    at cp 2 a 16-token prompt puts positions 4..11 on rank 1, which alone would pick the short factors."""
     return _tiny_hf_model("Phi3Config", attn_implementation, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                          original_max_position_embeddings=8,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+                          original_max_position_embeddings=12,
                           rope_parameters={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                                            "long_factor": [2.0 + i for i in range(8)]})
 
