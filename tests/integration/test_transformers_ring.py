@@ -3,6 +3,8 @@
 Tiny Llama, Qwen2 and Mistral (GQA 4/2 heads, RoPE, random weights). Each CP size runs every case
 in one call on a shared pool; the parent compares with single-process ``eager`` and ``sdpa``.
 Logits: fp32 relative error <= 1e-5 on the real (non-padding) tokens. Tokens: exactly equal.
+RoPE types with fixed frequencies (linear, llama3, yarn) are exact at cp 2; models that the ring
+would get silently wrong (length-dependent RoPE, attention outside ``AttentionInterface``) are refused.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ pytest.importorskip("transformers")
 
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
 from megatron_ring.attention.reference import rel_err  # noqa: E402
-from megatron_ring.testing.tiny_hf import FAMILIES, tiny_model  # noqa: E402
+from megatron_ring.testing.tiny_hf import BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, tiny_model  # noqa: E402
 
 TOL = 1e-5
 NEW_TOKENS = 5
@@ -61,6 +63,64 @@ def run_autotp_cases() -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor
     return out
 
 
+FIXED_ROPE: dict[str, dict] = {
+    # prompts of 16 (+ NEW_TOKENS) tokens run past original_max_position_embeddings=8
+    "linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0}),
+    "llama3": dict(rope_parameters={"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+                   max_position_embeddings=16),
+    "yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8},
+                 max_position_embeddings=16),
+}
+
+
+def run_rope_cases() -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:
+    """On every rank: (logits, generated ids) per (rope type, prompt) of a tiny Llama under the world as CP group."""
+    out = {}
+    for rope, overrides in FIXED_ROPE.items():
+        model = tiny_model("llama", attn_implementation="ring", **overrides)
+        for name, (ids, mask) in _prompts().items():
+            out[rope, name] = (ring_forward(model, ids, mask), ring_generate(model, ids, mask, max_new_tokens=NEW_TOKENS))
+    return out
+
+
+def _tiny_hf_model(config_class: str, attn_implementation: str, **fields):
+    """A tiny random ``*ForCausalLM`` of another family (2 layers, hidden 64, 4 heads, our byte vocabulary)."""
+    import transformers
+
+    config = getattr(transformers, config_class)(vocab_size=VOCAB_SIZE, hidden_size=64, bos_token_id=BOS_ID,
+                                                 eos_token_id=EOS_ID, pad_token_id=PAD_ID, **fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def dynamic_llama(attn_implementation: str):
+    """Dynamic-NTK RoPE whose frequencies grow past max_position_embeddings=8 (the test prompts have 16 tokens)."""
+    return tiny_model("llama", attn_implementation=attn_implementation, max_position_embeddings=8,
+                      rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+
+
+def longrope_phi3(attn_implementation: str):
+    """Phi-3 longrope: the long factors apply past original_max_position_embeddings=12 (head_dim 16: 8 factors);
+    at cp 2 a 16-token prompt puts positions 4..11 on rank 1, which alone would pick the short factors."""
+    return _tiny_hf_model("Phi3Config", attn_implementation, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
+                          original_max_position_embeddings=12,
+                          rope_parameters={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                                           "long_factor": [2.0 + i for i in range(8)]})
+
+
+def bloom(attn_implementation: str):
+    """Bloom (ALiBi): loads with any attn_implementation, but its attention never calls AttentionInterface."""
+    return _tiny_hf_model("BloomConfig", attn_implementation, n_layer=2, n_head=4)
+
+
+def falcon(attn_implementation: str):
+    """Falcon: picks its attention class from a dict of its own (no AttentionInterface)."""
+    return _tiny_hf_model("FalconConfig", attn_implementation, num_hidden_layers=2, num_attention_heads=4)
+
+
 @pytest.fixture(scope="module")
 def cp_results(gloo_pool):
     cache: dict[int, list] = {}
@@ -99,6 +159,42 @@ def test_logits_and_generate_match_single_process(cp_results, references, size, 
                 err = rel_err(logits[real], expected[real])
                 assert err <= TOL, f"{family} {name} cp={size} rank {rank} vs {impl}: rel err {err:.2e}"
             assert torch.equal(tokens, ref_tokens), f"{family} {name} cp={size} rank {rank}: {tokens} != {ref_tokens}"
+
+
+def test_rope_with_fixed_frequencies_matches_single_process(gloo_pool):
+    per_rank = gloo_pool(2).run(run_rope_cases, timeout_s=RUN_TIMEOUT_S)
+    for rope, overrides in FIXED_ROPE.items():
+        eager = tiny_model("llama", attn_implementation="eager", **overrides)
+        for name, (ids, mask) in _prompts().items():
+            with torch.no_grad():
+                ref_logits = eager(ids, attention_mask=mask).logits
+                ref_tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+            real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+            for rank, results in enumerate(per_rank):
+                logits, tokens = results[rope, name]
+                err = rel_err(logits[real], ref_logits[real])
+                assert err <= TOL, f"rope {rope} {name} cp=2 rank {rank}: rel err {err:.2e}"
+                assert torch.equal(tokens, ref_tokens), f"rope {rope} {name} cp=2 rank {rank}: {tokens} != {ref_tokens}"
+
+
+@pytest.mark.parametrize("build, match", [
+    (dynamic_llama, r"rope_type='dynamic' is not supported with ring attention"),
+    (longrope_phi3, r"rope_type='longrope' is not supported with ring attention"),
+    (bloom, r"BloomForCausalLM is not supported with ring attention: its attention does not .*AttentionInterface"),
+    (falcon, r"FalconForCausalLM is not supported with ring attention: its attention does not .*AttentionInterface"),
+], ids=["dynamic-rope", "longrope", "bloom", "falcon"])
+@pytest.mark.parametrize("entry", ["enable_ring_attention", "ring_forward", "ring_generate"])
+def test_silently_wrong_models_are_refused(build, match, entry):
+    """Refused before any collective, so on every rank alike; ring_forward / ring_generate get a "ring" model
+    where transformers loads one (Falcon fails at load with transformers' own KeyError 'ring')."""
+    ids = _prompts()["plain"][0]
+    ring_loadable = entry != "enable_ring_attention" and build is not falcon
+    model = build("ring" if ring_loadable else "eager")
+    calls = {"enable_ring_attention": lambda: enable_ring_attention(model),
+             "ring_forward": lambda: ring_forward(model, ids),
+             "ring_generate": lambda: ring_generate(model, ids, max_new_tokens=NEW_TOKENS)}
+    with pytest.raises(ValueError, match=match):
+        calls[entry]()
 
 
 def test_autotp_tp2_x_cp2_matches_single_process(gloo_pool, references):
@@ -178,8 +274,9 @@ def test_output_attentions_and_missing_context_raise():
         model(ids)
 
 
-def test_enable_ring_attention_switches_implementation():
-    model = enable_ring_attention(tiny_model("qwen2", attn_implementation="sdpa"))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_enable_ring_attention_switches_implementation(family):
+    model = enable_ring_attention(tiny_model(family, attn_implementation="sdpa"))
     assert model.config._attn_implementation == "ring"
     with pytest.raises(TypeError, match="PreTrainedModel"):
         enable_ring_attention(torch.nn.Linear(2, 2))

@@ -10,6 +10,20 @@ to exactly 0 (real keys' scores gain an exact 0). The extra dims are padded with
 ``head_dim`` a multiple of 8 for the fused kernels. It runs only for batches that have padding, and
 costs one copy of q/k/v (of the local cache, per decode step). Prompts whose length is not a
 multiple of ``2 * cp`` are left-padded the same way.
+
+Note [Length-dependent RoPE]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+transformers' ``dynamic`` (dynamic NTK) and ``longrope`` (Phi-3) RoPE choose their frequencies
+inside the rotary embedding's forward from ``max(position_ids) + 1`` of that call
+(``dynamic_rope_update``). Under the ring each rank's forward sees only its shard's positions, so
+ranks whose largest position is below the global one rotate with other frequencies than the
+single-process model: wrong logits, no error. Computing it right needs the global length in that
+forward, and transformers offers no way in: the models compute ``position_embeddings`` from
+``position_ids`` themselves (no argument to pass them), and priming the module with a global-length
+call does not stick (``dynamic`` resets to the original frequencies when a call's length is below
+``max_position_embeddings``; ``longrope`` re-decides on every call). So :func:`check_model` refuses
+these rope types; the others (``default``, ``linear``, ``llama3``, ``yarn``, ...) fix their
+frequencies from the config at load and are exact at global positions.
 """
 from __future__ import annotations
 
@@ -126,12 +140,27 @@ def enable_ring_attention(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def check_model(model: PreTrainedModel, *, require_ring: bool = True) -> None:
+    """Raise unless ``model`` computes exactly under the ring (and, with ``require_ring``, is set to ``"ring"``)."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    name = type(model).__name__
+    if not model.is_backend_compatible():
+        raise ValueError(
+            f"{name} is not supported with ring attention: its attention does not (fully) go through transformers' "
+            f"AttentionInterface ({name}._supports_attention_backend is False), so attn_implementation="
+            f"{ATTN_IMPLEMENTATION!r} would be ignored or give wrong results"
+        )
     config = model.config.get_text_config()
     if config.is_encoder_decoder or not getattr(config, "is_causal", True):
-        raise ValueError(f"ring attention supports causal decoder-only models, got {type(model).__name__} "
+        raise ValueError(f"ring attention supports causal decoder-only models, got {name} "
                          f"(is_encoder_decoder={config.is_encoder_decoder}, is_causal={getattr(config, 'is_causal', True)})")
+    for rope_type in _rope_types(config):
+        if "dynamic" in rope_type or rope_type == "longrope":  # the types that dynamic_rope_update recomputes
+            raise ValueError(
+                f"rope_type={rope_type!r} is not supported with ring attention: its frequencies depend on the longest "
+                "position id in each forward, and under the ring a rank sees only its own shard's positions; "
+                "allowed: rope types with fixed frequencies ('default', 'linear', 'llama3', 'yarn', ...)"
+            )
     if getattr(config, "output_attentions", False):
         raise ValueError("config.output_attentions=True is not supported with ring attention; allowed: False")
     impl = config._attn_implementation
@@ -140,6 +169,13 @@ def check_model(model: PreTrainedModel, *, require_ring: bool = True) -> None:
             f"model has attn_implementation={impl!r}; ring_forward / ring_generate need {ATTN_IMPLEMENTATION!r}: "
             f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call enable_ring_attention(model)"
         )
+
+
+def _rope_types(config: Any) -> set[str]:
+    """The ``rope_type`` of every entry of ``config.rope_parameters`` (flat, or nested per layer type)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    entries = [value for value in params.values() if isinstance(value, dict)] or [params]
+    return {entry.get("rope_type", "default") for entry in entries}
 
 
 def check_window(model: PreTrainedModel, total_len: int) -> None:

@@ -44,7 +44,8 @@ def cp_context(group: dist.ProcessGroup | None = None, *, total_len: int = 0) ->
     :func:`ring_forward` and :func:`ring_generate` open it for you. Use it directly to run a
     ``"ring"`` model forward (prefill) on inputs you sharded yourself: zigzag shards of
     ``input_ids``, the padding mask (or None on every rank) and *global* ``position_ids``;
-    ``total_len`` is the global length for the sliding-window check (default: local x cp).
+    ``total_len`` is the global length for the sliding-window check (default: local x cp). It does not
+    see the model: :func:`enable_ring_attention` checks that a model can run under the ring.
     """
     rank, size = group_rank_size(group)
     token = _ACTIVE.set(CPContext(group, rank, size, total_len=total_len))
