@@ -20,13 +20,18 @@ names the field, its value and what is allowed. Importing this module needs pyda
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from pydantic import Field
 
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+"""The compute dtypes a model config may name (its ``dtype`` key)."""
+
 
 class GPTModelConfig(StrictModel):
     """Sizes and architecture of the GPT model (independent of how it is parallelised)."""
@@ -75,7 +80,7 @@ class GPTConfig(StrictModel):
 
     name: str = "gpt"
     model: GPTModelConfig
-    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    dtype: Dtype = "bf16"
     attention: Literal["local", "sdpa", "ring"] = "ring"
     parallel: GPTParallelConfig = Field(default_factory=GPTParallelConfig)
     seed: int = 1234
@@ -130,7 +135,19 @@ class GPTConfig(StrictModel):
                 f"(zigzag sharding over cp = {p.cp}); pad it to a multiple of {2 * p.cp}"
             )
         if problems:
-            raise ConfigError(f"invalid {where}:\n  " + "\n  ".join(problems))
+            raise ConfigError(*problems, where=where)
+
+    def check_dtype(self, given: str, *, source: str) -> None:
+        """ConfigError unless ``given``, the dtype the framework runs in (set by ``source``), is this model's.
+
+        The one check of both entry points: inference (DeepSpeed's ``dtype``) and training
+        (DeepSpeed's ``bf16``/``fp16`` sections).
+        """
+        if given != self.dtype:
+            raise ConfigError(
+                f"{source} selects {given} but model config {self.name!r} has dtype = {self.dtype!r}; "
+                f"make them agree (allowed: {', '.join(DTYPES)})"
+            )
 
     def check_world_size(self, world_size: int) -> ParallelLayout:
         """The layout for ``world_size`` processes; ConfigError when tp*pp*cp*dp cannot fill it."""
