@@ -243,7 +243,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     batch = problems.run(check_batch, ds, layout.dp)
     micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
     problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
-    model = problems.run(_model_config, train, base_dir, where)
+    model = problems.run(_model_config, train, base_dir)
     if model is not None:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled")
     if train.data.kind == "text":
@@ -267,7 +267,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                      global_batch=glob, base_dir=base_dir)
 
 
-def _model_config(train: TrainSection, base_dir: Path, where: str) -> GPTConfig:
+def _model_config(train: TrainSection, base_dir: Path) -> GPTConfig:
     """The model YAML with our layout, sequence length (and attention, if set) written into it."""
     path = _resolve(train.model, base_dir, must_exist=True)
     data = copy.deepcopy(load_mapping(path))

@@ -113,7 +113,7 @@ def check_deepspeed_training(ds: dict[str, Any], *, micro_batch: int, grad_accum
             where = ".".join(str(p) for p in item["loc"])
             problems.add(f"{err.title}: {where} = {item.get('input')!r}: {item['msg']}")
         problems.raise_if_any()
-    except (AssertionError, ValueError, TypeError, KeyError, DeepSpeedConfigError) as err:
+    except (AssertionError, ValueError, TypeError, KeyError, AttributeError, DeepSpeedConfigError) as err:
         problems.add(f"DeepSpeedConfig rejects them: {err}")
         problems.raise_if_any()
     if cfg.zero_optimization_stage not in ZERO_STAGES:
@@ -130,7 +130,11 @@ def _check_optimizer(cfg: Any, problems: Problems) -> None:
     """``optimizer.type`` and ``optimizer.params`` as the engine will use them (see :func:`check_deepspeed_training`)."""
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
-    name, params = cfg.optimizer_name, dict(cfg.optimizer_params or {})
+    name, params = cfg.optimizer_name, cfg.optimizer_params or {}
+    if not isinstance(params, dict):
+        problems.add(f"optimizer.params = {params!r}: must be a mapping of the optimizer's arguments")
+        return
+    params = dict(params)
     torch_optimizers = [n for n in dir(torch.optim) if n != "Optimizer" and isinstance(getattr(torch.optim, n), type)
                         and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)]
     # The engine's rule (DeepSpeedEngine._is_supported_optimizer, applied once the model is built);
