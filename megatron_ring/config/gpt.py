@@ -86,9 +86,9 @@ class GPTConfig(StrictModel):
     seed: int = 1234
 
     @classmethod
-    def parse(cls, data: Any, *, where: str = "config") -> "GPTConfig":
+    def parse(cls, data: Any, *, where: Optional[str] = "config", key: str = "") -> "GPTConfig":
         """Validate fields, then the rules between them; raise :class:`ConfigError` naming the field."""
-        cfg = super().parse(data, where=where)
+        cfg = super().parse(data, where=where, key=key)
         cfg.check(where=where)
         return cfg
 
@@ -97,7 +97,7 @@ class GPTConfig(StrictModel):
         """Read and validate a YAML/JSON file."""
         return cls.parse(load_mapping(path), where=f"config {str(path)!r}")
 
-    def check(self, *, where: str = "config") -> None:
+    def check(self, *, where: Optional[str] = "config") -> None:
         """Rules between fields (each error names the fields, their values and what would be allowed)."""
         m, p = self.model, self.parallel
         problems: list[str] = []
