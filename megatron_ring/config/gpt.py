@@ -137,15 +137,16 @@ class GPTConfig(StrictModel):
         if problems:
             raise ConfigError(*problems, where=where)
 
-    def check_dtype(self, given: str, *, source: str) -> None:
-        """ConfigError unless ``given``, the dtype the framework runs in (set by ``source``), is this model's.
+    def check_dtype(self, given: str, *, source: str, model: str = "the model") -> None:
+        """ConfigError unless ``given``, the dtype the framework runs in (set by ``source``), is this
+        model's; ``model`` names this model in the message.
 
         The one check of both entry points: inference (DeepSpeed's ``dtype``) and training
         (DeepSpeed's ``bf16``/``fp16`` sections).
         """
         if given != self.dtype:
             raise ConfigError(
-                f"{source} selects {given} but model config {self.name!r} has dtype = {self.dtype!r}; "
+                f"{source} selects {given} but {model} has dtype = {self.dtype!r}; "
                 f"make them agree (allowed: {', '.join(DTYPES)})"
             )
 

@@ -186,10 +186,11 @@ def check_writable(path: Path, *, field: str, value: str, directory: bool = Fals
     temporary file there, so an unwritable location fails before any work instead of at the end.
     """
     folder = path if directory else path.parent
-    if directory and path.exists() and not path.is_dir():
-        raise ConfigError(f"{field} = {value!r}: {str(path)!r} is a file, not a directory")
     if not directory and path.is_dir():
         raise ConfigError(f"{field} = {value!r}: {str(path)!r} is a directory; give the path of a file")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{field} = {value!r}: {str(existing)!r} is a file, not a directory")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".megatron_ring_write_check.", dir=folder)

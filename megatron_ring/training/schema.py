@@ -237,15 +237,17 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     if layout.world_size != world_size:
         problems.add(f"{SECTION}.layout = {layout.describe()} does not match the world size {world_size}; "
                      "the product tp*pp*cp*dp must equal the number of launched processes")
-    if train.seq_len % (2 * layout.cp):
+    seq_len_ok = train.seq_len % (2 * layout.cp) == 0
+    if not seq_len_ok:
         problems.add(f"{SECTION}.seq_len = {train.seq_len} is not divisible by 2 * layout.cp = {2 * layout.cp} "
                      f"(zigzag sharding over cp = {layout.cp}); allowed: a multiple of {2 * layout.cp}")
     batch = problems.run(check_batch, ds, layout.dp)
     micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
     problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
-    model = problems.run(_model_config, train, base_dir)
+    model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
     if model is not None:
-        problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled")
+        problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
+                     model=f"{SECTION}.model = {train.model!r}")
     if train.data.kind == "text":
         if not train.data.paths:
             problems.add(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
@@ -267,14 +269,15 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                      global_batch=glob, base_dir=base_dir)
 
 
-def _model_config(train: TrainSection, base_dir: Path) -> GPTConfig:
-    """The model YAML with our layout, sequence length (and attention, if set) written into it."""
+def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> GPTConfig:
+    """The model YAML with our layout, ``seq_len`` (None: the file's own, ours being rejected
+    already) and attention (if set) written into it."""
     path = _resolve(train.model, base_dir, must_exist=True)
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
     data["parallel"] = {**data.get("parallel", {}), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
-    if isinstance(data.get("model"), dict):
-        data["model"]["seq_length"] = train.seq_len
+    if seq_len is not None and isinstance(data.get("model"), dict):
+        data["model"]["seq_length"] = seq_len
     if train.attention is not None:
         data["attention"] = train.attention
     return GPTConfig.parse(data, where=f"model {str(path)!r} with {SECTION}.layout/seq_len")

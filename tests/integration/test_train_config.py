@@ -68,8 +68,9 @@ BAD = {
     "heads vs tp": ("megatron_ring.layout", {"tp": 3, "cp": 1, "dp": 1}, ["num_attention_heads = 4", "tp = 3"]),
     "missing model": ("megatron_ring.model", "../megatron/nope.yaml", ["nope.yaml", "does not exist"]),
     "missing data": ("megatron_ring.data.paths", ["../../nowhere"], ["data.paths[0]", "nowhere", "does not exist"]),
-    "dtype vs model": ("bf16", {"enabled": True}, ["bf16.enabled / fp16.enabled selects bf16", "dtype = 'fp32'",
-                                                   "allowed: fp32, bf16, fp16"]),
+    "dtype vs model": ("bf16", {"enabled": True}, ["bf16.enabled / fp16.enabled selects bf16",
+                                                   "megatron_ring.model = '../megatron/tiny_ring_cp2.yaml' has "
+                                                   "dtype = 'fp32'", "allowed: fp32, bf16, fp16"]),
     "attention kind": ("megatron_ring.attention", "flash", ["attention", "flash"]),
     "str for int": ("megatron_ring.seq_len", "128", ["megatron_ring.seq_len = '128'", "valid integer"]),
     "bool for int": ("megatron_ring.steps", True, ["megatron_ring.steps = True", "valid integer"]),
@@ -197,13 +198,14 @@ def test_every_problem_is_reported_at_once() -> None:
 def test_outputs_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("")
+    unwritable = "/proc/megatron_ring_no_such_dir/train.jsonl"  # no process can create it, root included
     raw = _change(good(), "megatron_ring.checkpoint.dir", str(blocker / "ckpt"))
-    raw = _change(raw, "megatron_ring.log.jsonl", str(blocker / "logs" / "train.jsonl"))
+    raw = _change(raw, "megatron_ring.log.jsonl", unwritable)
     with pytest.raises(ConfigError) as err:
         parse(raw)
     text = str(err.value)
-    for needle in (f"megatron_ring.checkpoint.dir = '{blocker / 'ckpt'}': cannot write in",
-                   f"megatron_ring.log.jsonl = '{blocker / 'logs' / 'train.jsonl'}': cannot write in"):
+    for needle in (f"megatron_ring.checkpoint.dir = '{blocker / 'ckpt'}': '{blocker}' is a file, not a directory",
+                   f"megatron_ring.log.jsonl = '{unwritable}': cannot write in '/proc/megatron_ring_no_such_dir'"):
         assert needle in text, text
     raw = _change(good(), "megatron_ring.checkpoint.dir", str(tmp_path / "ckpt"))
     raw = _change(raw, "megatron_ring.log.jsonl", str(tmp_path / "logs" / "train.jsonl"))

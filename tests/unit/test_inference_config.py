@@ -95,14 +95,19 @@ def test_every_problem_is_reported_at_once() -> None:
     assert len(err.value.problems) == 4
 
 
+UNWRITABLE = "/proc/megatron_ring_no_such_dir/out.json"
+"""A location no process can create, root included (Linux)."""
+
+
 def test_output_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    bad = str(blocker / "out.json")
-    with pytest.raises(ConfigError, match=r"megatron_ring.output = '.*a_file/out.json': cannot write in"):
-        validate(section(output=bad), {}, world_size=2, dtype="fp32")
-    with pytest.raises(ConfigError, match=r"--output = '.*a_file/out.json': cannot write in"):
-        validate(section(output=str(tmp_path / "fine.json")), {}, world_size=2, dtype="fp32", output=bad)
+    with pytest.raises(ConfigError, match=r"megatron_ring.output = '.*a_file/out.json': '.*a_file' is a file, "
+                                          "not a directory"):
+        validate(section(output=str(blocker / "out.json")), {}, world_size=2, dtype="fp32")
+    if Path("/proc").is_dir():
+        with pytest.raises(ConfigError, match=f"--output = '{UNWRITABLE}': cannot write in"):
+            validate(section(output=str(tmp_path / "fine.json")), {}, world_size=2, dtype="fp32", output=UNWRITABLE)
     with pytest.raises(ConfigError, match="is a directory"):
         validate(section(output=str(tmp_path)), {}, world_size=2, dtype="fp32")
     spec = validate(section(output=str(tmp_path / "new" / "r.json")), {}, world_size=2, dtype="fp32",
@@ -197,8 +202,8 @@ def test_deepspeed_dtype_must_be_the_models(tmp_path: Path, dtype: str | None, s
         raw["dtype"] = dtype
     path = tmp_path / "c.json"
     path.write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match=f"DeepSpeed's dtype selects {selected} but model config .* has "
-                                          r"dtype = 'fp32'; make them agree \(allowed: fp32, bf16, fp16\)"):
+    with pytest.raises(ConfigError, match=f"model config 'tiny-ring-cp4': DeepSpeed's dtype selects {selected} but "
+                                          r"the model has dtype = 'fp32'; make them agree \(allowed: fp32, bf16, fp16\)"):
         load_spec(path, world_size=4)
     raw["dtype"] = "float32"
     path.write_text(json.dumps(raw))

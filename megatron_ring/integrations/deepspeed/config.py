@@ -140,7 +140,7 @@ def _check_optimizer(cfg: Any, problems: Problems) -> None:
     # The engine's rule (DeepSpeedEngine._is_supported_optimizer, applied once the model is built);
     # DeepSpeedConfig has lower-cased DeepSpeed's own names. Lower-case torch names are modules, not classes.
     if name not in DEEPSPEED_OPTIMIZERS and name not in torch_optimizers:
-        known = {n.lower(): n for n in [*torch_optimizers, *DEEPSPEED_OPTIMIZERS]}
+        known = {n.lower(): n for n in [*DEEPSPEED_OPTIMIZERS, *torch_optimizers]}  # torch's spelling wins
         near = difflib.get_close_matches(str(name).lower(), list(known), n=1, cutoff=0.6)
         hint = f" (did you mean {known[near[0]]!r}?)" if near else ""
         problems.add(f"optimizer.type = {name!r}: not an optimizer DeepSpeed knows{hint}; allowed: "
