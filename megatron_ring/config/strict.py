@@ -15,9 +15,8 @@ import difflib
 import json
 import os
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -51,8 +50,8 @@ class ConfigError(ValueError):
 class Problems:
     """Collects the problems of a config so that one :class:`ConfigError` names them all.
 
-    Checks that raise :class:`ConfigError` run inside :meth:`check` (or through :meth:`run`); their
-    problems are recorded and the next check runs. :meth:`raise_if_any` raises them together.
+    Checks that raise :class:`ConfigError` run through :meth:`run`: their problems are recorded
+    and the next check runs. :meth:`raise_if_any` raises them together.
     """
 
     def __init__(self, where: Optional[str] = None) -> None:
@@ -62,19 +61,13 @@ class Problems:
     def add(self, problem: str) -> None:
         self.found.append(problem)
 
-    @contextmanager
-    def check(self) -> Iterator[None]:
-        """Record a :class:`ConfigError` raised inside the block instead of raising it."""
-        try:
-            yield
-        except ConfigError as err:
-            self.found.extend(err.located())
-
     def run(self, check: Callable[..., T], *args: Any, **kwargs: Any) -> Optional[T]:
         """``check(*args, **kwargs)``, or None (its problems recorded) when it raises :class:`ConfigError`."""
-        with self.check():
+        try:
             return check(*args, **kwargs)
-        return None
+        except ConfigError as err:
+            self.found.extend(err.located())
+            return None
 
     def raise_if_any(self) -> None:
         if self.found:

@@ -52,8 +52,9 @@ class ToyModelConfig(StrictModel):
 def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
                 new_tokens: int, dtype: Optional[str]) -> dict[str, Any]:
     """Validate a toy model config for ``layout`` (see :class:`RunnerModule`); it runs in any ``dtype``."""
-    cfg = ToyModelConfig.parse(model, where="toy model config (megatron_ring.model.config)")
-    problems = Problems(where="toy model config (megatron_ring.model.config)")
+    where = "toy model config (megatron_ring.model.config)"
+    cfg = ToyModelConfig.parse(model, where=where)
+    problems = Problems(where=where)
     if layout.tp != 1 or layout.pp != 1:
         problems.add(f"megatron_ring.layout: the toy runner supports tp = pp = 1 only, got {layout.describe()}")
     if cfg.hidden_size % cfg.num_attention_heads or cfg.head_dim % 2:
