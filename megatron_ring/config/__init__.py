@@ -2,11 +2,12 @@
 
 Files:
 
-* ``strict.py``  the strict base model (unknown keys rejected with a did-you-mean), file loading;
+* ``strict.py``  the strict base model (unknown keys rejected with a did-you-mean, no type coercion),
+  :class:`Problems` (every problem of a config in one error), file loading, output paths;
 * ``layout.py``  :class:`LayoutConfig`, the one layout schema;
 * ``gpt.py``     the GPT model files of ``configs/megatron``;
 * ``shipped.py`` finding a config: relative to the working directory, else the shipped one.
 """
-from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping, load_model
+from megatron_ring.config.strict import ConfigError, Problems, StrictModel, check_writable, load_mapping, load_model
 
-__all__ = ["ConfigError", "StrictModel", "load_mapping", "load_model"]
+__all__ = ["ConfigError", "Problems", "StrictModel", "check_writable", "load_mapping", "load_model"]

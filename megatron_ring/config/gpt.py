@@ -20,13 +20,18 @@ names the field, its value and what is allowed. Importing this module needs pyda
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from pydantic import Field
 
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+"""The compute dtypes a model config may name (its ``dtype`` key)."""
+
 
 class GPTModelConfig(StrictModel):
     """Sizes and architecture of the GPT model (independent of how it is parallelised)."""
@@ -75,15 +80,15 @@ class GPTConfig(StrictModel):
 
     name: str = "gpt"
     model: GPTModelConfig
-    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    dtype: Dtype = "bf16"
     attention: Literal["local", "sdpa", "ring"] = "ring"
     parallel: GPTParallelConfig = Field(default_factory=GPTParallelConfig)
     seed: int = 1234
 
     @classmethod
-    def parse(cls, data: Any, *, where: str = "config") -> "GPTConfig":
+    def parse(cls, data: Any, *, where: Optional[str] = "config", key: str = "") -> "GPTConfig":
         """Validate fields, then the rules between them; raise :class:`ConfigError` naming the field."""
-        cfg = super().parse(data, where=where)
+        cfg = super().parse(data, where=where, key=key)
         cfg.check(where=where)
         return cfg
 
@@ -92,7 +97,7 @@ class GPTConfig(StrictModel):
         """Read and validate a YAML/JSON file."""
         return cls.parse(load_mapping(path), where=f"config {str(path)!r}")
 
-    def check(self, *, where: str = "config") -> None:
+    def check(self, *, where: Optional[str] = "config") -> None:
         """Rules between fields (each error names the fields, their values and what would be allowed)."""
         m, p = self.model, self.parallel
         problems: list[str] = []
@@ -130,7 +135,20 @@ class GPTConfig(StrictModel):
                 f"(zigzag sharding over cp = {p.cp}); pad it to a multiple of {2 * p.cp}"
             )
         if problems:
-            raise ConfigError(f"invalid {where}:\n  " + "\n  ".join(problems))
+            raise ConfigError(*problems, where=where)
+
+    def check_dtype(self, given: str, *, source: str, model: str = "the model") -> None:
+        """ConfigError unless ``given``, the dtype the framework runs in (set by ``source``), is this
+        model's; ``model`` names this model in the message.
+
+        The one check of both entry points: inference (DeepSpeed's ``dtype``) and training
+        (DeepSpeed's ``bf16``/``fp16`` sections).
+        """
+        if given != self.dtype:
+            raise ConfigError(
+                f"{source} selects {given} but {model} has dtype = {self.dtype!r}; "
+                f"make them agree (allowed: {', '.join(DTYPES)})"
+            )
 
     def check_world_size(self, world_size: int) -> ParallelLayout:
         """The layout for ``world_size`` processes; ConfigError when tp*pp*cp*dp cannot fill it."""

@@ -1,37 +1,96 @@
-"""A pydantic base that rejects unknown keys with a did-you-mean, and file loading for JSON/YAML.
+"""A pydantic base that rejects unknown keys and coercions, a collector of problems, and file loading.
 
 Every config section of the project derives from :class:`StrictModel`, so a typo such as
 ``"promt_len"`` fails at load time with ``unknown key 'promt_len' (did you mean 'prompt_len'?)``
-instead of being silently ignored — the same policy as DeepSpeed's own config.
+instead of being silently ignored — the same policy as DeepSpeed's own config. Types are strict:
+``"batch": true`` or ``"prompt_len": "48"`` are errors, not 1 and 48 (an integer where a float
+is expected is fine). Checks between fields collect into :class:`Problems`, so one
+:class:`ConfigError` reports every reason at once. :func:`load_mapping` reads JSON or YAML and
+names the file, line and column of a syntax error; :func:`check_writable` tries an output location
+before any work is done.
 """
 from __future__ import annotations
 
 import difflib
 import json
+import os
+import tempfile
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 ModelT = TypeVar("ModelT", bound="StrictModel")
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the field, its value and what is allowed."""
+    """A configuration that cannot be used; each problem names the field, its value and what is allowed.
+
+    ``problems`` holds every reason (one entry each); ``where`` (the file or section) heads the message.
+    """
+
+    def __init__(self, *problems: str, where: Optional[str] = None) -> None:
+        super().__init__(*problems)
+        self.problems = list(problems)
+        self.where = where
+
+    def __str__(self) -> str:
+        if self.where is None and len(self.problems) == 1:
+            return self.problems[0]
+        count = f" ({len(self.problems)} problems)" if len(self.problems) > 1 else ""
+        lines = ("  " + p.replace("\n", "\n    ") for p in self.problems)
+        return f"invalid {self.where or 'config'}{count}:\n" + "\n".join(lines)
+
+    def located(self) -> list[str]:
+        """The problems, each prefixed with ``where`` when set: entries of a larger report."""
+        return [f"{self.where}: {p}" if self.where else p for p in self.problems]
+
+
+class Problems:
+    """Collects the problems of a config so that one :class:`ConfigError` names them all.
+
+    Checks that raise :class:`ConfigError` run through :meth:`run`: their problems are recorded
+    and the next check runs. :meth:`raise_if_any` raises them together.
+    """
+
+    def __init__(self, where: Optional[str] = None) -> None:
+        self.where = where
+        self.found: list[str] = []
+
+    def add(self, problem: str) -> None:
+        self.found.append(problem)
+
+    def run(self, check: Callable[..., T], *args: Any, **kwargs: Any) -> Optional[T]:
+        """``check(*args, **kwargs)``, or None (its problems recorded) when it raises :class:`ConfigError`."""
+        try:
+            return check(*args, **kwargs)
+        except ConfigError as err:
+            self.found.extend(err.located())
+            return None
+
+    def raise_if_any(self) -> None:
+        if self.found:
+            raise ConfigError(*self.found, where=self.where)
 
 
 class StrictModel(BaseModel):
-    """Base for all config sections: unknown keys are errors, fields are validated on assignment."""
+    """Base for all config sections: unknown keys and coercions (bool or str for a number, float for
+    an int) are errors; fields are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False)
 
     @classmethod
-    def parse(cls: type[ModelT], data: Any, *, where: str = "config") -> ModelT:
-        """Validate ``data`` (a mapping) into this model; errors become one readable :class:`ConfigError`."""
+    def parse(cls: type[ModelT], data: Any, *, where: Optional[str] = "config", key: str = "") -> ModelT:
+        """Validate ``data`` (a mapping) into this model; errors become one :class:`ConfigError`.
+
+        ``key``: the dotted key of this section in its file (``"megatron_ring"``), put in front of
+        every field the errors name; ``where`` heads the message (None: the caller adds it).
+        """
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise ConfigError(explain_validation_error(cls, err, where)) from None
+            raise ConfigError(*explain_validation_error(cls, err, key=key), where=where) from None
 
 
 def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -57,26 +116,27 @@ def _known_fields(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
     return names
 
 
-def explain_validation_error(model: type[BaseModel], err: ValidationError, where: str) -> str:
-    """One readable message for a pydantic error of ``model``: each field, its value, and did-you-mean for unknown keys."""
+def explain_validation_error(model: type[BaseModel], err: ValidationError, *, key: str = "") -> list[str]:
+    """One line per error of ``model``: the field (under ``key``), its value and the rule; unknown
+    keys get a did-you-mean and the allowed keys."""
     lines = []
     for item in err.errors():
         loc = tuple(item.get("loc", ()))
-        dotted = ".".join(str(p) for p in loc) or "<root>"
+        dotted = ".".join(str(p) for p in (key, *loc) if p != "") or "<root>"
         if item.get("type") == "extra_forbidden":
-            key = str(loc[-1]) if loc else "?"
-            near = difflib.get_close_matches(key, _known_fields(model, loc), n=1, cutoff=0.6)
+            name = str(loc[-1]) if loc else "?"
+            known = _known_fields(model, loc)
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
-            allowed = ", ".join(sorted(_known_fields(model, loc)))
-            lines.append(f"unknown key '{dotted}'{hint}; allowed keys here: {allowed}")
+            lines.append(f"unknown key '{dotted}'{hint}; allowed keys here: {', '.join(sorted(known))}")
         else:
-            value = item.get("input")
-            lines.append(f"{dotted} = {value!r}: {item.get('msg')}")
-    return f"invalid {where}:\n  " + "\n  ".join(lines)
+            lines.append(f"{dotted} = {item.get('input')!r}: {item.get('msg')}")
+    return lines
 
 
 def load_mapping(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or YAML file into a dict (YAML needs pyyaml)."""
+    """Read a JSON or YAML file into a dict (YAML needs pyyaml); a syntax error is a
+    :class:`ConfigError` naming the file, the line and the column."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -84,12 +144,54 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            problem = getattr(err, "problem", None) or str(err)
+            raise ConfigError(_syntax_error(path, "YAML", problem, text, mark.line + 1 if mark else None,
+                                            mark.column + 1 if mark else None)) from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(_syntax_error(path, "JSON", err.msg, text, err.lineno, err.colno)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(data).__name__}")
     return data
+
+
+def _syntax_error(path: Path, kind: str, problem: str, text: str, line: Optional[int], column: Optional[int]) -> str:
+    """``config file 'x.json' is not valid JSON: <problem> at line L, column C`` and the line itself."""
+    if line is None:
+        return f"config file {str(path)!r} is not valid {kind}: {problem}"
+    lines = text.splitlines()
+    shown = lines[line - 1] if 0 < line <= len(lines) else ""
+    return (f"config file {str(path)!r} is not valid {kind}: {problem} at line {line}, column {column}\n"
+            f"{shown}\n{' ' * ((column or 1) - 1)}^")
+
+
+def check_writable(path: Path, *, field: str, value: str, directory: bool = False) -> None:
+    """ConfigError naming ``field`` and ``value`` unless a file can be written at ``path`` (with
+    ``directory``: inside the directory ``path``).
+
+    Creates the missing directories (the run would create them too), then creates and removes a
+    temporary file there, so an unwritable location fails before any work instead of at the end.
+    """
+    folder = path if directory else path.parent
+    if not directory and path.is_dir():
+        raise ConfigError(f"{field} = {value!r}: {str(path)!r} is a directory; give the path of a file")
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{field} = {value!r}: {str(existing)!r} is a file, not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".megatron_ring_write_check.", dir=folder)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as err:
+        raise ConfigError(f"{field} = {value!r}: cannot write in {str(folder)!r} "
+                          f"({err.strerror or err}); choose a writable location") from None
 
 
 def load_model(path: str | Path, model: type[ModelT]) -> ModelT:

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.config import ConfigError, load_mapping
+from megatron_ring.config import ConfigError, Problems, load_mapping
 from megatron_ring.inference.loop import job_timings, run_requests
 from megatron_ring.inference.metrics import RequestTiming, format_table, median_metrics, request_metrics
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
@@ -53,13 +53,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_spec(path: str | Path, *, world_size: int) -> InferenceSpec:
-    """Load and validate a full config for ``world_size`` ranks; build nothing."""
+def load_spec(path: str | Path, *, world_size: int, output: str | None = None) -> InferenceSpec:
+    """Load and validate a full config for ``world_size`` ranks; build nothing.
+
+    output: the ``--output`` flag (replaces ``megatron_ring.output``). One :class:`ConfigError`
+    names every problem of DeepSpeed's keys and of our section.
+    """
     path = Path(path)
-    raw = load_mapping(path)
-    ds, ours = ds_config.split_config(raw, where=f"config {str(path)!r}")
-    ds_config.check_deepspeed_config(ds, where=f"config {str(path)!r}")
-    return validate(ours, ds, world_size=world_size, path=path)
+    where = f"config {str(path)!r}"
+    ds, ours = ds_config.split_config(load_mapping(path), where=where)
+    problems = Problems(where=where)
+    ds_cfg = problems.run(ds_config.check_deepspeed_config, ds)
+    dtype = ds_config.dtype_name(ds_cfg.dtype) if ds_cfg is not None else None
+    spec = problems.run(validate, ours, ds, world_size=world_size, dtype=dtype, path=path, output=output)
+    problems.raise_if_any()
+    return spec
 
 
 def _rank_info(rank: int, coords: dict[str, int], device: torch.device, loop: Any) -> dict[str, Any]:
@@ -122,7 +130,7 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     env = ds_glue.launch_env()
     try:
-        spec = load_spec(args.config, world_size=env["world_size"])
+        spec = load_spec(args.config, world_size=env["world_size"], output=args.output)
     except ConfigError as err:
         # Every rank says it: the launcher stops the others as soon as one rank exits.
         print(f"[megatron_ring] rank {env['rank']}: config error, nothing was started:\n{err}", file=sys.stderr,
@@ -159,9 +167,8 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
                               attention_kernel=runner.attention_kernel, started=started,
                               wall_s=time.perf_counter() - t0)
         print(format_table([result]), flush=True)
-        output = args.output or ring.output
-        if output:
-            print(f"[megatron_ring] result written to {write_json_atomic(output, result)}", flush=True)
+        if spec.output:
+            print(f"[megatron_ring] result written to {write_json_atomic(spec.output, result)}", flush=True)
     dist.destroy_process_group()
     return 0
 

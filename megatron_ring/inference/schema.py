@@ -15,9 +15,11 @@ A config file for ``launch/infer.py`` is DeepSpeed's inference JSON plus one sec
     }
 
 :func:`megatron_ring.integrations.deepspeed.config.split_config` separates the two. Everything here is
-checked before any process group or model exists: unknown keys (with a did-you-mean), the layout
-against the launched world size, the workload against the layout (zigzag needs ``prompt_len``
-divisible by ``2*cp``), and the model against both through the runner's ``check_model``.
+checked before any process group or model exists: unknown keys (with a did-you-mean) and strict
+types (``"batch": true`` or ``"prompt_len": "48"`` are errors), the layout against the launched
+world size, the workload against the layout (zigzag needs ``prompt_len`` divisible by ``2*cp``),
+the output location (written to and removed), and the model against all of them, DeepSpeed's
+``dtype`` included, through the runner's ``check_model``. Every problem found is reported at once.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from typing import Any, Optional, Union
 from pydantic import Field
 
 from megatron_ring.attention.sharding import check_divisible
-from megatron_ring.config import ConfigError, StrictModel, load_mapping
+from megatron_ring.config import ConfigError, Problems, StrictModel, check_writable, load_mapping
 from megatron_ring.config.layout import LayoutConfig
+from megatron_ring.integrations.deepspeed.config import SECTION
 from megatron_ring.parallel.layout import ParallelLayout
 
 RUNNERS: dict[str, str] = {
@@ -81,12 +84,14 @@ class InferenceSpec:
     """A validated config: our section, DeepSpeed's part, the model mapping and its summary."""
 
     def __init__(self, ring: RingSection, deepspeed: dict[str, Any], model: dict[str, Any],
-                 model_summary: dict[str, Any], path: Path | None) -> None:
+                 model_summary: dict[str, Any], path: Path | None, output: str | None) -> None:
         self.ring = ring
         self.deepspeed = deepspeed
         self.model = model
         self.model_summary = model_summary
         self.path = path
+        self.output = output
+        """The result JSON path (``--output``, else ``megatron_ring.output``); None prints only."""
 
     @property
     def layout(self) -> ParallelLayout:
@@ -132,32 +137,43 @@ def load_model_mapping(section: ModelSection, base: Path | None) -> dict[str, An
     return load_mapping(find_model_file(section.config, base))
 
 
-def validate(ring_data: Any, deepspeed: dict[str, Any], *, world_size: int, path: Path | None = None) -> InferenceSpec:
+def validate(ring_data: Any, deepspeed: dict[str, Any], *, world_size: int, dtype: Optional[str],
+             path: Path | None = None, output: Optional[str] = None) -> InferenceSpec:
     """Validate our section against itself, the world size and the model; build nothing.
 
     ring_data: the raw ``megatron_ring`` mapping; deepspeed: the rest of the config (checked
-    against our layout here, against DeepSpeed's schema by the DeepSpeed integration).
-    Raises :class:`ConfigError` with every reason it finds first.
+    against our layout here, against DeepSpeed's schema by the DeepSpeed integration); dtype: the
+    dtype DeepSpeed's part selects (``fp32``, ``bf16``, ``fp16``), which the model must share, or
+    None when DeepSpeed's part was rejected; output: the ``--output`` flag, which replaces
+    ``megatron_ring.output``. Raises :class:`ConfigError` with every problem it finds.
     """
-    where = f"megatron_ring section of {str(path)!r}" if path else "megatron_ring section"
-    ring = RingSection.parse(ring_data, where=where)
+    problems = Problems()
+    ring = problems.run(RingSection.parse, ring_data, where=None, key=SECTION)
+    if ring is None:
+        problems.raise_if_any()
     layout = ring.layout.layout()
     try:
         layout.check_world_size(world_size)
     except ValueError as err:
-        raise ConfigError(f"megatron_ring.layout: {err}") from None
+        problems.add(f"{SECTION}.layout: {err}")
     work = ring.workload
     try:
-        check_divisible(work.prompt_len, layout.cp, "zigzag", what="megatron_ring.workload.prompt_len")
+        check_divisible(work.prompt_len, layout.cp, "zigzag", what=f"{SECTION}.workload.prompt_len")
     except ValueError as err:
-        raise ConfigError(str(err)) from None
+        problems.add(str(err))
     ds_tp = (deepspeed.get("tensor_parallel") or {}).get("tp_size")
     if ds_tp is not None and ds_tp != layout.tp:
-        raise ConfigError(
-            f"tensor_parallel.tp_size = {ds_tp} disagrees with megatron_ring.layout.tp = {layout.tp}; "
-            "set them equal (or drop tensor_parallel: the layout is what the model uses)")
-    module = runner_module(ring.model.runner)
-    model = load_model_mapping(ring.model, path.parent if path else None)
-    summary = module.check_model(model, layout, batch=work.batch, prompt_len=work.prompt_len,
-                                 new_tokens=work.new_tokens)
-    return InferenceSpec(ring, deepspeed, model, summary, path)
+        problems.add(f"tensor_parallel.tp_size = {ds_tp} disagrees with {SECTION}.layout.tp = {layout.tp}; "
+                     "set them equal (or drop tensor_parallel: the layout is what the model uses)")
+    target = output if output is not None else ring.output
+    if target is not None:
+        problems.run(check_writable, Path(target), field="--output" if output is not None else f"{SECTION}.output",
+                     value=target)
+    module = problems.run(runner_module, ring.model.runner)
+    model = problems.run(load_model_mapping, ring.model, path.parent if path else None)
+    summary = None
+    if module is not None and model is not None:
+        summary = problems.run(module.check_model, model, layout, batch=work.batch, prompt_len=work.prompt_len,
+                               new_tokens=work.new_tokens, dtype=dtype)
+    problems.raise_if_any()
+    return InferenceSpec(ring, deepspeed, model, summary, path, target)

@@ -2,9 +2,9 @@
 
 One rank's run (:func:`train_main`, started by ``launch/train.py``):
 
-1. validate the whole config (:func:`~megatron_ring.training.schema.load_train_spec`, then
-   DeepSpeed's own parser via :func:`~megatron_ring.training.schema.check_deepspeed_training`) —
-   a bad config stops every rank before a process group or a model exists;
+1. validate the whole config (:func:`~megatron_ring.training.schema.load_train_spec`, DeepSpeed's
+   part with DeepSpeed's own parser included) — a bad config stops every rank with exit status 2
+   before a process group or a model exists, rank 0 naming every problem;
 2. start the peer monitor (:class:`megatron_ring.runtime.faults.PeerMonitor`) and
    torch.distributed from the launcher's environment, then Megatron's ``parallel_state`` for the
    layout (its groups equal :class:`~megatron_ring.parallel.layout.ParallelLayout`'s);
@@ -52,7 +52,7 @@ from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
 from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files
-from megatron_ring.training.schema import SECTION, TrainSpec, check_deepspeed_training, load_train_spec
+from megatron_ring.training.schema import SECTION, TrainSpec, load_train_spec
 
 EXIT_CONFIG = 2
 """Exit status of every rank when the config is invalid (nothing was started)."""
@@ -286,7 +286,6 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     env = ds_glue.launch_env()
     try:
         spec = load_train_spec(args.config, world_size=env["world_size"])
-        check_deepspeed_training(spec)
     except ConfigError as err:
         if env["rank"] == 0:
             print(f"[megatron_ring] config error, nothing was started:\n{err}", file=sys.stderr, flush=True)

@@ -20,13 +20,18 @@ A config for ``launch/train.py`` is one JSON file::
     }
 
 :func:`load_train_spec` checks everything that can be checked without a process group or a
-model, so a bad config stops every rank before anything is built: unknown keys in our section
-(did-you-mean), unknown top-level DeepSpeed keys (did-you-mean against DeepSpeed's own key
-names), the layout against the launched world size, ``seq_len`` against ``2 * cp`` (zigzag),
-``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, and
-the model YAML with the layout and sequence length written into it (heads divisible by tp, ...).
-Each error names the field, its value and what is allowed. Importing this module needs pydantic
-only; DeepSpeed's deeper schema check (:func:`check_deepspeed_training`) imports DeepSpeed.
+model, so a bad config stops every rank before anything is built, with every problem in one
+error: unknown keys in our section (did-you-mean) and strict types, unknown top-level DeepSpeed
+keys (did-you-mean against DeepSpeed's own key names), the layout against the launched world
+size, ``seq_len`` against ``2 * cp`` (zigzag), ``train_batch_size =
+train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, the model YAML with the
+layout and sequence length written into it (heads divisible by tp, ...), its dtype against
+DeepSpeed's, the data paths, the checkpoint directory and the log file (written to and removed),
+and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
+model is built (optimizer type and params, ZeRO stage 3:
+:func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`). Each error names
+the field, its value and what is allowed. Importing this module needs pydantic only; validating
+imports DeepSpeed.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from megatron_ring.config import ConfigError, StrictModel, load_mapping
+from megatron_ring.config import ConfigError, Problems, StrictModel, check_writable, load_mapping
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
@@ -159,9 +164,10 @@ def check_batch(ds: dict[str, Any], dp: int) -> tuple[int, int, int]:
     defaults to 1); all three must satisfy ``global = micro * grad_accum * dp``.
     """
     given = {k: ds.get(k) for k in BATCH_KEYS}
-    for key, value in given.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(f"{key} = {value!r}: must be a positive integer")
+    bad = [f"{key} = {value!r}: must be a positive integer" for key, value in given.items()
+           if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1)]
+    if bad:
+        raise ConfigError(*bad)
     glob, micro, accum = given["train_batch_size"], given["train_micro_batch_size_per_gpu"], \
         given["gradient_accumulation_steps"]
     if micro is None and glob is None:
@@ -199,68 +205,82 @@ def deepspeed_dtype(ds: dict[str, Any]) -> str:
 
 
 def check_deepspeed_keys(ds: dict[str, Any]) -> None:
-    """ConfigError for a top-level key DeepSpeed would silently ignore (with a did-you-mean)."""
+    """ConfigError for every top-level key DeepSpeed would silently ignore (with a did-you-mean)."""
+    problems = []
     for key in ds:
         if key not in DEEPSPEED_TRAINING_KEYS:
             near = difflib.get_close_matches(key, sorted(DEEPSPEED_TRAINING_KEYS | {SECTION}), n=1, cutoff=0.6)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
-            raise ConfigError(f"unknown DeepSpeed key '{key}'{hint}; DeepSpeed would ignore it. Known keys: "
-                              f"{', '.join(sorted(DEEPSPEED_TRAINING_KEYS))}")
+            problems.append(f"unknown DeepSpeed key '{key}'{hint}; DeepSpeed would ignore it. Known keys: "
+                            f"{', '.join(sorted(DEEPSPEED_TRAINING_KEYS))}")
+    if problems:
+        raise ConfigError(*problems)
 
 
 def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, where: str = "config") -> TrainSpec:
-    """Validate a whole training config mapping for ``world_size`` processes (see module docstring)."""
+    """Validate a whole training config mapping for ``world_size`` processes (see module docstring);
+    one :class:`ConfigError` names every problem found."""
+    from megatron_ring.integrations.deepspeed.config import check_deepspeed_training
+
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
     if SECTION not in raw:
         raise ConfigError(f"{where} has no '{SECTION}' section; keys present: {sorted(raw)}")
+    problems = Problems(where=where)
     ds = {k: v for k, v in raw.items() if k != SECTION}
-    train = TrainSection.parse(raw[SECTION], where=f"'{SECTION}' section of {where}")
-    check_deepspeed_keys(ds)
+    problems.run(check_deepspeed_keys, ds)
+    train = problems.run(TrainSection.parse, raw[SECTION], where=None, key=SECTION)
+    if train is None:  # dp unknown: the batch keys wait; DeepSpeed checks the rest of its keys
+        problems.run(check_deepspeed_training, ds, micro_batch=1, grad_accum=1)
+        problems.raise_if_any()
     layout = train.layout.layout()
     if layout.world_size != world_size:
-        raise ConfigError(
-            f"{SECTION}.layout = {layout.describe()} does not match the world size {world_size}; "
-            "the product tp*pp*cp*dp must equal the number of launched processes"
-        )
-    if train.seq_len % (2 * layout.cp):
-        raise ConfigError(
-            f"{SECTION}.seq_len = {train.seq_len} is not divisible by 2 * layout.cp = {2 * layout.cp} "
-            f"(zigzag sharding over cp = {layout.cp}); allowed: a multiple of {2 * layout.cp}"
-        )
-    micro, accum, glob = check_batch(ds, layout.dp)
-    model = _model_config(train, base_dir, where)
-    ds_dtype = deepspeed_dtype(ds)
-    if ds_dtype != model.dtype:
-        raise ConfigError(
-            f"DeepSpeed trains in {ds_dtype} (bf16.enabled / fp16.enabled) but the model file {train.model!r} "
-            f"has dtype = {model.dtype!r}; make them agree (fp32: neither bf16 nor fp16 enabled)"
-        )
+        problems.add(f"{SECTION}.layout = {layout.describe()} does not match the world size {world_size}; "
+                     "the product tp*pp*cp*dp must equal the number of launched processes")
+    seq_len_ok = train.seq_len % (2 * layout.cp) == 0
+    if not seq_len_ok:
+        problems.add(f"{SECTION}.seq_len = {train.seq_len} is not divisible by 2 * layout.cp = {2 * layout.cp} "
+                     f"(zigzag sharding over cp = {layout.cp}); allowed: a multiple of {2 * layout.cp}")
+    batch = problems.run(check_batch, ds, layout.dp)
+    micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
+    problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
+    model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
+    if model is not None:
+        problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
+                     model=f"{SECTION}.model = {train.model!r}")
     if train.data.kind == "text":
         if not train.data.paths:
-            raise ConfigError(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
+            problems.add(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
         for i, entry in enumerate(train.data.paths):
             if not _resolve(entry, base_dir, must_exist=True).exists():
-                raise ConfigError(f"{SECTION}.data.paths[{i}] = {entry!r} does not exist "
-                                  f"(relative paths start at {str(base_dir)!r})")
-        if model.model.vocab_size < 128:
-            raise ConfigError(f"model.vocab_size = {model.model.vocab_size} in {train.model!r}: the byte-level "
-                              "tokenizer of data.kind = 'text' needs at least 128 ids (ASCII + end of document)")
+                problems.add(f"{SECTION}.data.paths[{i}] = {entry!r} does not exist "
+                             f"(relative paths start at {str(base_dir)!r})")
+        if model is not None and model.model.vocab_size < 128:
+            problems.add(f"model.vocab_size = {model.model.vocab_size} in {train.model!r}: the byte-level "
+                         "tokenizer of data.kind = 'text' needs at least 128 ids (ASCII + end of document)")
+    if train.checkpoint.dir is not None:
+        problems.run(check_writable, _resolve(train.checkpoint.dir, base_dir, must_exist=False),
+                     field=f"{SECTION}.checkpoint.dir", value=train.checkpoint.dir, directory=True)
+    if train.log.jsonl is not None:
+        problems.run(check_writable, _resolve(train.log.jsonl, base_dir, must_exist=False),
+                     field=f"{SECTION}.log.jsonl", value=train.log.jsonl)
+    problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
                      global_batch=glob, base_dir=base_dir)
 
 
-def _model_config(train: TrainSection, base_dir: Path, where: str) -> GPTConfig:
-    """The model YAML with our layout, sequence length (and attention, if set) written into it."""
+def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> GPTConfig:
+    """The model YAML with our layout, ``seq_len`` (None: the file's own, ours being rejected
+    already) and attention (if set) written into it."""
     path = _resolve(train.model, base_dir, must_exist=True)
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
     data["parallel"] = {**data.get("parallel", {}), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
-    if isinstance(data.get("model"), dict):
-        data["model"]["seq_length"] = train.seq_len
+    if seq_len is not None and isinstance(data.get("model"), dict):
+        data["model"]["seq_length"] = seq_len
     if train.attention is not None:
         data["attention"] = train.attention
-    return GPTConfig.parse(data, where=f"model {str(path)!r} with {SECTION}.layout/seq_len of {where}")
+    return GPTConfig.parse(data, where=f"model {str(path)!r} with {SECTION}.layout/seq_len")
 
 
 def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
@@ -268,21 +288,3 @@ def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
     path = Path(path)
     return parse_train_spec(load_mapping(path), world_size=world_size, base_dir=path.resolve().parent,
                             where=f"config {str(path)!r}")
-
-
-def check_deepspeed_training(spec: TrainSpec) -> None:
-    """Run DeepSpeed's own config parser on DeepSpeed's part (ZeRO, optimizer, dtype sections) -> ConfigError.
-
-    Needs no process group: the batch keys (already checked against dp by :func:`check_batch`) are
-    handed to DeepSpeed in their one-rank form, ``train_batch_size = micro * grad_accum``.
-    """
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from pydantic import ValidationError
-
-    ds = copy.deepcopy(spec.deepspeed)
-    ds.update(train_batch_size=spec.micro_batch * spec.grad_accum, train_micro_batch_size_per_gpu=spec.micro_batch,
-              gradient_accumulation_steps=spec.grad_accum)
-    try:
-        DeepSpeedConfig(ds)
-    except (ValidationError, AssertionError, ValueError) as err:
-        raise ConfigError(f"DeepSpeed rejects the training keys of this config: {err}") from None

@@ -19,7 +19,8 @@ def greedy_tokens(runner: str, model: dict[str, Any], layout: dict[str, int], wo
     lay = ParallelLayout(**layout)
     groups = init_parallel(lay, timeout=timedelta(seconds=120))
     module = runner_module(runner)
-    module.check_model(model, lay, batch=work["batch"], prompt_len=work["prompt_len"], new_tokens=work["new_tokens"])
+    module.check_model(model, lay, batch=work["batch"], prompt_len=work["prompt_len"], new_tokens=work["new_tokens"],
+                       dtype="fp32")
     model_runner = module.build_runner(model, groups, dtype=torch.float32, device=torch.device("cpu"),
                                        seed=work["seed"], batch=work["batch"], prompt_len=work["prompt_len"],
                                        new_tokens=work["new_tokens"])

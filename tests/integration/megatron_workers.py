@@ -187,3 +187,11 @@ def parallel_view_matches_layout(layout: ParallelLayout) -> dict[str, Any]:
         "ring_equal": (view.cp_rank, view.ring_next, view.ring_prev)
         == (me, ring[(me + 1) % len(ring)], ring[(me - 1) % len(ring)]),
     }
+
+
+def group_timeouts(layout: ParallelLayout, timeout_s: float) -> dict[str, float]:
+    """Seconds of the timeout of each group Megatron created in ``init_megatron(layout, timeout_s=)``,
+    read from the gloo backend's options (torch exposes ``Backend.options._timeout``)."""
+    groups = init_megatron(layout, timeout_s=timeout_s)
+    return {axis: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for axis, group in groups.groups.items()}

@@ -60,6 +60,12 @@ def test_local_and_ring_tiny_configs_differ_only_in_attention_and_cp() -> None:
     ({"model.position_embedding": "alibi"}, ["model.position_embedding", "'alibi'", "'rope'"]),
     ({"model.num_attention_head": 4}, ["unknown key 'model.num_attention_head'", "did you mean 'num_attention_heads'"]),
     ({"paralel": {"tp": 2}}, ["unknown key 'paralel'", "did you mean 'parallel'"]),
+    ({"dtype": "fp8"}, ["dtype = 'fp8'", "'fp32'", "'bf16'", "'fp16'"]),
+    ({"model.num_layers": True}, ["model.num_layers = True", "valid integer"]),
+    ({"model.hidden_size": "64"}, ["model.hidden_size = '64'", "valid integer"]),
+    ({"model.seq_length": 64.0}, ["model.seq_length = 64.0", "valid integer"]),
+    ({"parallel.tp": "2"}, ["parallel.tp = '2'", "valid integer"]),
+    ({"model.tie_embeddings": "yes"}, ["model.tie_embeddings = 'yes'", "valid boolean"]),
 ])
 def test_bad_config_names_field_and_value(changes: dict, needles: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -81,3 +87,8 @@ def test_world_size_mismatch_names_both_numbers() -> None:
 def test_load_reports_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         GPTConfig.load(tmp_path / "nope.yaml")
+
+
+def test_an_int_for_a_float_field_is_fine() -> None:
+    cfg = GPTConfig.parse(_with(**{"model.hidden_dropout": 0, "model.attention_dropout": 0}))
+    assert cfg.model.hidden_dropout == 0.0 and isinstance(cfg.model.hidden_dropout, float)

@@ -114,3 +114,15 @@ def test_parallel_from_megatron_equals_our_layout(gloo_pool: Any, sizes: dict[st
 
     for out in gloo_pool(4).run(megatron_workers.parallel_view_matches_layout, ParallelLayout(**sizes)):
         assert all(out.values()), out
+
+
+def test_megatron_groups_take_the_collective_timeout(gloo_pool: Any) -> None:
+    """``init_megatron(timeout_s=)`` reaches every group Megatron creates, rounded up to whole minutes.
+
+    150 s (3 minutes) differs from both Megatron's default (30 minutes) and the pool's world group (120 s).
+    """
+    from megatron_ring.parallel.layout import ParallelLayout
+
+    for timeout_s, expected in ((120, 120.0), (150, 180.0)):
+        for out in gloo_pool(4).run(megatron_workers.group_timeouts, ParallelLayout(cp=2, dp=2), timeout_s):
+            assert out["cp"] == expected and set(out.values()) == {expected}, (timeout_s, out)

@@ -54,11 +54,17 @@ def test_check_model_validates_before_building() -> None:
     from megatron_ring.inference.runners.gpt import check_model
 
     layout = ParallelLayout(cp=2)
-    summary = check_model(_model("ring", layout), layout, batch=2, prompt_len=48, new_tokens=16)
+    summary = check_model(_model("ring", layout), layout, batch=2, prompt_len=48, new_tokens=16, dtype="fp32")
     assert summary["attention"] == "ring" and summary["num_layers"] == 2 and summary["parameters"] > 0
     with pytest.raises(ConfigError, match=r"parallel.cp = 2 but megatron_ring.layout.cp = 4"):
-        check_model(_model("ring", layout), ParallelLayout(cp=4), batch=2, prompt_len=48, new_tokens=16)
+        check_model(_model("ring", layout), ParallelLayout(cp=4), batch=2, prompt_len=48, new_tokens=16, dtype="fp32")
     with pytest.raises(ConfigError, match=r"48 \+ 20 - 1 = 67 exceeds model.seq_length = 64"):
-        check_model(_model("ring", layout), layout, batch=2, prompt_len=48, new_tokens=20)
+        check_model(_model("ring", layout), layout, batch=2, prompt_len=48, new_tokens=20, dtype="fp32")
     with pytest.raises(ConfigError, match=r"model.num_attention_heads = 4 is not divisible by parallel.tp = 3"):
-        check_model(_model("local", ParallelLayout(tp=3)), ParallelLayout(tp=3), batch=1, prompt_len=8, new_tokens=2)
+        check_model(_model("local", ParallelLayout(tp=3)), ParallelLayout(tp=3), batch=1, prompt_len=8, new_tokens=2,
+                    dtype="fp32")
+    with pytest.raises(ConfigError) as err:  # every problem at once, the dtype included
+        check_model(_model("ring", layout), ParallelLayout(cp=4), batch=2, prompt_len=48, new_tokens=20, dtype="bf16")
+    for needle in ("(3 problems)", "parallel.cp = 2 but megatron_ring.layout.cp = 4", "exceeds model.seq_length",
+                   "DeepSpeed's dtype selects bf16", "dtype = 'fp32'"):
+        assert needle in str(err.value), str(err.value)

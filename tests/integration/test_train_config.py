@@ -68,8 +68,22 @@ BAD = {
     "heads vs tp": ("megatron_ring.layout", {"tp": 3, "cp": 1, "dp": 1}, ["num_attention_heads = 4", "tp = 3"]),
     "missing model": ("megatron_ring.model", "../megatron/nope.yaml", ["nope.yaml", "does not exist"]),
     "missing data": ("megatron_ring.data.paths", ["../../nowhere"], ["data.paths[0]", "nowhere", "does not exist"]),
-    "dtype vs model": ("bf16", {"enabled": True}, ["DeepSpeed trains in bf16", "dtype = 'fp32'"]),
+    "dtype vs model": ("bf16", {"enabled": True}, ["bf16.enabled / fp16.enabled selects bf16",
+                                                   "megatron_ring.model = '../megatron/tiny_ring_cp2.yaml' has "
+                                                   "dtype = 'fp32'", "allowed: fp32, bf16, fp16"]),
     "attention kind": ("megatron_ring.attention", "flash", ["attention", "flash"]),
+    "str for int": ("megatron_ring.seq_len", "128", ["megatron_ring.seq_len = '128'", "valid integer"]),
+    "bool for int": ("megatron_ring.steps", True, ["megatron_ring.steps = True", "valid integer"]),
+    "float for int": ("megatron_ring.checkpoint.save_interval", 2.5, ["megatron_ring.checkpoint.save_interval = 2.5"]),
+    "str in layout": ("megatron_ring.layout", {"tp": 1, "pp": 1, "cp": "2", "dp": 2}, ["megatron_ring.layout.cp = '2'"]),
+    "str for bool": ("megatron_ring.data.shuffle", "yes", ["megatron_ring.data.shuffle = 'yes'", "valid boolean"]),
+    "optimizer type": ("optimizer.type", "AdamWW", ["optimizer.type = 'AdamWW'", "did you mean 'AdamW'", "adamw"]),
+    "optimizer lr": ("optimizer.params.lr", "fast", ["optimizer.params.lr = 'fast'", "AdamW takes a number"]),
+    "optimizer betas": ("optimizer.params.betas", [0.9], ["optimizer.params.betas = [0.9]", "a list of 2 numbers"]),
+    "optimizer param name": ("optimizer.params.weight_decy", 0.1, ["optimizer.params.weight_decy",
+                                                                   "did you mean 'weight_decay'"]),
+    "ZeRO stage 3": ("zero_optimization.stage", 3, ["zero_optimization.stage = 3", "allowed [0, 1, 2]", "ZeRO-3"]),
+    "ZeRO key": ("zero_optimization.stagee", 1, ["stagee"]),
 }
 
 
@@ -166,10 +180,52 @@ def test_resume_refuses_other_data_or_batch(tmp_path: Path) -> None:
         check_resume(client, changed, spec, tmp_path)
 
 
-def test_deepspeed_sub_keys_are_checked_before_start() -> None:
-    pytest.importorskip("deepspeed")
-    from megatron_ring.training.schema import check_deepspeed_training
+def test_every_problem_is_reported_at_once() -> None:
+    raw = _change(good(), "train_batch_size", 6)
+    raw = _change(raw, "megatron_ring.seq_len", 126)
+    raw = _change(raw, "gradient_clip", 1.0)
+    raw = _change(raw, "optimizer.type", "AdamWW")
+    raw = _change(raw, "zero_optimization.stage", 3)
+    raw = _change(raw, "bf16", {"enabled": True})
+    with pytest.raises(ConfigError) as err:
+        parse(raw)
+    text = str(err.value)
+    for needle in ("(6 problems)", "train_batch_size = 6", "megatron_ring.seq_len = 126", "gradient_clip",
+                   "optimizer.type = 'AdamWW'", "zero_optimization.stage = 3", "selects bf16"):
+        assert needle in text, text
 
-    check_deepspeed_training(parse(good()))
-    with pytest.raises(ConfigError, match="stagee"):
-        check_deepspeed_training(parse(_change(good(), "zero_optimization", {"stagee": 1})))
+
+def test_outputs_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    unwritable = "/proc/megatron_ring_no_such_dir/train.jsonl"  # no process can create it, root included
+    raw = _change(good(), "megatron_ring.checkpoint.dir", str(blocker / "ckpt"))
+    raw = _change(raw, "megatron_ring.log.jsonl", unwritable)
+    with pytest.raises(ConfigError) as err:
+        parse(raw)
+    text = str(err.value)
+    for needle in (f"megatron_ring.checkpoint.dir = '{blocker / 'ckpt'}': '{blocker}' is a file, not a directory",
+                   f"megatron_ring.log.jsonl = '{unwritable}': cannot write in '/proc/megatron_ring_no_such_dir'"):
+        assert needle in text, text
+    raw = _change(good(), "megatron_ring.checkpoint.dir", str(tmp_path / "ckpt"))
+    raw = _change(raw, "megatron_ring.log.jsonl", str(tmp_path / "logs" / "train.jsonl"))
+    parse(raw)
+    assert not list((tmp_path / "ckpt").iterdir()) and not list((tmp_path / "logs").iterdir())
+
+
+def test_malformed_files_exit_2_naming_file_and_line(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    """A syntax error in the config or in the model YAML it names: exit 2, one message, no traceback."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(good(), indent=1).replace('"steps": 60', '"steps": 60,,'))
+    assert train_main(["--deepspeed_config", str(path)]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "bad.json" in err and "is not valid JSON" in err and "line " in err and "Traceback" not in err, err
+    model = tmp_path / "model.yaml"
+    model.write_text((ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml").read_text() + "\n  - [unclosed\n")
+    path.write_text(json.dumps(_change(good(), "megatron_ring.model", str(model))))
+    assert train_main(["--deepspeed_config", str(path)]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "model.yaml" in err and "is not valid YAML" in err and "line " in err, err
+    assert not torch.distributed.is_initialized()

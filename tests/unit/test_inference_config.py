@@ -35,16 +35,16 @@ def test_split_keeps_deepspeed_keys_and_takes_ours() -> None:
 
 
 def test_valid_section_and_defaults() -> None:
-    spec = validate(section(), {}, world_size=2)
-    assert spec.layout.cp == 2 and spec.ring.workload.repeats == 3 and spec.ring.workload.warmup == 1
+    spec = validate(section(), {}, world_size=2, dtype="fp32")
+    assert spec.output is None and spec.layout.cp == 2 and spec.ring.workload.repeats == 3 and spec.ring.workload.warmup == 1
     assert spec.model_summary["runner"] == "toy" and spec.model_summary["parameters"] > 0
 
 
 @pytest.mark.parametrize("data, world, needles", [
-    (section(layout={"cp": 2, "pipe": 2}), 2, ["unknown key 'layout.pipe'", "did you mean 'pp'"]),
+    (section(layout={"cp": 2, "pipe": 2}), 2, ["unknown key 'megatron_ring.layout.pipe'", "did you mean 'pp'"]),
     (section(layout={"cp": 4}), 2, ["layout world size 4", "process world size 2"]),
     (section(workload={"batch": 2, "prompt_len": 30, "new_tokens": 4}), 2, ["prompt_len 30", "2*cp = 4"]),
-    (section(workload={"batch": 2, "prompt_len": 32, "new_tokens": 1}), 2, ["workload.new_tokens = 1"]),
+    (section(workload={"batch": 2, "prompt_len": 32, "new_tokens": 1}), 2, ["megatron_ring.workload.new_tokens = 1"]),
     (section(model={"runner": "tpu", "config": TOY}), 2, ["unknown runner", "'megatron'", "'toy'"]),
     (section(model={"runner": "toy", "config": "missing.yaml"}), 2, ["missing.yaml", "file not found"]),
     (section(model={"runner": "toy", "config": {**TOY, "num_query_groups": 3}}), 2, ["num_query_groups = 3"]),
@@ -52,14 +52,84 @@ def test_valid_section_and_defaults() -> None:
 ])
 def test_bad_sections_name_field_value_and_allowed(data: dict, world: int, needles: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
-        validate(data, {}, world_size=world)
+        validate(data, {}, world_size=world, dtype="fp32")
     for needle in needles:
         assert needle in str(err.value), str(err.value)
 
 
 def test_deepspeed_tp_size_must_match_layout() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel.tp_size = 2 disagrees with megatron_ring.layout.tp = 1"):
-        validate(section(), {"tensor_parallel": {"tp_size": 2}}, world_size=2)
+        validate(section(), {"tensor_parallel": {"tp_size": 2}}, world_size=2, dtype="fp32")
+
+
+@pytest.mark.parametrize("part, value, needle", [
+    ("workload", {"batch": True, "prompt_len": 32, "new_tokens": 4}, "megatron_ring.workload.batch = True"),
+    ("workload", {"batch": 2, "prompt_len": "32", "new_tokens": 4}, "megatron_ring.workload.prompt_len = '32'"),
+    ("workload", {"batch": 2.0, "prompt_len": 32, "new_tokens": 4}, "megatron_ring.workload.batch = 2.0"),
+    ("layout", {"cp": "2"}, "megatron_ring.layout.cp = '2'"),
+    ("peer_timeout_s", "20", "megatron_ring.peer_timeout_s = '20'"),
+    ("model", {"runner": "toy", "config": {**TOY, "num_layers": True}}, "num_layers = True"),
+], ids=["bool-for-int", "str-for-int", "float-for-int", "str-layout", "str-for-float", "model-bool"])
+def test_no_type_coercion(part: str, value: object, needle: str) -> None:
+    """A bool, a string or a float where an int belongs is an error naming the field, not a silent 1 or 32."""
+    with pytest.raises(ConfigError) as err:
+        validate(section(**{part: value}), {}, world_size=2, dtype="fp32")
+    assert needle in str(err.value), str(err.value)
+
+
+def test_int_for_a_float_field_is_fine() -> None:
+    spec = validate(section(collective_timeout_s=300, peer_timeout_s=20), {}, world_size=2, dtype="fp32")
+    assert spec.ring.collective_timeout_s == 300.0 and isinstance(spec.ring.collective_timeout_s, float)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    """A bad workload (prompt_len vs 2*cp), a bad layout (world size) and a bad model field in one error."""
+    data = section(layout={"cp": 4}, workload={"batch": 2, "prompt_len": 36, "new_tokens": 4},
+                   model={"runner": "toy", "config": {**TOY, "num_query_groups": 3}})
+    with pytest.raises(ConfigError) as err:
+        validate(data, {"tensor_parallel": {"tp_size": 2}}, world_size=2, dtype="fp32")
+    text = str(err.value)
+    for needle in ("(4 problems)", "process world size 2", "prompt_len 36", "num_query_groups = 3",
+                   "tensor_parallel.tp_size = 2"):
+        assert needle in text, text
+    assert len(err.value.problems) == 4
+
+
+UNWRITABLE = "/proc/megatron_ring_no_such_dir/out.json"
+"""A location no process can create, root included (Linux)."""
+
+
+def test_output_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"megatron_ring.output = '.*a_file/out.json': '.*a_file' is a file, "
+                                          "not a directory"):
+        validate(section(output=str(blocker / "out.json")), {}, world_size=2, dtype="fp32")
+    if Path("/proc").is_dir():
+        with pytest.raises(ConfigError, match=f"--output = '{UNWRITABLE}': cannot write in"):
+            validate(section(output=str(tmp_path / "fine.json")), {}, world_size=2, dtype="fp32", output=UNWRITABLE)
+    with pytest.raises(ConfigError, match="is a directory"):
+        validate(section(output=str(tmp_path)), {}, world_size=2, dtype="fp32")
+    spec = validate(section(output=str(tmp_path / "new" / "r.json")), {}, world_size=2, dtype="fp32",
+                    output=str(tmp_path / "flag" / "r.json"))
+    assert spec.output == str(tmp_path / "flag" / "r.json")
+    assert (tmp_path / "flag").is_dir() and not list((tmp_path / "flag").iterdir()), "the probe file must be removed"
+    assert not (tmp_path / "new").exists(), "--output replaces megatron_ring.output"
+
+
+@pytest.mark.parametrize("suffix, text, needles", [
+    (".json", '{\n  "dtype": "fp32",\n  "megatron_ring": {"layout": {"cp": 2},}\n}\n',
+     ["bad.json", "is not valid JSON", "line 3, column 41"]),
+    (".yaml", "model:\n  num_layers: 2\n   hidden_size: 64\n", ["bad.yaml", "is not valid YAML", "line 3, column"]),
+])
+def test_malformed_file_names_file_line_and_column(tmp_path: Path, suffix: str, text: str,
+                                                    needles: list[str]) -> None:
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_mapping(path)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed")
@@ -103,3 +173,38 @@ def test_cpu_pair_shares_model_sizes_and_workload() -> None:
     first = loaded["cpu_baseline_tp2_pp2"]
     assert loaded["cpu_ring_cp4"] == first
     assert loaded["cpu_ring_tp2_cp2"][:2] == first[:2]
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed")
+def test_deepspeed_dtype_lists_the_allowed_values(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"dtype": "bf17", "replace_with_kernel_injects": False, "megatron_ring": section()}))
+    with pytest.raises(ConfigError) as err:
+        load_spec(path, world_size=2)
+    text = str(err.value)
+    for needle in ("dtype = 'bf17'", "'fp32'", "'bf16'", "'fp16'", "'float32'", "did you mean 'replace_with_kernel_inject'"):
+        assert needle in text, text
+    path.write_text(json.dumps({"dtype": "int8", "megatron_ring": section()}))
+    with pytest.raises(ConfigError, match="dtype = 'int8': allowed"):
+        load_spec(path, world_size=2)
+
+
+@pytest.mark.skipif(not (HAVE_DEEPSPEED and HAVE_MEGATRON), reason="deepspeed or the Megatron runner missing")
+@pytest.mark.parametrize("dtype, selected", [("bf16", "bf16"), ("half", "fp16"), (None, "fp16")])
+def test_deepspeed_dtype_must_be_the_models(tmp_path: Path, dtype: str | None, selected: str) -> None:
+    """cpu_ring_cp4's model is fp32; DeepSpeed's dtype (fp16 when absent) must say the same."""
+    raw = load_mapping(CONFIGS / "cpu_ring_cp4.json")
+    raw["megatron_ring"]["model"]["config"] = str((CONFIGS / raw["megatron_ring"]["model"]["config"]).resolve())
+    raw["megatron_ring"]["output"] = str(tmp_path / "r.json")
+    if dtype is None:
+        del raw["dtype"]
+    else:
+        raw["dtype"] = dtype
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=f"model config 'tiny-ring-cp4': DeepSpeed's dtype selects {selected} but "
+                                          r"the model has dtype = 'fp32'; make them agree \(allowed: fp32, bf16, fp16\)"):
+        load_spec(path, world_size=4)
+    raw["dtype"] = "float32"
+    path.write_text(json.dumps(raw))
+    assert load_spec(path, world_size=4).model_summary["runner"] == "megatron"

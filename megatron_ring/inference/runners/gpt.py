@@ -53,7 +53,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
-from megatron_ring.config import ConfigError
+from megatron_ring.config import Problems
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.integrations.megatron.attention import RingAttention
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, shard_of, unwrap
@@ -70,22 +70,22 @@ def _parse(model: dict[str, Any]) -> GPTConfig:
 
 
 def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
-                new_tokens: int) -> dict[str, Any]:
-    """Validate a ``configs/megatron`` model against ``layout`` and the workload (see ``RunnerModule``)."""
+                new_tokens: int, dtype: Optional[str]) -> dict[str, Any]:
+    """Validate a ``configs/megatron`` model against ``layout``, the workload and ``dtype`` (see ``RunnerModule``)."""
     cfg = _parse(model)
+    problems = Problems(where=f"model config {cfg.name!r}")
     for axis in ("tp", "pp", "cp"):
         if getattr(cfg.parallel, axis) != getattr(layout, axis):
-            raise ConfigError(
-                f"model config {cfg.name!r}: parallel.{axis} = {getattr(cfg.parallel, axis)} but "
-                f"megatron_ring.layout.{axis} = {getattr(layout, axis)}; they must be equal"
-            )
-    cfg.check_world_size(layout.world_size)
+            problems.add(f"parallel.{axis} = {getattr(cfg.parallel, axis)} but megatron_ring.layout.{axis} = "
+                         f"{getattr(layout, axis)}; they must be equal")
+    problems.run(cfg.check_world_size, layout.world_size)
     total = prompt_len + new_tokens - 1
     if total > cfg.model.seq_length:
-        raise ConfigError(
-            f"megatron_ring.workload: prompt_len + new_tokens - 1 = {prompt_len} + {new_tokens} - 1 = {total} "
-            f"exceeds model.seq_length = {cfg.model.seq_length} of model config {cfg.name!r}"
-        )
+        problems.add(f"megatron_ring.workload: prompt_len + new_tokens - 1 = {prompt_len} + {new_tokens} - 1 = "
+                     f"{total} exceeds model.seq_length = {cfg.model.seq_length}")
+    if dtype is not None:
+        problems.run(cfg.check_dtype, dtype, source="DeepSpeed's dtype")
+    problems.raise_if_any()
     m = cfg.model
     qkv = m.hidden_size * (m.num_attention_heads + 2 * m.query_groups) * m.kv_channels
     per_layer = qkv + m.num_attention_heads * m.kv_channels * m.hidden_size + 2 * m.hidden_size * m.ffn_hidden_size

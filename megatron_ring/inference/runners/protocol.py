@@ -24,7 +24,7 @@ before anything is built) and ``build_runner`` (a :class:`RunnerFactory`).
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -108,13 +108,15 @@ class RunnerModule(Protocol):
     """What a runner module (``megatron_ring.inference.<name>_runner``) provides."""
 
     def check_model(self, model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
-                    new_tokens: int) -> dict[str, Any]:
-        """Validate the model against the layout and workload; build nothing, touch no device.
+                    new_tokens: int, dtype: Optional[str]) -> dict[str, Any]:
+        """Validate the model against the layout, workload and dtype; build nothing, touch no device.
 
-        Raise :class:`megatron_ring.config.ConfigError` naming the field, its value and what is
-        allowed (e.g. ``num_attention_heads = 6 is not divisible by tp = 4``; ``prompt_len`` not
-        divisible by ``2*cp``; ``num_layers`` not divisible by ``pp``). Return a small JSON-able
-        summary of the model for the result file (layers, hidden size, heads, parameter count, ...).
+        dtype: the compute dtype of the run (``fp32``, ``bf16``, ``fp16``; None: unknown, not
+        checked), which a model that names its own dtype must share. Raise
+        :class:`megatron_ring.config.ConfigError` with every problem found, each naming the field,
+        its value and what is allowed (e.g. ``num_attention_heads = 6 is not divisible by tp =
+        4``; ``num_layers`` not divisible by ``pp``). Return a small JSON-able summary of the
+        model for the result file (layers, hidden size, heads, parameter count, ...).
         """
         ...
 

@@ -23,7 +23,7 @@ from pydantic import Field
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
-from megatron_ring.config import ConfigError, StrictModel
+from megatron_ring.config import Problems, StrictModel
 from megatron_ring.inference.runners.protocol import block_kernel_name
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
@@ -50,17 +50,19 @@ class ToyModelConfig(StrictModel):
 
 
 def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
-                new_tokens: int) -> dict[str, Any]:
-    """Validate a toy model config for ``layout`` (see :class:`RunnerModule`)."""
-    cfg = ToyModelConfig.parse(model, where="toy model config (megatron_ring.model.config)")
+                new_tokens: int, dtype: Optional[str]) -> dict[str, Any]:
+    """Validate a toy model config for ``layout`` (see :class:`RunnerModule`); it runs in any ``dtype``."""
+    where = "toy model config (megatron_ring.model.config)"
+    cfg = ToyModelConfig.parse(model, where=where)
+    problems = Problems(where=where)
     if layout.tp != 1 or layout.pp != 1:
-        raise ConfigError(f"megatron_ring.layout: the toy runner supports tp = pp = 1 only, got {layout.describe()}")
+        problems.add(f"megatron_ring.layout: the toy runner supports tp = pp = 1 only, got {layout.describe()}")
     if cfg.hidden_size % cfg.num_attention_heads or cfg.head_dim % 2:
-        raise ConfigError(f"toy model hidden_size = {cfg.hidden_size} must split into num_attention_heads = "
-                          f"{cfg.num_attention_heads} heads of an even size (RoPE)")
+        problems.add(f"hidden_size = {cfg.hidden_size} must split into num_attention_heads = "
+                     f"{cfg.num_attention_heads} heads of an even size (RoPE)")
     if cfg.num_attention_heads % cfg.heads_kv:
-        raise ConfigError(f"toy model num_query_groups = {cfg.heads_kv} must divide num_attention_heads = "
-                          f"{cfg.num_attention_heads}")
+        problems.add(f"num_query_groups = {cfg.heads_kv} must divide num_attention_heads = {cfg.num_attention_heads}")
+    problems.raise_if_any()
     per_layer = 2 * cfg.hidden_size * cfg.num_attention_heads * cfg.head_dim \
         + 2 * cfg.hidden_size * cfg.heads_kv * cfg.head_dim + 2 * cfg.hidden_size * cfg.ffn_hidden_size
     return {

@@ -18,6 +18,8 @@ from megatron_ring.parallel.layout import ParallelLayout
 
 _OWN_GROUPS: list[dist.ProcessGroup] = []
 """Process groups the last :func:`ensure_parallel_state` made Megatron create (freed on re-init)."""
+_own_minutes: Optional[int] = None
+"""The group timeout (minutes) of the last initialisation :func:`ensure_parallel_state` made; None: none."""
 
 
 def init_megatron(layout: ParallelLayout, *, device: torch.device = torch.device("cpu"), seed: int = 1234,
@@ -41,15 +43,18 @@ def init_megatron(layout: ParallelLayout, *, device: torch.device = torch.device
 
 
 def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> None:
-    """Initialise Megatron's ``parallel_state`` for ``layout`` unless it already has exactly these sizes.
+    """Initialise Megatron's ``parallel_state`` for ``layout`` unless it already has exactly these
+    sizes (and, when this function made it, the same timeout).
 
     Megatron's ``destroy_model_parallel`` only drops its references: the groups, with their gloo
     threads and sockets, live on. When switching layouts we therefore destroy the groups our
     previous initialisation created, so a long-lived process (a test worker serving many layouts)
     does not accumulate hundreds of them.
     """
+    global _own_minutes
     ps = parallel_state
-    if ps.model_parallel_is_initialized() and (
+    minutes = 30 if timeout_s is None else max(1, math.ceil(timeout_s / 60))
+    if ps.model_parallel_is_initialized() and _own_minutes in (None, minutes) and (
             ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()
     ) == (layout.tp, layout.pp, layout.cp, layout.dp):
@@ -62,11 +67,11 @@ def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] 
     _OWN_GROUPS.clear()
     gc.collect()  # a gloo group's threads end with its last reference
     existing = set(dist.distributed_c10d._world.pg_map)
-    minutes = 30 if timeout_s is None else max(1, math.ceil(timeout_s / 60))
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                  context_parallel_size=layout.cp, distributed_timeout_minutes=minutes,
                                  create_gloo_process_groups=False)
     _OWN_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map if g not in existing)
+    _own_minutes = minutes
 
 
 def check_parallel_state(cfg: GPTConfig) -> None:
