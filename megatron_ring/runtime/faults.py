@@ -16,12 +16,23 @@ worse: a stopped process ignores SIGTERM, so the launcher waits on it for ever. 
   a stopped or deadlocked process does not;
 * the monitor checks each peer every ``interval_s``. A peer on this host whose process is gone (or
   a zombie) is lost at once. A peer, on any host, whose heartbeat has not moved for ``timeout_s``
-  is lost as *stalled*; a store that stops answering means rank 0, which hosts it, is gone. (A
-  *stopped* rank 0 is not caught: its store stops too and every monitor waits in it; c10d's store
-  client retries a timed-out call rather than failing it.) Silence is counted in *observed* time:
-  each check adds the time since the previous check but at most ``max(1 s, 4 * interval_s)``, so
-  an observer that was itself not scheduled (a loaded machine, a suspended VM) never blames its
-  peers for its own gap;
+  is lost as *stalled*; a store that stops answering means rank 0, which hosts it, is gone. Silence
+  is counted in *observed* time: each check adds the time since the previous check but at most
+  ``max(1 s, 4 * interval_s)``, so an observer that was itself not scheduled (a loaded machine, a
+  suspended VM) never blames its peers for its own gap;
+* a *stopped* rank 0 stops the store with it: a store call then neither returns nor fails (c10d's
+  store client retries a timed-out call), and the monitor thread waits in it. So on every other
+  rank a second thread, the store guard, watches the store calls of this rank's monitor
+  connection: while one is pending and none has returned since its previous look, it adds the
+  observed time (capped the same way); past ``timeout_s`` rank 0 is lost as ``rank 0 (hosts the
+  rendezvous store; no answer for Ns, stalled; killed pid P)``, N being ``timeout_s``, and killed
+  when on this host (its ``host:pid`` is known from :meth:`PeerMonitor.attach`). There is no store
+  left to agree on one verdict, so it is made consistent otherwise: the guard takes this rank's
+  exit first (no later SIGTERM or finding speaks instead), then waits ``max(1 s, 4 * interval_s)``
+  before the kill while other survivors remain, so that their own guards, which started counting
+  at the same stop, conclude too; and a rank whose store call was already pending for more than
+  ``timeout_s / 2`` when the store failed or rank 0's process went names the same stall (rank 0
+  was killed by a peer's guard);
 * a stalled peer on this host is ended with SIGKILL (to the pid it published), so that the
   launcher, which waits for every child, returns. A stalled peer on another host cannot be killed
   from here: the survivors stop, its host's launcher waits;
@@ -117,6 +128,12 @@ class PeerMonitor:
         self._host = socket.gethostname()
         self._wake_r = self._wake_w = -1
         self._saved: tuple[Any, int] | None = None
+        # the store guard (see the Note): store calls of the monitor connection pending / returned
+        self._calls_lock = threading.Lock()
+        self._pending = 0
+        self._returned = 0
+        self._store_silent_s = 0.0  # observed time the pending calls have waited with no answer
+        self._guard: threading.Thread | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -145,12 +162,15 @@ class PeerMonitor:
         self._beats = {r: (b"", 0.0) for r in self._peers}
         self._checked_at = time.monotonic()
         self._attached.set()
+        if rank != 0 and 0 in self._peers and self._thread is not None:
+            self._guard = threading.Thread(target=self._guard_store, name="megatron_ring-store-guard", daemon=True)
+            self._guard.start()
 
     def done(self) -> None:
         """Mark this rank finished and stop watching; peers then ignore its exit."""
         if self._store is not None:
             try:
-                self._store.set(f"{_PREFIX}/beat/{self.rank}", "done")
+                self._call("set", f"{_PREFIX}/beat/{self.rank}", "done")
             except Exception:  # the store's host may already be gone: nothing to tell
                 pass
         self._stop.set()
@@ -187,7 +207,7 @@ class PeerMonitor:
                 continue
             beat += 1
             try:
-                self._store.set(f"{_PREFIX}/beat/{self.rank}", str(beat))
+                self._call("set", f"{_PREFIX}/beat/{self.rank}", str(beat))
             except Exception as err:
                 self._store_lost(err)
             self._check_peers()
@@ -202,6 +222,9 @@ class PeerMonitor:
             gone = [r for r, (host, pid) in self._peers.items()
                     if host == self._host and _process_gone(pid) and not self._peer_done(r)]
             if gone:
+                if 0 in gone and self._store_stalled():  # killed by a peer's store guard: see the Note
+                    self._lost = self._lost or self._store_stall_finding()
+                    return
                 r = min(gone, key=lambda g: (g == 0, g))  # rank 0 gone with others: it left after them
                 host, pid = self._peers[r]
                 self._conclude(f"rank {r} (pid {pid} on {host} exited)")
@@ -211,7 +234,7 @@ class PeerMonitor:
             self._checked_at = now
             for r in self._peers:
                 try:
-                    value = self._store.get(f"{_PREFIX}/beat/{r}")
+                    value = self._call("get", f"{_PREFIX}/beat/{r}")
                 except Exception as err:
                     self._store_lost(err)
                     return
@@ -227,10 +250,10 @@ class PeerMonitor:
     def _conclude(self, finding: str) -> None:
         """Record the job's verdict: the first finding any rank stored, else ``finding`` (see the Note)."""
         try:
-            first = self._store.compare_set(_VERDICT, "", finding).decode()
+            first = self._call("compare_set", _VERDICT, "", finding).decode()
         except Exception:  # the store is gone: this rank's own finding is all there is
-            first = finding
-        self._lost = first
+            first = self._store_stall_finding() if self._store_stalled() else finding
+        self._lost = self._lost or first
 
     def _declare_stalled(self, rank: int, silent_s: float) -> None:
         """Conclude on a stalled peer; one on this host is killed once the verdict is stored."""
@@ -248,11 +271,68 @@ class PeerMonitor:
     def _store_lost(self, err: Exception) -> None:
         with self._lock:
             if not self._lost:
-                self._lost = f"rank 0 (hosts the rendezvous store, which stopped answering: {err})"
+                self._lost = self._store_stall_finding() if self._store_stalled() else \
+                    f"rank 0 (hosts the rendezvous store, which stopped answering: {err})"
+
+    # -- the store guard (a stopped rank 0; see the Note) ----------------------------------------
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """``self._store.<name>(*args)``, counted for the store guard."""
+        with self._calls_lock:
+            self._pending += 1
+        try:
+            return getattr(self._store, name)(*args)
+        finally:
+            with self._calls_lock:
+                self._pending -= 1
+                self._returned += 1
+
+    def _store_stalled(self) -> bool:
+        """A store call had waited, unanswered, for more than half the timeout: rank 0 had stopped."""
+        return self._guard is not None and self._store_silent_s > self.timeout_s / 2
+
+    def _store_stall_finding(self) -> str:
+        host, pid = self._peers[0]
+        why = f"hosts the rendezvous store; no answer for {self.timeout_s:g}s"
+        if host != self._host:
+            return f"rank 0 ({why}, stalled on {host}; not killed from {self._host})"
+        return f"rank 0 ({why}, stalled; killed pid {pid})"
+
+    def _guard_store(self) -> None:
+        checked, returned = time.monotonic(), -1
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            gap = min(now - checked, self._max_gap_s)  # observed time only, as for heartbeats
+            checked = now
+            with self._calls_lock:
+                waiting = self._pending > 0 and self._returned == returned
+                returned = self._returned
+            self._store_silent_s = self._store_silent_s + gap if waiting else 0.0
+            if self._store_silent_s > self.timeout_s and not self._stop.is_set():
+                self._declare_store_stalled()
+
+    def _declare_store_stalled(self) -> None:
+        """Rank 0 stopped with its store: take this rank's exit, let the other survivors conclude too,
+        kill rank 0 if on this host, say so and exit (see the Note)."""
+        finding = self._store_stall_finding()
+        self._lost = self._lost or finding
+        host, pid = self._peers[0]
+
+        def kill() -> None:
+            if len(self._peers) > 1:  # other survivors: their guards started counting at the same stop
+                time.sleep(self._max_gap_s)
+            if host == self._host:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+        self._exit_once(f"lost {self._lost}; stopping (exit {EXIT_PEER_LOST}), no result is written", EXIT_PEER_LOST,
+                        before=kill)
 
     def _peer_done(self, rank: int) -> bool:
         try:
-            return self._store.get(f"{_PREFIX}/beat/{rank}") == b"done"
+            return self._call("get", f"{_PREFIX}/beat/{rank}") == b"done"
         except Exception:
             return False
 
@@ -267,7 +347,7 @@ class PeerMonitor:
         self._exit_once(f"terminated by SIGTERM ({why}); stopping (exit {EXIT_TERMINATED}), no result is written",
                         EXIT_TERMINATED)
 
-    def _exit_once(self, text: str, status: int) -> None:
+    def _exit_once(self, text: str, status: int, before: Any = None) -> None:
         """Print ``text`` and ``os._exit(status)``; the first caller does, every later one is silent.
 
         A later caller in another thread waits for the process to end; in the same thread (the
@@ -278,6 +358,8 @@ class PeerMonitor:
                 return
             threading.Event().wait()
         self._exiting_thread = threading.get_ident()
+        if before is not None:
+            before()
         who = f"rank {self.rank}" if self.rank >= 0 else f"pid {os.getpid()}"
         sys.stderr.write(f"[megatron_ring] {who}: {text}\n")
         sys.stderr.flush()

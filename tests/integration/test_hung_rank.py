@@ -105,18 +105,28 @@ def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int,
 
 
 def check_survivors(out: str, survivors: list[int], victim: int, victim_pid: int) -> None:
-    """One line per surviving rank, each with the same verdict: the stalled rank, killed (not "exited")."""
+    """One line per surviving rank, each with the same verdict: the stalled rank, killed (not "exited").
+
+    A stopped rank 0 takes the store with it: its verdict comes from each survivor's store guard,
+    without the store's agreement, and must be the same line on every survivor all the same.
+    """
+    verdicts = set()
     for rank in survivors:
         lines = [ln for ln in out.splitlines() if f"[megatron_ring] rank {rank}:" in ln]
         assert len(lines) == 1, f"rank {rank} did not say exactly one line:\n{out[-3000:]}"
-        assert f"lost rank {victim} (no heartbeat for " in lines[0] \
+        why = "hosts the rendezvous store; no answer for " if victim == 0 else "no heartbeat for "
+        assert f"lost rank {victim} ({why}" in lines[0] \
             and f"s, stalled; killed pid {victim_pid})" in lines[0], lines[0]
+        verdicts.add(lines[0].split(": lost ", 1)[1])
+    assert len(verdicts) == 1, verdicts
 
 
 @needs_deepspeed
 @pytest.mark.timeout(420)
-def test_stopped_rank_stops_inference(tmp_path: Path) -> None:
-    """SIGSTOP rank 2 of 4 while decoding: the launcher returns non-zero within peer_timeout_s + 15 s."""
+@pytest.mark.parametrize("victim", [2, 0], ids=["rank2", "rank0_store_host"])
+def test_stopped_rank_stops_inference(tmp_path: Path, victim: int) -> None:
+    """SIGSTOP rank ``victim`` of 4 while decoding: the launcher returns non-zero within peer_timeout_s + 15 s.
+    Rank 0 hosts the rendezvous store, which stops with it (Note [Lost ranks], the store guard)."""
     model = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 128, "vocab_size": 128}
     cfg = {"dtype": "fp32", "replace_with_kernel_inject": False,
@@ -126,10 +136,10 @@ def test_stopped_rank_stops_inference(tmp_path: Path) -> None:
                              "peer_timeout_s": PEER_TIMEOUT_S, "output": str(tmp_path / "hung.json")}}
     config = tmp_path / "hung_config.json"
     config.write_text(json.dumps(cfg))
-    code, elapsed, victim_pid, out = stop_rank_mid_run("infer.py", config, 4, 2, lambda o: "request 1/3" in o)
+    code, elapsed, victim_pid, out = stop_rank_mid_run("infer.py", config, 4, victim, lambda o: "request 1/3" in o)
     assert code != 0, out[-3000:]
     assert elapsed < BOUND_S
-    check_survivors(out, [0, 1, 3], 2, victim_pid)
+    check_survivors(out, [r for r in range(4) if r != victim], victim, victim_pid)
     result = tmp_path / "hung.json"
     assert not result.exists() or json.loads(result.read_text())["metrics"], "a half-written result file"
     assert not list(tmp_path.glob(".*.tmp"))

@@ -57,9 +57,13 @@ def end(procs: list[subprocess.Popen]) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_stopped_peer_on_same_host_is_declared_lost_and_killed() -> None:
-    """SIGSTOP rank 1 of 2: rank 0 exits EXIT_PEER_LOST within timeout + 3 s, naming and killing it."""
-    victim = 1
+@pytest.mark.parametrize("victim", [1, 0], ids=["peer", "store_host"])
+def test_stopped_peer_on_same_host_is_declared_lost_and_killed(victim: int) -> None:
+    """SIGSTOP one rank of 2: the other exits EXIT_PEER_LOST within timeout + 3 s, naming and killing it.
+
+    Rank 0 hosts the store: stopped, it stops the store too and the other rank's monitor waits in a
+    store call that never returns; the store guard must catch that.
+    """
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), str(TIMEOUT_S)], cwd=ROOT, env=env,
@@ -83,6 +87,8 @@ def test_stopped_peer_on_same_host_is_declared_lost_and_killed() -> None:
     assert len(lines) == 1, err
     assert f"rank {1 - victim}: lost rank {victim} (" in lines[0], err
     assert f"stalled; killed pid {procs[victim].pid})" in lines[0], err
+    if victim == 0:
+        assert f"lost rank 0 (hosts the rendezvous store; no answer for {TIMEOUT_S:g}s, stalled; " in lines[0], err
 
 
 class FakeStore:
