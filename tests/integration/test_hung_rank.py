@@ -148,9 +148,10 @@ def test_stopped_rank_stops_inference(tmp_path: Path, victim: int) -> None:
 @needs_deepspeed
 @needs_megatron
 @pytest.mark.timeout(420)
-def test_stopped_rank_stops_training(tmp_path: Path) -> None:
-    """SIGSTOP rank 1 of cp = 2 mid-training: the launcher returns non-zero within peer_timeout_s + 15 s and
-    the latest checkpoint, if any, is a complete one."""
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0_store_host"])
+def test_stopped_rank_stops_training(tmp_path: Path, victim: int) -> None:
+    """SIGSTOP rank ``victim`` of cp = 2 mid-training: the launcher returns non-zero within peer_timeout_s + 15 s
+    and the latest checkpoint, if any, is a complete one."""
     from megatron_ring.training.loop import COMPLETE, latest_checkpoint
 
     cfg = {
@@ -172,10 +173,10 @@ def test_stopped_rank_stops_training(tmp_path: Path) -> None:
     def checkpointed(_: str) -> bool:
         return log.exists() and any('"event": "checkpoint"' in ln for ln in log.read_text().splitlines())
 
-    code, elapsed, victim_pid, out = stop_rank_mid_run("train.py", config, 2, 1, checkpointed)
+    code, elapsed, victim_pid, out = stop_rank_mid_run("train.py", config, 2, victim, checkpointed)
     assert code != 0, out[-3000:]
     assert elapsed < BOUND_S
-    check_survivors(out, [0], 1, victim_pid)
+    check_survivors(out, [1 - victim], victim, victim_pid)
     tag = latest_checkpoint(tmp_path / "ckpt")
     assert tag is not None
     assert json.loads((tmp_path / "ckpt" / tag / COMPLETE).read_text())["step"] == int(tag[4:])
