@@ -79,9 +79,9 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if masked:
         if backend == "flash_attn" or (backend == "sdpa" and not _sdpa_takes_a_mask(device)):
-            raise ValueError(f"backend {backend!r} cannot take a key_padding_mask or a window on device={device} with torch "
-                             f"{torch.__version__}; use 'math' or 'auto' (which picks 'sdpa' on CPU with torch "
-                             ">= 2.5 and 'math' elsewhere)")
+            raise ValueError(f"backend {backend!r} cannot take a key_padding_mask on device={device} with torch "
+                             f"{torch.__version__}, nor a window_size; use 'math' or 'auto' (which picks 'sdpa' on "
+                             "CPU with torch >= 2.5 and 'math' elsewhere)")
         if backend == "auto":
             return "sdpa" if _sdpa_takes_a_mask(device) else "math"
     if backend == "auto":
@@ -194,7 +194,7 @@ def _with_causal(visible: torch.Tensor | None, causal: bool) -> tuple[torch.Tens
 def _check_mask_backend(masked: bool, backend: str, device: torch.device) -> None:
     """A mask reaches only the kernels that apply it (resolve_backend(masked=True) picks them)."""
     if masked and not (backend == "math" or (backend == "sdpa" and _sdpa_takes_a_mask(device))):
-        raise ValueError(f"backend {backend!r} on {device} cannot apply a mask; resolve it with masked=True")
+        raise ValueError(f"backend {backend!r} on {device} cannot apply a key mask or a visibility mask; resolve it with masked=True")
 
 
 def _sees_a_key(key_mask: torch.Tensor, q_len: int, causal: bool) -> torch.Tensor:
