@@ -61,7 +61,7 @@ def test_local_and_ring_tiny_configs_differ_only_in_attention_and_cp() -> None:
     ({"parallel.cp_comm_type": ["a2a", "p2p", "p2p"]}, ["cp_comm_type has 3 entries", "num_layers = 2"]),
     ({"parallel.cp_comm_type": "a2a", "parallel.cp": 8, "model.seq_length": 64},
      ["'a2a' needs the query heads per TP rank", "= 4) divisible by its all-to-all group (8)"]),
-    ({"parallel.cp_a2a": 3}, ["parallel.cp_a2a = 3 does not divide parallel.cp = 2"]),
+    ({"parallel.cp_a2a": 3}, ["parallel.cp_a2a = 3 does not divide parallel.cp = 1"]),
     ({"model.position_embedding": "alibi"}, ["model.position_embedding", "'alibi'", "'rope'"]),
     ({"model.num_attention_head": 4}, ["unknown key 'model.num_attention_head'", "did you mean 'num_attention_heads'"]),
     ({"paralel": {"tp": 2}}, ["unknown key 'paralel'", "did you mean 'parallel'"]),
