@@ -12,6 +12,19 @@ token's K/V to one rank only (round-robin keeps the shards balanced)::
     rank 0: q . [K0 | new0]  -> (o0, lse0) \\
     rank 1: q . [K1 | new1]  -> (o1, lse1)  }-- all_gather --> merge -> o (same on all ranks)
     rank 2: q . [K2]         -> (o2, lse2) /
+
+Note [Decode after an all-to-all prefill]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``comm="a2a"`` and ``"a2a+p2p"`` take and return the same sequence-sharded tensors as ``"p2p"``
+(the all-to-all is internal to the call), so the K/V a layer caches after its prefill are its own
+tokens on every head, as after a ring prefill, and decode is the same all-gather merge whatever
+comm the prefill used. We keep that layout rather than re-laying the cache out by heads: a
+head-sharded cache would need the new token's q (all heads) sent to every rank and the outputs
+gathered back, the same bytes as the merge, but with ``heads_kv < P`` it stores each replicated
+K/V head ``lcm(heads_kv, P) / heads_kv`` times, and the per-token append would need an all-to-all
+of every new token's K/V. Given hierarchical groups (``CPGroups`` without ``cp``), the merge runs
+in two all-gathers, within each a2a group and then across the ring groups; the log-sum-exp merge
+is associative, and the result is identical on every rank.
 """
 from __future__ import annotations
 
@@ -21,9 +34,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import all_gather_stacked
+from megatron_ring.attention.alltoall import CPGroups, CPPlace, cp_place
 from megatron_ring.attention.block import block_forward, compute_dtype, resolve_backend
-from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens, group_rank_size
-from megatron_ring.attention.handshake import Field, agree, flag_field, scale_field, tensor_fields
+from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens
+from megatron_ring.attention.handshake import Field, agree_place, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.merge import merge_stacked
 
 
@@ -49,8 +63,19 @@ def _fields(q: torch.Tensor, k_local: torch.Tensor, scale: float, masked: bool) 
             flag_field("key_padding_mask", masked, ("None", "a mask"))]
 
 
+def _gather_merge(part: torch.Tensor, place: CPPlace) -> torch.Tensor:
+    """Every rank's ``[b, h, q, d + 1]`` (out, lse) partial merged, over the flat group or the two levels."""
+    d = part.shape[-1] - 1
+    levels = [(place.flat, place.size)] if place.has_flat else [(g, n) for g, _, n in place.hier or ()]
+    for group, size in levels:
+        parts = all_gather_stacked(part, group, size)
+        out, lse = merge_stacked(parts[..., :d], parts[..., d])
+        part = torch.cat((out, lse.unsqueeze(-1)), dim=-1)
+    return part[..., :d]
+
+
 def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
-                     group: dist.ProcessGroup | None = None, *, softmax_scale: float | None = None,
+                     group: dist.ProcessGroup | CPGroups | tuple | None = None, *, softmax_scale: float | None = None,
                      backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
                      check_consistency: bool = True) -> torch.Tensor:
     """Attention of new queries over the union of every rank's cache shard.
@@ -61,7 +86,8 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             ``s_local`` may differ between ranks and may be 0. Every cached key is visible to every
             query (append the new tokens' K/V before calling).
         group: the context-parallel group (None = world, or one process without torch.distributed);
-            ValueError on a process that is not a member.
+            ValueError on a process that is not a member. A ``CPGroups`` / ``(a2a, ring)`` tuple
+            also serves, whatever comm the prefill used (Note [Decode after an all-to-all prefill]).
         key_padding_mask: None, or bool ``[batch, s_local]`` for this rank's shard (True = a real
             token), given on every rank or on none; a query that sees no real key on any rank
             (also: the cache is empty on every rank) gets a zero output.
@@ -75,7 +101,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
         An empty batch gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError.
     """
-    _, size = group_rank_size(group)
+    place = cp_place(group, "auto")
     prepared: tuple[float, str] | None = None
     error: Exception | None = None
     try:
@@ -83,9 +109,9 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
                             key_padding_mask=key_padding_mask)
     except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
         error = err
-    if check_consistency and size > 1:
+    if check_consistency and place.size > 1:
         fields = None if prepared is None else _fields(q, k_local, prepared[0], key_padding_mask is not None)
-        agree("decode_attention", fields, group, size, q)
+        agree_place("decode_attention", fields, place, q)
     if prepared is None:
         assert error is not None
         raise error
@@ -105,6 +131,4 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
                                      backend=kernel)
             part[..., :d] = out
             part[..., d] = lse
-        parts = all_gather_stacked(part, group, size)
-        merged, _ = merge_stacked(parts[..., :d], parts[..., d])
-        return merged.to(q.dtype).transpose(1, 2)
+        return _gather_merge(part, place).to(q.dtype).transpose(1, 2)

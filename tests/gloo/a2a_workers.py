@@ -79,3 +79,30 @@ def outcome(case):
         return "ok", tuple(ring_attention(q, q if q.dtype != torch.int32 else q, q, group, **kwargs).shape)
     except (TypeError, ValueError) as err:
         return type(err).__name__, str(err)
+
+
+def prefill_then_decode(comm, a2a_size, flat):
+    """Prefill (causal) with ``comm``, cache this rank's K/V shard as the caller passed it, append the
+    new token's K/V on rank 0, decode it: errors of both against float64, and whether every rank
+    decoded the same bits. ``flat``: pass CPGroups with its cp group, else the bare ``(a2a, ring)``."""
+    from megatron_ring import decode_attention
+    from megatron_ring.attention.reference import attention_reference, rel_err
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    g = _groups(a2a_size)
+    group = g if flat else (g.a2a, g.ring)  # decode over the flat group, or over the two levels
+    prefill_group = g if comm != "a2a+p2p" else group
+    gen = torch.Generator().manual_seed(4)
+    seq, heads_q, heads_kv, d = 4 * size, 4, 2, 8
+    q, k, v = (torch.randn(2, seq + 1, h, d, generator=gen) for h in (heads_q, heads_kv, heads_kv))
+    ql, kl, vl = (shard_sequence(t[:, :seq], rank, size) for t in (q, k, v))
+    out = ring_attention(ql, kl, vl, prefill_group, causal=True, comm=comm)
+    ref = attention_reference(q, k, v, causal=True)
+    k_cache, v_cache = kl, vl
+    if rank == 0:
+        k_cache, v_cache = torch.cat((kl, k[:, seq:]), 1), torch.cat((vl, v[:, seq:]), 1)
+    new = decode_attention(q[:, seq:], k_cache, v_cache, group)
+    gathered = [torch.empty_like(new) for _ in range(size)]
+    dist.all_gather(gathered, new.contiguous())
+    return {"prefill": rel_err(out, shard_sequence(ref[:, :seq], rank, size)), "decode": rel_err(new, ref[:, seq:]),
+            "identical": all(torch.equal(x, new) for x in gathered)}

@@ -84,3 +84,13 @@ def test_rejected_input_in_one_a2a_group_reaches_every_rank(gloo_pool):
     assert outcomes[3][0] == "TypeError" and "dtype" in outcomes[3][1]
     for rank in (0, 1, 2):
         assert outcomes[rank][0] == "ValueError" and "rejected" in outcomes[rank][1], outcomes[rank]
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a", "a2a+p2p"])
+@pytest.mark.parametrize("flat", [True, False], ids=["cp-group", "two-levels"])
+def test_decode_from_the_cache_of_every_comm(gloo_pool, comm, flat):
+    """The cache after any prefill is the caller's sequence shard (Note [Decode after an all-to-all
+    prefill]): decode merges over the CP group, or over the a2a and ring groups, identically on all ranks."""
+    for result in gloo_pool(4).run(a2a_workers.prefill_then_decode, comm, 2, flat):
+        assert result["prefill"] <= TOL[torch.float32] and result["decode"] <= TOL[torch.float32], result
+        assert result["identical"], result
