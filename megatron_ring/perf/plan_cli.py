@@ -18,7 +18,7 @@ from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.perf.cost_model import (
-    ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured,
+    CP_COMMS, ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured,
 )
 from megatron_ring.perf.hardware import DEFAULT_PROFILE, DTYPE_BYTES, HardwareProfile, profile_names
 
@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-len", type=positive_int)
     g.add_argument("--new-tokens", type=positive_int)
     g.add_argument("--micro-batch", type=positive_int)
-    g.add_argument("--cp-comm", choices=["p2p", "all_gather", "auto"], default="p2p")
+    g.add_argument("--cp-comm", choices=list(CP_COMMS), default="p2p",
+                   help="the CP comm the TTFT uses; every comm's attention time is printed beside it")
     g.add_argument("--non-causal", action="store_true", help="bidirectional attention (default causal)")
     ap.add_argument("--no-alternative", action="store_true", help="plan only the given layout")
     ap.add_argument("--measured", help="a bench attention JSON: put its measurements beside the predictions")
