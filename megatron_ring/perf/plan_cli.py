@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--measured", help="a bench attention JSON: put its measurements beside the predictions")
     ap.add_argument("--json", dest="json_out", help="write the predictions to this JSON file")
     ap.add_argument("--markdown", help="write the table and findings as Markdown to this file")
+    ap.add_argument("--comm-figure", help="draw each CP comm's predicted attention time against L to this PNG")
     return ap
 
 
@@ -169,4 +170,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(report.plan_markdown(preds, out.get("measured_vs_predicted")))
+    if args.comm_figure:
+        from megatron_ring.perf.comm_figure import draw_comm_figure
+
+        print(f"wrote {draw_comm_figure(Planner(hw), main, args.comm_figure)}")
     return 0

@@ -152,3 +152,14 @@ def test_every_cp_comm_is_predicted_and_auto_takes_the_fastest() -> None:
                     head_dim=128)
     odd = planner.predict(PlanInput(name="mqa", model=mqa, layout=ParallelLayout(cp=16), workload=PAPER_WORK))
     assert odd.ring.comm_times["a2a"] == float("inf")  # 24 heads do not split 16 ways
+
+
+def test_comm_figure_curves_and_png(tmp_path: Path) -> None:
+    from megatron_ring.perf.comm_figure import COMMS, comm_curves, draw_comm_figure
+
+    planner = Planner(HardwareProfile.load("h100-sxm"))
+    base = paper(ParallelLayout(cp=16))
+    curves = comm_curves(planner, base, [4096, 65536])
+    for i in range(2):
+        assert COMMS[int(curves["auto"][i])] == min(COMMS, key=lambda c: curves[c][i])
+    assert draw_comm_figure(planner, base, tmp_path / "c.png").stat().st_size > 10_000
