@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.demo import add_demo_arguments, check_demo_args, demo_argv
-from megatron_ring.parallel.layout import AXES, ParallelLayout
+from megatron_ring.parallel.layout import AXES, HIERARCHICAL_LEVELS, ParallelLayout
 
 # name -> (module, function, help): each takes its own argv (--help included) and returns an exit code
 DELEGATED: dict[str, tuple[str, str, str]] = {
@@ -52,13 +52,21 @@ def _layout_table(layout: ParallelLayout) -> str:
         groups = layout.groups(axis)
         shown = ", ".join(str(g) for g in groups[:4]) + (f", ... ({len(groups)} groups)" if len(groups) > 4 else "")
         lines.append(f"{axis:>6} groups: {shown}")
+    if layout.cp_a2a is not None:
+        for level in HIERARCHICAL_LEVELS:
+            groups = layout.hierarchical_groups(level)
+            shown = ", ".join(str(g) for g in groups[:4]) + (f", ... ({len(groups)} groups)" if len(groups) > 4 else "")
+            lines.append(f"{level:>7} groups: {shown}")
+        lines.append("  (a2a+p2p: all-to-all inside each cp-a2a group, keep it within a node; the ring across "
+                     "cp-ring groups)")
     return "\n".join(lines)
 
 
 def _cmd_layout(args: argparse.Namespace) -> int:
     from megatron_ring.config.layout import LayoutConfig
 
-    layout = LayoutConfig.parse({axis: getattr(args, axis) for axis in AXES}, where="the layout flags").layout()
+    sizes = {axis: getattr(args, axis) for axis in AXES} | ({"cp_a2a": args.cp_a2a} if args.cp_a2a else {})
+    layout = LayoutConfig.parse(sizes, where="the layout flags").layout()
     if args.world is not None:
         layout.check_world_size(args.world)
     print(_layout_table(layout))
@@ -89,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("layout", help="print the rank grid and groups of a parallel layout")
     for axis in AXES:
         p.add_argument(f"--{axis}", type=positive_int, default=1, help=f"{axis} size")
+    p.add_argument("--cp-a2a", type=positive_int, default=None,
+                   help="hierarchical CP (a2a+p2p): all-to-all group size, a divisor of --cp")
     p.add_argument("--world", type=positive_int, default=None, help="check against this many launched ranks")
     p.set_defaults(handler=_cmd_layout)
 

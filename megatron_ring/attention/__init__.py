@@ -9,7 +9,8 @@ Files:
 * ``merge.py``              the fp32 log-sum-exp merge of partial results;
 * ``ring.py``               ``ring_attention``: the p2p ring and its autograd function;
 * ``allgather.py``          the all-gather variant on the same schedule;
-* ``auto_comm.py``          ``comm="auto"``: p2p or all_gather from a cost model;
+* ``alltoall.py``           ``comm="a2a"`` (Ulysses) and ``"a2a+p2p"`` (all-to-all x ring), ``CPGroups``;
+* ``auto_comm.py``          ``comm="auto"``: p2p, all_gather, a2a or a2a+p2p from a cost model;
 * ``decode.py``             ``decode_attention`` against a KV cache sharded over the CP group;
 * ``checks.py``             validation at the boundary;
 * ``instrument.py``         ``ring_stats``: bytes sent, compute and exposed communication time;

@@ -1,4 +1,4 @@
-"""Choose the ring's communication (``"p2p"`` or ``"all_gather"``) from a cost model: ``comm="auto"``.
+"""Choose the CP communication (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``) from a cost model: ``comm="auto"``.
 
 Pure Python, no torch: :func:`choose_comm` sees only shapes, the ring size and a
 :class:`CommCosts` (effective FLOP/s, link bandwidths, fixed latencies), so it is the same on
@@ -27,16 +27,38 @@ local chunk is so short that per-step latency dominates. The rule is therefore:
 
 1. ``P == 1``: ``"p2p"`` (no communication either way);
 2. the gathered K/V (``P`` times the local K/V) exceeds ``memory_budget_bytes``: ``"p2p"``;
-3. otherwise the smaller of ``T_p2p`` and ``T_ag``; ties go to ``"p2p"`` (O(L/P) memory).
+3. otherwise the smallest predicted time among the comms the call's groups can run; ties go to
+   ``"p2p"``, then ``"a2a+p2p"``, ``"a2a"``, ``"all_gather"``.
 
 The rule only looks at the forward pass; the backward of the same call uses the same choice.
+
+Note [All-to-all in the cost model]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``a2a`` (Ulysses, alltoall.py) moves q, k, v to heads and the output back: per rank
+``X = B*c*d*s*(2H + 2H')`` bytes with ``H' = lcm(H_kv, A)`` K/V heads after replication, of which
+the share ``(A-1)/A`` leaves the rank, none of it hidden behind compute, then computes the whole
+local attention (``P * t_comp``): ``T_a2a = 2*o_ag + (A-1)/A * X / W_a2a + P * t_comp + o``. It
+needs ``H % P == 0`` (infinite time otherwise), pays two collective latencies instead of P step
+latencies, and its bytes do not grow with P, so it wins at short L/P or many heads; the ring wins
+when its transfers hide behind compute (``c >= c*``) and past the cap ``P <= H``.
+
+``a2a+p2p`` with a2a groups of A (one node) and a ring of ``R = P/A`` across them: the all-to-all
+above within the node, then a ring whose steps compute ``A * t_comp`` (A times the tokens on 1/A
+of the heads) and send ``2*B*c*H'*d*s`` (the same K/V bytes as a p2p step when ``H' = H_kv``) over
+the inter-node link ``W_inter``, so the ring hides A times more communication than the flat ring
+across nodes. Nodes enter through ``ranks_per_node`` (CP ranks per node) and ``W_inter``: a
+flat ring or all-gather that spans nodes runs at ``W_inter``; a flat all-to-all sends the share
+``(P - n)/P`` of its bytes across nodes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
 
-Comm = Literal["p2p", "all_gather"]
+Comm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]
+ALL_COMMS: tuple[str, ...] = ("p2p", "a2a+p2p", "a2a", "all_gather")
+"""Every comm, in the order ties are broken."""
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -69,6 +91,12 @@ class CommCosts:
     """Fixed cost of one all-gather collective."""
     memory_budget_bytes: float | None = None
     """Largest gathered K/V (bytes, per rank) that all-gather may allocate; ``None``: no limit."""
+    alltoall_bytes_per_s: float | None = None
+    """Achieved bytes/s each rank sends during an all-to-all inside a node; ``None``: ``allgather_bytes_per_s``."""
+    inter_node_bytes_per_s: float | None = None
+    """Achieved bytes/s per rank between nodes; ``None``: the CP group is within one node."""
+    ranks_per_node: int | None = None
+    """CP ranks per node (the a2a group of ``a2a+p2p``); ``None``: every CP rank is on one node."""
 
     def __post_init__(self) -> None:
         _positive("CommCosts.flops_per_s", self.flops_per_s)
@@ -76,8 +104,34 @@ class CommCosts:
         _positive("CommCosts.allgather_bytes_per_s", self.allgather_bytes_per_s)
         _positive("CommCosts.step_latency_s", self.step_latency_s, allow_zero=True)
         _positive("CommCosts.collective_latency_s", self.collective_latency_s, allow_zero=True)
-        if self.memory_budget_bytes is not None:
-            _positive("CommCosts.memory_budget_bytes", self.memory_budget_bytes)
+        for name in ("memory_budget_bytes", "alltoall_bytes_per_s", "inter_node_bytes_per_s"):
+            if getattr(self, name) is not None:
+                _positive(f"CommCosts.{name}", getattr(self, name))
+        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool)
+                                                or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
+            raise ValueError(f"CommCosts.ranks_per_node must be an int >= 1 or None, got {self.ranks_per_node!r}")
+
+    def links(self, ranks: int) -> tuple[float, float, float]:
+        """``(ring, all-gather, all-to-all)`` bytes/s of a group of ``ranks`` adjacent CP ranks: the
+        inter-node link when the group spans nodes (the all-to-all is then split by share, see
+        :meth:`alltoall_s`)."""
+        a2a = self.alltoall_bytes_per_s or self.allgather_bytes_per_s
+        if self._spans(ranks):
+            inter = self.inter_node_bytes_per_s or self.p2p_bytes_per_s
+            return inter, inter, a2a
+        return self.p2p_bytes_per_s, self.allgather_bytes_per_s, a2a
+
+    def _spans(self, ranks: int) -> bool:
+        return self.ranks_per_node is not None and ranks > self.ranks_per_node
+
+    def alltoall_s(self, nbytes: float, ranks: int) -> float:
+        """Time to send the ``(ranks-1)/ranks`` share of ``nbytes`` in one all-to-all over ``ranks`` adjacent ranks."""
+        if ranks == 1:
+            return 0.0
+        _, _, a2a = self.links(ranks)
+        local = min(ranks, self.ranks_per_node or ranks)
+        inter = self.inter_node_bytes_per_s or self.p2p_bytes_per_s
+        return self.collective_latency_s + nbytes / ranks * ((local - 1) / a2a + (ranks - local) / inter)
 
 
 DEFAULT_COSTS: dict[str, CommCosts] = {
@@ -115,6 +169,8 @@ class CommChoice:
     crossover_tokens: float
     p2p_s: float
     all_gather_s: float
+    times: dict[str, float] = field(default_factory=dict)
+    """Predicted forward time of every comm (``inf``: it cannot run this call)."""
 
 
 def _check_heads(heads_q: int, heads_kv: int) -> None:
@@ -126,10 +182,12 @@ def _check_heads(heads_q: int, heads_kv: int) -> None:
 
 
 def predict_times(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
-                  causal: bool, element_size: int, costs: CommCosts) -> dict[str, float]:
-    """Predicted forward time (s) of one attention call for each comm: ``{"p2p": .., "all_gather": ..}``.
+                  causal: bool, element_size: int, costs: CommCosts, a2a_size: int | None = None) -> dict[str, float]:
+    """Predicted forward time (s) of one attention call for each comm: ``{"p2p", "all_gather", "a2a", "a2a+p2p"}``.
 
-    ``seq_local`` is the number of tokens this rank holds (``L/P``); see the module Note.
+    ``seq_local`` is the number of tokens this rank holds (``L/P``); ``a2a_size`` the a2a group of
+    ``a2a+p2p`` (default ``costs.ranks_per_node``, else ``cp_size``); a comm that cannot run the
+    call (heads not divisible) gets ``inf``. See the module Notes.
     """
     for name, value in (("seq_local", seq_local), ("cp_size", cp_size), ("batch", batch), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -138,40 +196,67 @@ def predict_times(*, seq_local: int, cp_size: int, batch: int, heads_q: int, hea
     _positive("element_size", element_size)
     t_comp = work_fraction(causal) * 4.0 * batch * seq_local**2 * heads_q * head_dim / costs.flops_per_s
     kv_bytes = 2.0 * batch * seq_local * heads_kv * head_dim * element_size
-    t_comm = kv_bytes / costs.p2p_bytes_per_s
+    ring_bw, gather_bw, _ = costs.links(cp_size)
+    t_comm = kv_bytes / ring_bw
     steps = cp_size - 1
     p2p = t_comp + steps * max(t_comp, t_comm) + cp_size * costs.step_latency_s
-    gathered = 0.0 if steps == 0 else costs.collective_latency_s + steps * kv_bytes / costs.allgather_bytes_per_s
+    gathered = 0.0 if steps == 0 else costs.collective_latency_s + steps * kv_bytes / gather_bw
     all_gather = gathered + cp_size * t_comp + costs.step_latency_s
-    return {"p2p": p2p, "all_gather": all_gather}
+    inner = a2a_size or min(cp_size, costs.ranks_per_node or cp_size)
+    return {"p2p": p2p, "all_gather": all_gather,
+            "a2a": _a2a_time(t_comp, cp_size, 1, batch * seq_local * head_dim * element_size, heads_q, heads_kv, costs),
+            "a2a+p2p": _a2a_time(t_comp, inner, cp_size // inner if cp_size % inner == 0 else 0,
+                                 batch * seq_local * head_dim * element_size, heads_q, heads_kv, costs)}
+
+
+def _a2a_time(t_comp: float, a2a: int, ring: int, unit_bytes: float, heads_q: int, heads_kv: int,
+              costs: CommCosts) -> float:
+    """Forward time of ``a2a`` (``ring`` 1) or ``a2a+p2p`` (Note [All-to-all in the cost model]); ``inf`` if it cannot run."""
+    if ring < 1 or heads_q % a2a:
+        return math.inf
+    h_kv = heads_kv * a2a // math.gcd(heads_kv, a2a)
+    moved = 2 * costs.alltoall_s(unit_bytes * (2 * heads_q + 2 * h_kv), a2a)
+    step_comp = a2a * t_comp
+    ring_bw = costs.links(a2a * ring)[0]
+    step_comm = 2 * unit_bytes * h_kv / ring_bw
+    return moved + step_comp + (ring - 1) * max(step_comp, step_comm) + ring * costs.step_latency_s
 
 
 def choose_comm(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
-                causal: bool, element_size: int, costs: CommCosts) -> CommChoice:
-    """Pick ``"p2p"`` or ``"all_gather"`` for one call by the rule of the module Note."""
+                causal: bool, element_size: int, costs: CommCosts, candidates: Sequence[str] = ALL_COMMS,
+                a2a_size: int | None = None) -> CommChoice:
+    """Pick the fastest of ``candidates`` for one call by the rule of the module Note (``a2a+p2p`` only
+    counts with ``a2a_size`` or ``costs.ranks_per_node``)."""
     times = predict_times(seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
-                          head_dim=head_dim, causal=causal, element_size=element_size, costs=costs)
+                          head_dim=head_dim, causal=causal, element_size=element_size, costs=costs, a2a_size=a2a_size)
     c_star = crossover_tokens(costs, heads_q=heads_q, heads_kv=heads_kv, causal=causal, element_size=element_size)
 
-    def pick(comm: Comm, reason: str) -> CommChoice:
-        return CommChoice(comm, reason, c_star, times["p2p"], times["all_gather"])
+    def pick(comm: str, reason: str) -> CommChoice:
+        return CommChoice(comm, reason, c_star, times["p2p"], times["all_gather"], times)  # type: ignore[arg-type]
 
     if cp_size == 1:
         return pick("p2p", "cp_size == 1: no communication")
+    allowed = [c for c in ALL_COMMS if c in candidates and not (c == "a2a+p2p" and a2a_size is None
+                                                                 and costs.ranks_per_node is None)]
+    note = ""
     gathered_bytes = 2.0 * batch * seq_local * cp_size * heads_kv * head_dim * element_size
-    if costs.memory_budget_bytes is not None and gathered_bytes > costs.memory_budget_bytes:
-        return pick("p2p", f"gathered K/V {gathered_bytes:.3g} B exceeds the memory budget "
-                           f"{costs.memory_budget_bytes:.3g} B")
-    if times["all_gather"] < times["p2p"]:
-        return pick("all_gather", f"L/P = {seq_local} < c* = {c_star:.0f}: per-step latency dominates "
-                                  f"(all_gather {times['all_gather']:.3g} s < p2p {times['p2p']:.3g} s)")
-    where = ">=" if seq_local >= c_star else "<"
-    return pick("p2p", f"L/P = {seq_local} {where} c* = {c_star:.0f}: p2p {times['p2p']:.3g} s <= "
-                       f"all_gather {times['all_gather']:.3g} s")
+    if costs.memory_budget_bytes is not None and gathered_bytes > costs.memory_budget_bytes and "all_gather" in allowed:
+        allowed.remove("all_gather")
+        note = f"; all_gather excluded: gathered K/V {gathered_bytes:.3g} B exceeds the memory budget " \
+               f"{costs.memory_budget_bytes:.3g} B"
+    best = min(allowed or ["p2p"], key=lambda c: times[c])  # min keeps the first of equal times
+    others = ", ".join(f"{c} {times[c]:.3g} s" for c in allowed if c != best)
+    if best == "all_gather":
+        why = f"L/P = {seq_local} < c* = {c_star:.0f}: per-step latency dominates"
+    else:
+        why = f"L/P = {seq_local} {'>=' if seq_local >= c_star else '<'} c* = {c_star:.0f}"
+    return pick(best, f"{why}: {best} {times[best]:.3g} s <= {others or 'no other candidate'}{note}")
 
 
 def choose_comm_for_shapes(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], cp_size: int, *, causal: bool,
-                           element_size: int, device_type: str, costs: CommCosts | None = None) -> Comm:
+                           element_size: int, device_type: str, costs: CommCosts | None = None,
+                           candidates: Sequence[str] = ("p2p", "all_gather", "a2a"),
+                           a2a_size: int | None = None) -> Comm:
     """``comm="auto"`` for ``ring_attention``: q ``[b, s_local, h_q, d]``, k/v ``[b, s_local, h_kv, d]``.
 
     ``costs`` defaults to ``DEFAULT_COSTS["cuda"]`` on CUDA devices and ``DEFAULT_COSTS["cpu"]`` otherwise.
@@ -183,4 +268,4 @@ def choose_comm_for_shapes(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], 
     costs = costs or DEFAULT_COSTS["cuda" if device_type == "cuda" else "cpu"]
     return choose_comm(seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q,
                        heads_kv=int(kv_shape[2]), head_dim=head_dim, causal=causal, element_size=element_size,
-                       costs=costs).comm
+                       costs=costs, candidates=candidates, a2a_size=a2a_size).comm

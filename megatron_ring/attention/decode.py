@@ -16,6 +16,19 @@ token's K/V to one rank only (round-robin keeps the shards balanced)::
 With a sliding window, each rank masks its shard by positions (``q_positions`` vs
 ``k_positions``, any order, e.g. round-robin), so a query sees only the cached keys inside its
 window; a rank whose whole shard is outside contributes ``lse = -inf`` (weight 0).
+
+Note [Decode after an all-to-all prefill]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``comm="a2a"`` and ``"a2a+p2p"`` take and return the same sequence-sharded tensors as ``"p2p"``
+(the all-to-all is internal to the call), so the K/V a layer caches after its prefill are its own
+tokens on every head, as after a ring prefill, and decode is the same all-gather merge whatever
+comm the prefill used. We keep that layout rather than re-laying the cache out by heads: a
+head-sharded cache would need the new token's q (all heads) sent to every rank and the outputs
+gathered back, the same bytes as the merge, but with ``heads_kv < P`` it stores each replicated
+K/V head ``lcm(heads_kv, P) / heads_kv`` times, and the per-token append would need an all-to-all
+of every new token's K/V. Given hierarchical groups (``CPGroups`` without ``cp``), the merge runs
+in two all-gathers, within each a2a group and then across the ring groups; the log-sum-exp merge
+is associative, and the result is identical on every rank.
 """
 from __future__ import annotations
 
@@ -26,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import all_gather_stacked
+from megatron_ring.attention.alltoall import CPGroups, CPPlace, cp_place
 from megatron_ring.attention.block import block_forward, compute_dtype, resolve_backend
-from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens, group_rank_size
-from megatron_ring.attention.handshake import Field, agree, flag_field, scale_field, tensor_fields
+from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens
+from megatron_ring.attention.handshake import Field, agree_place, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.merge import merge_stacked
 from megatron_ring.attention.window import NO_WINDOW, check_window, positions_visible
 
@@ -82,8 +96,19 @@ def _fields(q: torch.Tensor, k_local: torch.Tensor, scale: float, masked: bool, 
             Field("q_positions", positions, lambda code: "unused" if code == 0 else f"values with crc32 {code:#010x}")]
 
 
+def _gather_merge(part: torch.Tensor, place: CPPlace) -> torch.Tensor:
+    """Every rank's ``[b, h, q, d + 1]`` (out, lse) partial merged, over the flat group or the two levels."""
+    d = part.shape[-1] - 1
+    levels = [(place.flat, place.size)] if place.has_flat else [(g, n) for g, _, n in place.hier or ()]
+    for group, size in levels:
+        parts = all_gather_stacked(part, group, size)
+        out, lse = merge_stacked(parts[..., :d], parts[..., d])
+        part = torch.cat((out, lse.unsqueeze(-1)), dim=-1)
+    return part[..., :d]
+
+
 def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
-                     group: dist.ProcessGroup | None = None, *, softmax_scale: float | None = None,
+                     group: dist.ProcessGroup | CPGroups | tuple | None = None, *, softmax_scale: float | None = None,
                      backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
                      window_size: tuple[int, int] = (-1, -1), q_positions: torch.Tensor | None = None,
                      k_positions: torch.Tensor | None = None, check_consistency: bool = True) -> torch.Tensor:
@@ -95,7 +120,8 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             ``s_local`` may differ between ranks and may be 0. Every cached key is visible to every
             query (append the new tokens' K/V before calling).
         group: the context-parallel group (None = world, or one process without torch.distributed);
-            ValueError on a process that is not a member.
+            ValueError on a process that is not a member. A ``CPGroups`` / ``(a2a, ring)`` tuple
+            also serves, whatever comm the prefill used (Note [Decode after an all-to-all prefill]).
         key_padding_mask: None, or bool ``[batch, s_local]`` for this rank's shard (True = a real
             token), given on every rank or on none; a query that sees no real key on any rank
             (also: the cache is empty on every rank) gets a zero output.
@@ -115,7 +141,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
         An empty batch gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError.
     """
-    _, size = group_rank_size(group)
+    place = cp_place(group, "auto")
     prepared: tuple[float, str, tuple[int, int], torch.Tensor | None] | None = None
     error: Exception | None = None
     try:
@@ -124,10 +150,10 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
                             k_positions=k_positions)
     except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
         error = err
-    if check_consistency and size > 1:
+    if check_consistency and place.size > 1:
         fields = None if prepared is None else _fields(q, k_local, prepared[0], key_padding_mask is not None,
                                                        prepared[2], q_positions)
-        agree("decode_attention", fields, group, size, q)
+        agree_place("decode_attention", fields, place, q)
     if prepared is None:
         assert error is not None
         raise error
@@ -147,6 +173,4 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
                                      backend=kernel, visible=visible)
             part[..., :d] = out
             part[..., d] = lse
-        parts = all_gather_stacked(part, group, size)
-        merged, _ = merge_stacked(parts[..., :d], parts[..., d])
-        return merged.to(q.dtype).transpose(1, 2)
+        return _gather_merge(part, place).to(q.dtype).transpose(1, 2)

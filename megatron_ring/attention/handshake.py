@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import all_gather_stacked
 from megatron_ring.attention.checks import DTYPES
+
+if TYPE_CHECKING:
+    from megatron_ring.attention.alltoall import CPPlace
 
 WIDTH = 24
 """Int64s per rank in the handshake: entry point, valid flag, up to 22 fields, zero padding."""
@@ -139,3 +142,27 @@ def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup |
     problem = None if fields is None else _problem(entry, fields, table)
     if problem is not None:
         raise ValueError(f"{entry}: {problem}")
+
+
+def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object) -> None:
+    """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a
+    groups and then the ring groups (every rank of the grid is linked to every other through them).
+
+    A rank whose a2a group disagrees enters the ring-group round as rejected (``valid = 0``), so
+    every ring group, and with it every rank, raises; none waits in a collective.
+    """
+    if place.has_flat:
+        agree(entry, fields, place.flat, place.size, hint)
+        return
+    assert place.hier is not None
+    (inner, _, a), (outer, _, r) = place.hier
+    inner_error: ValueError | None = None
+    if a > 1:
+        try:
+            agree(entry, fields, inner, a, hint)
+        except ValueError as err:
+            inner_error = err
+    if r > 1:
+        agree(entry, None if inner_error is not None else fields, outer, r, hint)
+    if inner_error is not None:
+        raise inner_error

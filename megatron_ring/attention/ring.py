@@ -30,19 +30,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import GatheredKV, all_gather_stacked
+from megatron_ring.attention.alltoall import A2A_COMMS, CPGroups, CPPlace, a2a_attention, check_a2a_heads, cp_place
 from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, resolve_backend
-from megatron_ring.attention.checks import (check_choice, check_key_padding_mask, check_qkv, check_tokens,
-                                            group_rank_size)
+from megatron_ring.attention.checks import check_choice, check_key_padding_mask, check_qkv, check_tokens
 from megatron_ring.attention.direct import DirectP2P
-from megatron_ring.attention.handshake import Field, agree, choice_field, flag_field, scale_field, tensor_fields
+from megatron_ring.attention.handshake import Field, agree_place, choice_field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.merge import merge_into
 from megatron_ring.attention.schedule import RankSchedule, StepPlan, step_plan
 from megatron_ring.attention.sharding import SHARDINGS, check_divisible
 from megatron_ring.attention.sparse_call import SparseCall, packed_as_batch, prepare_sparse, sparse_fields
 
-COMMS: tuple[str, ...] = ("p2p", "all_gather", "auto")
+COMMS: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
@@ -243,11 +243,12 @@ class _Call:
     sparse: SparseCall
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, size: int, *, causal: bool,
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: CPPlace, *, causal: bool,
              softmax_scale: float | None, sharding: str, comm: str, backend: str,
              key_padding_mask: torch.Tensor | None, window_size: object = (-1, -1),
              cu_seqlens: torch.Tensor | None = None) -> _Call:
     """Every local check of a call (TypeError/ValueError naming the field), before any collective."""
+    rank, size = place.rank, place.size
     check_qkv(q, k, v, same_seq=True)
     check_tokens(q, "seq_local", "ring_attention", "at least one token per rank")
     check_key_padding_mask(key_padding_mask, k)
@@ -268,11 +269,17 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, size:
         backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked or sparse.windowed),
         schedule=sparse.schedule,
     )
+    if comm in A2A_COMMS:
+        check_a2a_heads(q.shape[2], place.a2a_size(comm), comm)
+        if sparse.schedule is not None:
+            raise ValueError(f"comm={comm!r} does not support window_size or cu_seqlens; allowed with them: "
+                             "'p2p', 'all_gather', 'auto' (which then runs 'p2p')")
     if comm == "auto" and sparse.schedule is not None:
         comm = "p2p"  # it moves only the rows the plans read (Note [Direct transfers] in direct.py)
     if comm == "auto" and q.shape[0] > 0:  # an empty batch moves nothing
         comm = choose_comm_for_shapes(tuple(q.shape), tuple(k.shape), size, causal=causal,
-                                      element_size=q.element_size(), device_type=q.device.type)
+                                      element_size=q.element_size(), device_type=q.device.type,
+                                      candidates=place.comms(), a2a_size=place.hier[0][2] if place.hier else None)
     return _Call(spec, comm, masked, sparse)
 
 
@@ -291,7 +298,22 @@ def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return q + (k.sum() + v.sum()).to(q.dtype)  # sums over no element: 0
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, spec: _Spec, comm: str,
+          key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """The ring (``p2p`` or ``all_gather``) over ``group`` on checked BSHD inputs, rank and size from ``spec``."""
+    channel: P2PRing | GatheredKV | DirectP2P = GatheredKV(group, spec.rank, spec.size)
+    if comm == "p2p":
+        channel = (P2PRing(group, spec.rank, spec.size) if spec.schedule is None
+                   else DirectP2P(group, spec.rank, spec.size, spec.schedule))
+    key_masks = None
+    if key_padding_mask is not None:
+        key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, spec.size).bool()
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec, key_masks)
+    return out.transpose(1, 2)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   group: dist.ProcessGroup | CPGroups | tuple | None = None, *,
                    causal: bool = False, softmax_scale: float | None = None, sharding: str = "zigzag",
                    comm: str = "p2p", backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
                    window_size: tuple[int, int] = (-1, -1), cu_seqlens: torch.Tensor | None = None,
@@ -305,13 +327,18 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             head_dim]``); ``heads_q % heads_kv == 0`` (GQA/MQA).
         group: the context-parallel group; its ranks in group order form the ring. None = world
             (or a single process when torch.distributed is not initialised). ValueError on a
-            process that is not a member.
+            process that is not a member. For ``comm="a2a+p2p"``: ``(a2a_group, ring_group)`` or a
+            :class:`~megatron_ring.attention.alltoall.CPGroups` (``init_parallel(...).cp_groups``),
+            whose ``cp`` field also serves the other comms.
         causal: causal mask on *global* positions.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         sharding: ``"zigzag"`` (rank r holds chunks r and 2P-1-r of 2P; Megatron's split) or
             ``"contiguous"`` (chunk r of P). See Note [Zigzag sharding].
-        comm: ``"p2p"`` (the ring), ``"all_gather"`` (the baseline) or ``"auto"`` (chosen per call from
-            the shapes and a cost model: Note [When does the ring beat all-gather?] in auto_comm.py).
+        comm: ``"p2p"`` (the ring), ``"all_gather"`` (the baseline), ``"a2a"`` (Ulysses: all-to-all
+            to heads, local attention; ``heads_q % cp == 0``), ``"a2a+p2p"`` (all-to-all inside
+            the a2a groups, the ring across them; Note [All-to-all between sequence and heads] in
+            alltoall.py) or ``"auto"`` (chosen per call among those ``group`` can run, from the
+            shapes and a cost model: Note [When does the ring beat all-gather?] in auto_comm.py).
         backend: local block kernel, ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"`` (see block.py).
         key_padding_mask: None, or bool ``[batch, seq_local]`` sharded like k (True = a real token,
             False = padding that no query may see), given on every rank of the group or on none.
@@ -343,29 +370,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         empty batch (batch 0) gives an empty result; ``seq_local``, heads or ``head_dim`` of 0 are
         a ValueError.
     """
-    rank, size = group_rank_size(group)
+    place = cp_place(group, comm)
     call: _Call | None = None
     error: Exception | None = None
     try:
         q, k, v, key_padding_mask = packed_as_batch(q, k, v, key_padding_mask, cu_seqlens)  # type: ignore[assignment]
-        call = _prepare(q, k, v, rank, size, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
+        call = _prepare(q, k, v, place, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
                         comm=comm, backend=backend, key_padding_mask=key_padding_mask, window_size=window_size,
                         cu_seqlens=cu_seqlens)
     except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
         error = err
-    if check_consistency and size > 1:
-        agree("ring_attention", None if call is None else _fields(q, k, call, comm), group, size, q)
+    if check_consistency and place.size > 1:
+        agree_place("ring_attention", None if call is None else _fields(q, k, call, comm), place, q)
     if call is None:
         assert error is not None
         raise error
     if q.shape[0] == 0:
         return _empty_batch(q, k, v)
-    channel: P2PRing | GatheredKV | DirectP2P = GatheredKV(group, rank, size)
-    if call.comm == "p2p":
-        schedule = call.spec.schedule
-        channel = P2PRing(group, rank, size) if schedule is None else DirectP2P(group, rank, size, schedule)
-    key_masks = None
-    if key_padding_mask is not None:
-        key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, size).bool()
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, call.spec, key_masks)
-    return out.transpose(1, 2) if cu_seqlens is None else out.transpose(1, 2).squeeze(0)
+    if call.comm in A2A_COMMS:
+        return a2a_attention(q, k, v, place, call.comm, call.spec, key_padding_mask, _ring)
+    out = _ring(q, k, v, place.flat, call.spec, call.comm, key_padding_mask)
+    return out if cu_seqlens is None else out.squeeze(0)

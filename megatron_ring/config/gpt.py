@@ -9,7 +9,8 @@ over ranks::
     dtype: fp32
     attention: ring          # sdpa = the same fused block kernel without a ring; local = Megatron's
                              # unfused DotProductAttention (both need cp = 1)
-    parallel: {tp: 1, cp: 2, pp: 1, cp_comm_type: p2p}
+    parallel: {tp: 1, cp: 2, pp: 1, cp_comm_type: p2p}   # or a2a, all_gather, a2a+p2p (with cp_a2a),
+                                                         # or one per layer: [p2p, a2a]
 
 Swapping ``attention: sdpa`` (or ``local``) for ``attention: ring`` (and raising ``cp``) is the whole change.
 :meth:`GPTConfig.parse` checks the fields one by one (unknown keys get a did-you-mean) and then
@@ -29,6 +30,8 @@ from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+CpCommType = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]
+"""Megatron's ``cp_comm_type`` names (attention/ring.py's ``comm``)."""
 DTYPES: tuple[str, ...] = get_args(Dtype)
 """The compute dtypes a model config may name (its ``dtype`` key)."""
 
@@ -64,7 +67,8 @@ class GPTParallelConfig(LayoutConfig):
     """Parallel sizes; ``dp`` defaults to whatever the world size leaves over."""
 
     dp: Optional[int] = Field(default=None, ge=1, description="data parallel size; default: world size / (tp*cp*pp)")
-    cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
+    cp_comm_type: CpCommType | list[CpCommType] = Field(
+        "p2p", description="Megatron's cp_comm_type: one for every layer, or a list with one per layer")
 
     def layout(self, world_size: Optional[int] = None) -> ParallelLayout:  # type: ignore[override]
         """The :class:`ParallelLayout`; with ``dp`` unset it is derived from ``world_size`` (else 1)."""
@@ -72,7 +76,12 @@ class GPTParallelConfig(LayoutConfig):
         if dp is None:
             model_parallel = self.tp * self.pp * self.cp
             dp = 1 if world_size is None else max(1, world_size // model_parallel)
-        return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, dp=dp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, cp=self.cp, dp=dp, cp_a2a=self.cp_a2a)
+
+    def comm_types(self, num_layers: int) -> list[str]:
+        """``cp_comm_type`` of every layer."""
+        comm = self.cp_comm_type
+        return list(comm) if isinstance(comm, list) else [comm] * num_layers
 
 
 class GPTConfig(StrictModel):
@@ -134,8 +143,32 @@ class GPTConfig(StrictModel):
                 f"model.seq_length = {m.seq_length} is not divisible by 2*parallel.cp = {2 * p.cp} "
                 f"(zigzag sharding over cp = {p.cp}); pad it to a multiple of {2 * p.cp}"
             )
+        problems += self._comm_problems()
         if problems:
             raise ConfigError(*problems, where=where)
+
+    def _comm_problems(self) -> list[str]:
+        """``parallel.cp_comm_type`` against the layers, the heads and ``parallel.cp_a2a``."""
+        m, p = self.model, self.parallel
+        if isinstance(p.cp_comm_type, list) and len(p.cp_comm_type) != m.num_layers:
+            return [f"parallel.cp_comm_type has {len(p.cp_comm_type)} entries but model.num_layers = {m.num_layers}; "
+                    "give one per layer or a single name"]
+        problems = []
+        if p.cp_a2a is not None and p.cp % p.cp_a2a:
+            problems.append(f"parallel.cp_a2a = {p.cp_a2a} does not divide parallel.cp = {p.cp}; allowed: "
+                            f"{_divisors(p.cp)}")
+        heads = m.num_attention_heads // p.tp if m.num_attention_heads % p.tp == 0 else None
+        named = set(p.comm_types(m.num_layers))
+        comms = named if p.cp > 1 else set()
+        if "a2a+p2p" in named and p.cp_a2a is None:
+            problems.append("parallel.cp_comm_type 'a2a+p2p' needs parallel.cp_a2a (the all-to-all group size, "
+                            "Megatron's hierarchical_context_parallel_sizes[0])")
+        for comm, group in (("a2a", p.cp), ("a2a+p2p", p.cp_a2a)):
+            if comm in comms and heads is not None and group and heads % group:
+                problems.append(f"parallel.cp_comm_type {comm!r} needs the query heads per TP rank "
+                                f"(model.num_attention_heads / tp = {heads}) divisible by its all-to-all group "
+                                f"({group}); use p2p or a divisor of {heads}")
+        return problems
 
     def check_dtype(self, given: str, *, source: str, model: str = "the model") -> None:
         """ConfigError unless ``given``, the dtype the framework runs in (set by ``source``), is this

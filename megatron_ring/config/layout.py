@@ -20,7 +20,9 @@ class LayoutConfig(StrictModel):
     cp: int = Field(1, ge=1, description="context parallel size (the ring)")
     dp: int = Field(1, ge=1, description="data parallel size")
     pp: int = Field(1, ge=1, description="pipeline parallel size")
+    cp_a2a: int | None = Field(None, ge=1, description="hierarchical CP (comm a2a+p2p): the all-to-all group size, "
+                                                       "a divisor of cp (Megatron's hierarchical_context_parallel_sizes[0])")
 
     def layout(self) -> ParallelLayout:
         """The :class:`ParallelLayout` of these sizes."""
-        return ParallelLayout(**{axis: getattr(self, axis) for axis in AXES})
+        return ParallelLayout(**{axis: getattr(self, axis) for axis in AXES}, cp_a2a=self.cp_a2a)

@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_ring.parallel.layout import AXES, ParallelLayout
+from megatron_ring.attention.alltoall import CPGroups
+from megatron_ring.parallel.layout import AXES, HIERARCHICAL_LEVELS, ParallelLayout
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 """Collective timeout of every group we create unless the caller gives another."""
@@ -54,6 +55,14 @@ class ParallelGroups:
     @property
     def dp_cp(self) -> dist.ProcessGroup:
         return self.groups["dp-cp"]
+
+    @property
+    def cp_groups(self) -> CPGroups:
+        """``CPGroups(a2a, ring, cp)`` for ``ring_attention`` (any comm, ``a2a+p2p`` included);
+        ValueError unless the layout sets ``cp_a2a``."""
+        if "cp-a2a" not in self.groups:
+            raise ValueError("this layout has no hierarchical CP groups: build it with ParallelLayout(cp=.., cp_a2a=..)")
+        return CPGroups(self.groups["cp-a2a"], self.groups["cp-ring"], self.cp)
 
     @property
     def coords(self) -> dict[str, int]:
@@ -105,8 +114,9 @@ def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOU
     rank = dist.get_rank()
     mine: dict[str, dist.ProcessGroup] = {}
     ranks: dict[str, list[int]] = {}
-    for axis in GROUP_AXES:
-        for members in layout.groups(axis):
+    levels = HIERARCHICAL_LEVELS if layout.cp_a2a is not None else ()
+    for axis in GROUP_AXES + levels:
+        for members in layout.groups(axis) if axis in GROUP_AXES else layout.hierarchical_groups(axis):
             group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 mine[axis], ranks[axis] = group, members

@@ -7,6 +7,12 @@ size 1), fastest-varying first::
 
 so a group built from :meth:`ParallelLayout.groups` holds the same ranks as the Megatron group of
 the same name for the same sizes.
+
+Hierarchical context parallelism (``comm="a2a+p2p"``): ``cp_a2a = A`` splits every CP group of
+``cp = A x R`` ranks into a2a groups of A adjacent CP ranks (one node) and ring groups of R ranks
+strided by A, as Megatron's ``hierarchical_context_parallel_sizes = [A, R]`` does::
+
+    cp = 4, cp_a2a = 2:   cp ranks 0 1 2 3   a2a groups [0, 1] [2, 3]   ring groups [0, 2] [1, 3]
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 
 AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 """Axis names, fastest-varying first (Megatron's ``tp-cp-ep-dp-pp`` with ep = 1)."""
+HIERARCHICAL_LEVELS: tuple[str, ...] = ("cp-a2a", "cp-ring")
+"""The two levels of hierarchical CP, inner first."""
 
 
 def _check_size(name: str, value: object) -> int:
@@ -33,10 +41,38 @@ class ParallelLayout:
     cp: int = 1
     dp: int = 1
     pp: int = 1
+    cp_a2a: int | None = None
+    """Size of the inner all-to-all groups of hierarchical CP (``a2a+p2p``); a divisor of ``cp``, or None."""
 
     def __post_init__(self) -> None:
         for name in AXES:
             _check_size(name, getattr(self, name))
+        if self.cp_a2a is not None:
+            _check_size("cp_a2a", self.cp_a2a)
+            if self.cp % self.cp_a2a:
+                raise ValueError(f"ParallelLayout.cp_a2a ({self.cp_a2a}) must divide cp ({self.cp}): cp = cp_a2a x "
+                                 "ring size (Megatron's hierarchical_context_parallel_sizes)")
+
+    @property
+    def cp_ring(self) -> int | None:
+        """Ring size of hierarchical CP (``cp // cp_a2a``), None without it."""
+        return None if self.cp_a2a is None else self.cp // self.cp_a2a
+
+    def hierarchical_groups(self, level: str) -> list[list[int]]:
+        """The ``"cp-a2a"`` groups (A adjacent CP ranks) or ``"cp-ring"`` groups (R ranks strided by A)
+        of every CP group, as lists of global ranks; ValueError without ``cp_a2a``."""
+        if self.cp_a2a is None:
+            raise ValueError("ParallelLayout.cp_a2a is None: no hierarchical CP groups (set cp_a2a, e.g. 2 of cp=4)")
+        a, r = self.cp_a2a, self.cp // self.cp_a2a
+        if level not in HIERARCHICAL_LEVELS:
+            raise ValueError(f"level must be one of {list(HIERARCHICAL_LEVELS)}, got {level!r}")
+        out = []
+        for cp in self.groups("cp"):
+            if level == "cp-a2a":
+                out += [cp[j * a:(j + 1) * a] for j in range(r)]
+            else:
+                out += [cp[i::a] for i in range(a)]
+        return sorted(out)
 
     @property
     def world_size(self) -> int:
@@ -49,7 +85,8 @@ class ParallelLayout:
     def describe(self) -> str:
         """``tp=8 x cp=1 x dp=1 x pp=2 = 16``: every factor and the product, for error messages."""
         factors = " x ".join(f"{n}={s}" for n, s in self.sizes().items())
-        return f"{factors} = {self.world_size}"
+        hier = "" if self.cp_a2a is None else f" (cp = a2a {self.cp_a2a} x ring {self.cp_ring})"
+        return f"{factors} = {self.world_size}{hier}"
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ValueError naming both numbers when the layout does not fill ``world_size`` ranks."""

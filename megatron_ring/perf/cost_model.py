@@ -64,7 +64,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from megatron_ring.attention.auto_comm import choose_comm, crossover_tokens, predict_times, work_fraction
+from megatron_ring.attention.auto_comm import CommCosts, choose_comm, crossover_tokens, predict_times, work_fraction
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.perf.hardware import DTYPE_BYTES, HardwareProfile
 from megatron_ring.perf.report import fmt_bytes, fmt_time
@@ -142,6 +142,10 @@ class Workload:
                              f"{self.micro_batch}")
 
 
+CP_COMMS: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
+"""The planner's ``cp_comm`` choices (ring_attention's ``comm``)."""
+
+
 @dataclass(frozen=True)
 class PlanInput:
     """One job to plan: model, layout, workload, dtype, mask and the ring's communication."""
@@ -157,8 +161,8 @@ class PlanInput:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.cp_comm not in ("p2p", "all_gather", "auto"):
-            raise ValueError(f"cp_comm must be one of ['all_gather', 'auto', 'p2p'], got {self.cp_comm!r}")
+        if self.cp_comm not in CP_COMMS:
+            raise ValueError(f"cp_comm must be one of {list(CP_COMMS)}, got {self.cp_comm!r}")
         m, lay = self.model, self.layout
         problems = []
         if m.num_layers % lay.pp:
@@ -215,6 +219,9 @@ class RingStep:
     comm: str
     exposed_s: float
     """Ring time of the layer beyond its compute (communication and step latency not hidden)."""
+    comm_times: dict[str, float] = field(default_factory=dict)
+    """Predicted attention forward time of one layer for every comm (``inf``: it cannot run);
+    ``a2a+p2p`` with a2a groups of the CP ranks of one node (Note [All-to-all in the cost model])."""
 
 
 @dataclass
@@ -301,20 +308,39 @@ class Planner:
         """The CP ring's per-step compute and communication for one micro-batch, one layer."""
         lay, m, w = p.layout, p.model, p.workload
         cross = self._cross_node(lay.tp * lay.cp)
-        costs = self.hw.comm_costs(p.dtype, cross_node=cross, ranks=self.active_ranks(p, "prefill"))
+        costs = self.node_costs(p, cross)
         heads_q, heads_kv = m.num_heads // lay.tp, self._kv_heads_rank(p)
         c = w.prompt_len // lay.cp
         args = dict(seq_local=c, cp_size=lay.cp, batch=w.micro_batch, heads_q=heads_q, heads_kv=heads_kv,
-                    head_dim=m.head_dim, causal=p.causal, element_size=p.element_size, costs=costs)
+                    head_dim=m.head_dim, causal=p.causal, element_size=p.element_size, costs=costs,
+                    a2a_size=self.a2a_size(p))
         comm = p.cp_comm if p.cp_comm != "auto" else choose_comm(**args).comm
         times = predict_times(**args)
         step_compute = work_fraction(p.causal) * 4.0 * w.micro_batch * c * c * heads_q * m.head_dim / costs.flops_per_s
-        step_comm = 2.0 * w.micro_batch * c * heads_kv * m.head_dim * p.element_size / costs.p2p_bytes_per_s
-        c_star = crossover_tokens(costs, heads_q=heads_q, heads_kv=heads_kv, causal=p.causal,
+        ring_costs = replace(costs, p2p_bytes_per_s=costs.links(lay.cp)[0])  # the flat ring's slowest link
+        step_comm = 2.0 * w.micro_batch * c * heads_kv * m.head_dim * p.element_size / ring_costs.p2p_bytes_per_s
+        c_star = crossover_tokens(ring_costs, heads_q=heads_q, heads_kv=heads_kv, causal=p.causal,
                                   element_size=p.element_size)
         exposed = times[comm] - lay.cp * step_compute if lay.cp > 1 else 0.0
         return RingStep(c, step_compute, step_comm if lay.cp > 1 else 0.0, c_star, self._link_name(cross), comm,
-                        exposed)
+                        exposed, times)
+
+    def node_costs(self, p: PlanInput, cross: bool) -> CommCosts:
+        """The CP group's :class:`CommCosts`: intra-node links, and the inter-node link with the CP ranks
+        per node when the group spans nodes (ranks order tp fastest, so a node holds
+        ``devices_per_node // tp`` CP ranks)."""
+        costs = self.hw.comm_costs(p.dtype, cross_node=cross, ranks=self.active_ranks(p, "prefill"))
+        if not cross:
+            return costs
+        intra = self.hw.comm_costs(p.dtype, cross_node=False, ranks=self.active_ranks(p, "prefill"))
+        return replace(intra, inter_node_bytes_per_s=costs.p2p_bytes_per_s,
+                       ranks_per_node=max(1, self.hw.devices_per_node // p.layout.tp))
+
+    def a2a_size(self, p: PlanInput) -> int:
+        """The a2a group of ``a2a+p2p``: the layout's ``cp_a2a``, else the CP ranks of one node."""
+        if p.layout.cp_a2a is not None:
+            return p.layout.cp_a2a
+        return math.gcd(p.layout.cp, max(1, self.hw.devices_per_node // p.layout.tp))
 
     def memory(self, p: PlanInput) -> Memory:
         """Weights, KV cache and peak prefill activations per rank; whether they fit."""
@@ -475,6 +501,11 @@ class Planner:
                 "communication-bound"
             out.append(f"ring step: L/P = {r.tokens_per_rank} vs c* = {r.crossover_tokens:.0f} on the {r.link} link "
                        f"({bound}; compute {fmt_time(r.compute_s)}, K/V transfer {fmt_time(r.comm_s)} per step)")
+            best = min(r.comm_times, key=r.comm_times.__getitem__)
+            if best != r.comm and r.comm_times[best] < r.comm_times[r.comm]:
+                out.append(f"CP comm: {best} is predicted faster than {r.comm} ({fmt_time(r.comm_times[best])} vs "
+                           f"{fmt_time(r.comm_times[r.comm])} per layer forward, a2a group {self.a2a_size(p)}); "
+                           "--cp-comm auto picks it")
         for metric, total in (("ttft", pred.ttft_s), ("tpot", pred.tpot_s)):
             term = pred.dominant(metric)
             out.append(f"{metric.upper()} is dominated by {term} ({pred.terms_ms[metric][term] / (1e3 * total):.0%})")

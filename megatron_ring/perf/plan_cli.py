@@ -18,7 +18,7 @@ from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.perf.cost_model import (
-    ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured,
+    CP_COMMS, ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured,
 )
 from megatron_ring.perf.hardware import DEFAULT_PROFILE, DTYPE_BYTES, HardwareProfile, profile_names
 
@@ -96,12 +96,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-len", type=positive_int)
     g.add_argument("--new-tokens", type=positive_int)
     g.add_argument("--micro-batch", type=positive_int)
-    g.add_argument("--cp-comm", choices=["p2p", "all_gather", "auto"], default="p2p")
+    g.add_argument("--cp-comm", choices=list(CP_COMMS), default="p2p",
+                   help="the CP comm the TTFT uses; every comm's attention time is printed beside it")
     g.add_argument("--non-causal", action="store_true", help="bidirectional attention (default causal)")
     ap.add_argument("--no-alternative", action="store_true", help="plan only the given layout")
     ap.add_argument("--measured", help="a bench attention JSON: put its measurements beside the predictions")
     ap.add_argument("--json", dest="json_out", help="write the predictions to this JSON file")
     ap.add_argument("--markdown", help="write the table and findings as Markdown to this file")
+    ap.add_argument("--comm-figure", help="draw each CP comm's predicted attention time against L to this PNG")
     return ap
 
 
@@ -168,4 +170,8 @@ def plan_main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(report.plan_markdown(preds, out.get("measured_vs_predicted")))
+    if args.comm_figure:
+        from megatron_ring.perf.comm_figure import draw_comm_figure
+
+        print(f"wrote {draw_comm_figure(Planner(hw), main, args.comm_figure)}")
     return 0

@@ -5,6 +5,8 @@ Markdown, without matplotlib :func:`plot_attention` says so and draws nothing.
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -81,6 +83,10 @@ def plan_rows(preds: Sequence[Any]) -> list[list[str]]:
             f"{p.ring.tokens_per_rank} vs {p.ring.crossover_tokens:.0f} ({p.ring.link})"),
         row("ring step compute / comm", lambda p: "-" if p.ring is None else
             f"{fmt_time(p.ring.compute_s)} / {fmt_time(p.ring.comm_s)}"),
+        *[row(f"attention fwd / layer: {comm}", lambda p, comm=comm: "-" if p.ring is None else
+              (("n/a" if math.isinf(p.ring.comm_times[comm]) else fmt_time(p.ring.comm_times[comm]))
+               + (" <- used" if p.ring.comm == comm else "")))
+          for comm in ("p2p", "all_gather", "a2a", "a2a+p2p")],
         row("prefill linear / layer", lambda p: f"{p.breakdown_ms['prefill_linear_per_layer']:.4g} ms"),
         row("prefill attention / layer", lambda p: f"{p.breakdown_ms['prefill_attention_per_layer']:.4g} ms"),
         row("prefill TP comm / layer", lambda p: f"{p.breakdown_ms['prefill_tp_comm_per_layer']:.4g} ms"),

@@ -30,10 +30,21 @@ def padding_mask(batch, seq, seed=3):
     return mask
 
 
+def cp_group(comm, a2a_size=None):
+    """The ``group`` argument for ``comm`` over the world: None, or the hierarchical groups of
+    ``ParallelLayout(cp=world, cp_a2a=a2a_size)`` (created once per pool, init_parallel caches them)."""
+    if comm != "a2a+p2p" and a2a_size is None:
+        return None
+    from megatron_ring import ParallelLayout, init_parallel
+
+    return init_parallel(ParallelLayout(cp=dist.get_world_size(), cp_a2a=a2a_size)).cp_groups
+
+
 def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, sharding, comm, dtype, backend, batch=2,
-                      padded=False):
+                      padded=False, a2a_size=None):
     """Relative errors of this rank's (out, dq, dk, dv) against the float64 global reference
-    (``padded``: with :func:`padding_mask` as the key padding mask)."""
+    (``padded``: with :func:`padding_mask` as the key padding mask; ``a2a_size``: the a2a groups of
+    ``comm="a2a+p2p"``, and then the same CPGroups object serves every comm)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = _inputs(batch, seq, heads_q, heads_kv, head_dim, dtype)
     mask = padding_mask(batch, seq) if padded else None
@@ -45,8 +56,8 @@ def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, sharding, comm, 
         return shard_sequence(t, rank, size, sharding=sharding)
 
     ql, kl, vl = (shard(t).detach().requires_grad_() for t in (q, k, v))
-    out = ring_attention(ql, kl, vl, causal=causal, sharding=sharding, comm=comm, backend=backend,
-                         key_padding_mask=None if mask is None else shard(mask))
+    out = ring_attention(ql, kl, vl, cp_group(comm, a2a_size), causal=causal, sharding=sharding, comm=comm,
+                         backend=backend, key_padding_mask=None if mask is None else shard(mask))
     out.backward(shard(dout))
     assert out.dtype == dtype and out.shape == ql.shape
     assert ql.grad.dtype == dtype and kl.grad.shape == kl.shape

@@ -63,8 +63,8 @@ def core_attention_cp1_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
         "packed_seq_params": _expect_error(lambda: ring(q, k, v, None, packed_seq_params=object())),
         "dropout_training": _expect_error(lambda: training(q, k, v, None)),
         "padding_mask_type": _expect_error(lambda: RingAttention(_attention_config(), 1, AttnMaskType.padding, "self")),
-        "cp_comm_type_a2a": _expect_error(
-            lambda: RingAttention(_attention_config(), 1, AttnMaskType.causal, "self", cp_comm_type="a2a")),
+        "cp_comm_type_unknown": _expect_error(
+            lambda: RingAttention(_attention_config(), 1, AttnMaskType.causal, "self", cp_comm_type="ulysses")),
         "window_size": _expect_error(
             lambda: RingAttention(_attention_config(window_size=(4, 0)), 1, AttnMaskType.causal, "self")),
     }
@@ -195,3 +195,25 @@ def group_timeouts(layout: ParallelLayout, timeout_s: float) -> dict[str, float]
     groups = init_megatron(layout, timeout_s=timeout_s)
     return {axis: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for axis, group in groups.groups.items()}
+
+
+def per_layer_comm_types() -> dict[str, Any]:
+    """cp 4 = a2a 2 x ring 2: RingAttention of each layer takes its entry of a ``config.cp_comm_type``
+    list, whatever comm megatron-core's TransformerLayer passes (one layer off), and ``a2a+p2p`` runs
+    over Megatron's hierarchical groups."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.attention.alltoall import CPGroups
+    from megatron_ring.megatron import RingAttention
+
+    init_megatron(ParallelLayout(cp=4, cp_a2a=2))
+    comms = ["a2a+p2p", "a2a", "all_gather"]
+    config = _attention_config(num_layers=3, context_parallel_size=4, cp_comm_type=comms,
+                               hierarchical_context_parallel_sizes=[2, 2])
+    layers = [RingAttention(config, n, AttnMaskType.causal, "self", cp_comm_type=comms[n % 3]) for n in (1, 2, 3)]
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, 2, 4, 16, generator=gen) for _ in range(3))
+    outs = [layer(q, k, v, None) for layer in layers]
+    return {"comms": [layer.cp_comm_type for layer in layers],
+            "hierarchical": [isinstance(layer.ring_group, CPGroups) for layer in layers],
+            "same_output": all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)}

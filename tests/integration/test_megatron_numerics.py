@@ -42,6 +42,17 @@ CASES = {
     "cp2-bf16-rope-gqa": (2, _config("tiny_ring_cp2.yaml", dtype="bf16", **{"model.num_query_groups": 2})),
     "cp4-rope-gqa": (4, _config("tiny_ring_cp4.yaml", **{"model.num_query_groups": 2})),
     "tp2-cp2-rope-gqa": (4, _config("tiny_ring_tp2_cp2.yaml")),
+    "cp4-a2a-gqa": (4, _config("tiny_ring_cp4.yaml", **{"model.num_query_groups": 2, "parallel.cp_comm_type": "a2a"})),
+    "cp4-a2a-mqa-bf16": (4, _config("tiny_ring_cp4.yaml", dtype="bf16", **{
+        "model.num_query_groups": 1, "parallel.cp_comm_type": "a2a"})),
+    "cp4-allgather-gqa": (4, _config("tiny_ring_cp4.yaml", **{
+        "model.num_query_groups": 2, "parallel.cp_comm_type": "all_gather"})),
+    "cp4-a2a+p2p-2x2-gqa": (4, _config("tiny_ring_cp4.yaml", **{
+        "model.num_query_groups": 2, "parallel.cp_comm_type": "a2a+p2p", "parallel.cp_a2a": 2})),
+    "cp4-per-layer-a2a+p2p-a2a": (4, _config("tiny_ring_cp4.yaml", **{
+        "model.num_query_groups": 2, "parallel.cp_comm_type": ["a2a+p2p", "a2a"], "parallel.cp_a2a": 2})),
+    "cp4-per-layer-p2p-allgather-learned": (4, _config("tiny_ring_cp4.yaml", **{
+        "model.position_embedding": "learned_absolute", "parallel.cp_comm_type": ["p2p", "all_gather"]})),
     "pp2-cp2-learned-mha": (4, _config("tiny_ring_cp2.yaml", **{
         "model.position_embedding": "learned_absolute", "parallel.pp": 2})),
 }
@@ -62,6 +73,12 @@ def test_gpt_matches_cp1_reference(gloo_pool: Any, case: str) -> None:
         assert r["grad_err"] <= (BF16_GRAD_TOL if bf16 else FP32_TOL), r
 
 
+def test_per_layer_cp_comm_type_list(gloo_pool: Any) -> None:
+    for out in gloo_pool(4).run(megatron_workers.per_layer_comm_types):
+        assert out["comms"] == ["a2a+p2p", "a2a", "all_gather"], out
+        assert out["hierarchical"] == [True, False, False] and out["same_output"], out
+
+
 def test_cp1_ring_attention_matches_dot_product_attention(gloo_pool: Any) -> None:
     for out in gloo_pool(2).run(megatron_workers.core_attention_cp1_cases):
         for case, err in out["errors"].items():
@@ -74,7 +91,8 @@ def test_cp1_ring_attention_matches_dot_product_attention(gloo_pool: Any) -> Non
         assert "packed_seq_params" in refusals["packed_seq_params"]
         assert "attention_dropout = 0.1" in refusals["dropout_training"]
         assert "attn_mask_type = padding" in refusals["padding_mask_type"]
-        assert "cp_comm_type = 'a2a'" in refusals["cp_comm_type_a2a"] and "all_gather" in refusals["cp_comm_type_a2a"]
+        assert "cp_comm_type = 'ulysses'" in refusals["cp_comm_type_unknown"]
+        assert "'a2a+p2p'" in refusals["cp_comm_type_unknown"]
         assert "window_size" in refusals["window_size"]
 
 

@@ -44,7 +44,7 @@ def test_without_fixed_costs_ring_never_loses() -> None:
 def test_memory_budget_forces_p2p() -> None:
     tight = CommCosts(flops_per_s=500e12, p2p_bytes_per_s=400e9, allgather_bytes_per_s=400e9,
                       step_latency_s=20e-6, collective_latency_s=30e-6, memory_budget_bytes=1e3)
-    choice = choose_comm(seq_local=16, cp_size=16, causal=True, costs=tight, **SHAPE)
+    choice = choose_comm(seq_local=16, cp_size=16, causal=True, costs=tight, candidates=("p2p", "all_gather"), **SHAPE)
     assert choice.comm == "p2p" and "memory budget" in choice.reason
 
 
@@ -87,3 +87,37 @@ def test_bad_shapes() -> None:
     with pytest.raises(ValueError, match="seq_local must be an int >= 1"):
         choose_comm(seq_local=0, cp_size=2, batch=1, heads_q=4, heads_kv=4, head_dim=8, causal=False,
                     element_size=4, costs=COSTS)
+
+
+def test_a2a_needs_heads_divisible_by_its_group() -> None:
+    t = predict_times(seq_local=1024, cp_size=8, batch=1, heads_q=12, heads_kv=4, head_dim=128, causal=True,
+                      element_size=2, costs=COSTS, a2a_size=4)
+    assert t["a2a"] == float("inf") and t["a2a+p2p"] < float("inf")
+    choice = choose_comm(seq_local=16, cp_size=8, batch=1, heads_q=12, heads_kv=4, head_dim=128, causal=True,
+                         element_size=2, costs=COSTS)
+    assert choice.comm != "a2a" and choice.times["a2a"] == float("inf")
+
+
+def test_a2a_wins_when_ring_steps_are_latency_bound() -> None:
+    """Short L/P: P step latencies cost more than two all-to-alls; the choice names its competitors."""
+    choice = choose_comm(seq_local=64, cp_size=8, causal=True, costs=COSTS, candidates=("p2p", "a2a"), **SHAPE)
+    assert choice.comm == "a2a" and "p2p" in choice.reason
+    assert choice.times["a2a"] < choice.times["p2p"]
+
+
+def test_hybrid_wins_across_slow_nodes() -> None:
+    """16 ranks on 2 nodes of 8, a slow inter-node link: the flat ring and all-to-all pay it on every
+    byte; a2a+p2p keeps the all-to-all in the node and hides the ring behind 8x the compute."""
+    nodes = CommCosts(flops_per_s=500e12, p2p_bytes_per_s=400e9, allgather_bytes_per_s=400e9, step_latency_s=20e-6,
+                      collective_latency_s=30e-6, inter_node_bytes_per_s=25e9, ranks_per_node=8)
+    choice = choose_comm(seq_local=2048, cp_size=16, causal=True, costs=nodes, **SHAPE)
+    assert choice.comm == "a2a+p2p", choice.reason
+    t = choice.times
+    assert t["a2a+p2p"] < min(t["p2p"], t["a2a"], t["all_gather"])
+
+
+def test_hybrid_is_a_candidate_only_with_its_group_size() -> None:
+    choice = choose_comm(seq_local=2048, cp_size=16, causal=True, costs=COSTS, **SHAPE)
+    assert choice.comm != "a2a+p2p"
+    assert choose_comm_for_shapes((1, 4096, 32, 128), (1, 4096, 8, 128), 8, causal=True, element_size=2,
+                                  device_type="cuda", candidates=("a2a+p2p",), a2a_size=4) == "a2a+p2p"

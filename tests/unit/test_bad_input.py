@@ -29,8 +29,9 @@ def test_unknown_choices():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"sharding must be one of \['zigzag', 'contiguous'\], got 'zig'"):
         ring_attention(q, k, v, sharding="zig")
-    with pytest.raises(ValueError, match=r"comm must be one of \['p2p', 'all_gather', 'auto'\], got 'a2a'"):
-        ring_attention(q, k, v, comm="a2a")
+    with pytest.raises(ValueError, match=r"comm must be one of \['p2p', 'all_gather', 'a2a', 'a2a\+p2p', 'auto'\], "
+                                         r"got 'ulysses'"):
+        ring_attention(q, k, v, comm="ulysses")
     with pytest.raises(ValueError, match=r"backend must be one of .*got 'cudnn'"):
         ring_attention(q, k, v, backend="cudnn")
     with pytest.raises(ValueError, match=r"softmax_scale must be a positive number or None, got -1"):

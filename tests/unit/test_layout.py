@@ -62,3 +62,37 @@ def test_world_size_mismatch_names_both_numbers():
 def test_unknown_axis():
     with pytest.raises(ValueError, match="axis 'sp'"):
         ParallelLayout(cp=2).groups("sp")
+
+
+def test_hierarchical_cp_groups_follow_megatron():
+    """cp = a2a 2 x ring 2 inside each CP group (Megatron's hierarchical_context_parallel_sizes = [2, 2]:
+    level-1 groups of adjacent CP ranks, level-2 groups strided by the level-1 size)."""
+    layout = ParallelLayout(tp=2, cp=4, cp_a2a=2)
+    assert layout.hierarchical_groups("cp-a2a") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.hierarchical_groups("cp-ring") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.cp_ring == 2 and "(cp = a2a 2 x ring 2)" in layout.describe()
+    flat = ParallelLayout(cp=8, cp_a2a=4)
+    assert flat.hierarchical_groups("cp-a2a") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert flat.hierarchical_groups("cp-ring") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_hierarchical_cp_groups_equal_megatron_helper():
+    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    einops = pytest.importorskip("einops")
+    import numpy as np
+
+    layout = ParallelLayout(cp=8, cp_a2a=2)
+    sizes = [2, 4]
+    for level, name in enumerate(("cp-a2a", "cp-ring")):
+        expected = einops.rearrange(np.array(range(8)), "(l s u) -> (l u) s", u=int(np.prod(sizes[:level])),
+                                    s=sizes[level], l=int(np.prod(sizes[level + 1:]))).tolist()
+        assert sorted(expected) == layout.hierarchical_groups(name), name
+    assert parallel_state.create_hierarchical_groups  # the helper this mirrors
+
+
+@pytest.mark.parametrize("cp,cp_a2a,match", [(4, 3, r"cp_a2a \(3\) must divide cp \(4\)"), (4, 0, r"cp_a2a")])
+def test_bad_hierarchical_sizes(cp, cp_a2a, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelLayout(cp=cp, cp_a2a=cp_a2a)
+    with pytest.raises(ValueError, match="no hierarchical CP groups"):
+        ParallelLayout(cp=4).hierarchical_groups("cp-a2a")

@@ -134,3 +134,32 @@ def test_plan_cli_and_measured(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_plan_cli_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan_main(["--layers", "16"]) == 2
     assert "megatron-ring plan: error: without a config file, give" in capsys.readouterr().err
+
+
+def test_every_cp_comm_is_predicted_and_auto_takes_the_fastest() -> None:
+    """cp 16 over two nodes of 8 H100s: the flat ring pays the inter-node link on every step;
+    a2a+p2p (a2a within a node) is predicted fastest, and --cp-comm auto uses it."""
+    planner = Planner(HardwareProfile.load("h100-sxm"))
+    fixed = planner.predict(paper(ParallelLayout(cp=16)))
+    times = fixed.ring.comm_times
+    assert set(times) == {"p2p", "all_gather", "a2a", "a2a+p2p"} and fixed.ring.comm == "p2p"
+    assert times["a2a+p2p"] == min(times.values())
+    assert any("a2a+p2p is predicted faster than p2p" in f for f in fixed.findings)
+    auto = planner.predict(PlanInput(name="paper", model=PAPER, layout=ParallelLayout(cp=16), workload=PAPER_WORK,
+                                     cp_comm="auto"))
+    assert auto.ring.comm == "a2a+p2p" and auto.ttft_s < fixed.ttft_s
+    mqa = ModelDims(num_layers=16, hidden_size=4096, num_heads=24, ffn_hidden_size=16384, num_kv_heads=1,
+                    head_dim=128)
+    odd = planner.predict(PlanInput(name="mqa", model=mqa, layout=ParallelLayout(cp=16), workload=PAPER_WORK))
+    assert odd.ring.comm_times["a2a"] == float("inf")  # 24 heads do not split 16 ways
+
+
+def test_comm_figure_curves_and_png(tmp_path: Path) -> None:
+    from megatron_ring.perf.comm_figure import COMMS, comm_curves, draw_comm_figure
+
+    planner = Planner(HardwareProfile.load("h100-sxm"))
+    base = paper(ParallelLayout(cp=16))
+    curves = comm_curves(planner, base, [4096, 65536])
+    for i in range(2):
+        assert COMMS[int(curves["auto"][i])] == min(COMMS, key=lambda c: curves[c][i])
+    assert draw_comm_figure(planner, base, tmp_path / "c.png").stat().st_size > 10_000

@@ -25,11 +25,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ring.attention.alltoall import CPGroups
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import local_positions
 
-CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather")
-"""Megatron ``cp_comm_type`` values RingAttention implements (``a2a``, ``a2a+p2p`` are not)."""
+CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""Megatron ``cp_comm_type`` values RingAttention implements: all of them (``comm`` of ring_attention)."""
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
 _SUPPORTED_MASKS = _CAUSAL + (AttnMaskType.no_mask,)
@@ -44,8 +45,11 @@ class RingAttention(MegatronModule):
 
     Layouts (np = query heads of this TP rank, ng = its K/V heads, sq = local tokens):
     query ``[sq, b, np, hn]``, key/value ``[sq, b, ng, hn]`` -> output ``[sq, b, np * hn]``.
-    Supports causal and no-mask attention, GQA/MQA, any ``softmax_scale`` and ``cp_comm_type``
-    ``"p2p"`` (the ring) or ``"all_gather"``; with cp = 1 it is plain attention.
+    Supports causal and no-mask attention, GQA/MQA, any ``softmax_scale`` and every ``cp_comm_type``
+    (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``; a list picks one per layer, by global
+    layer number). ``"a2a+p2p"`` runs over Megatron's hierarchical CP groups
+    (``hierarchical_context_parallel_sizes = [a2a, ring]``, from ``pg_collection.hcp`` or
+    parallel_state). With cp = 1 it is plain attention.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class RingAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
+        layer_cp_comm_type: Optional[str] = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -67,8 +72,15 @@ class RingAttention(MegatronModule):
         self.softmax_scale = (
             1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else float(softmax_scale)
         )
-        self.cp_comm_type = _resolve_comm(cp_comm_type, config, self.layer_number)
+        self.cp_comm_type = _resolve_comm(layer_cp_comm_type or cp_comm_type, config, self.layer_number,
+                                          fixed=layer_cp_comm_type is not None)
         self.cp_group = _resolve_cp_group(pg_collection)
+        self.ring_group: Optional[dist.ProcessGroup] | CPGroups = self.cp_group
+        if self.cp_comm_type == "a2a+p2p":
+            if self.cp_size == 1:  # nothing moves; any comm is plain attention
+                self.cp_comm_type = "p2p"
+            else:
+                self.ring_group = _resolve_hierarchical_groups(pg_collection, self.cp_group)
         if self.cp_size != config.context_parallel_size:
             raise ValueError(
                 f"context_parallel_size = {config.context_parallel_size} in the TransformerConfig but the CP "
@@ -121,7 +133,7 @@ class RingAttention(MegatronModule):
         if attention_mask is not None:
             self._check_attention_mask(attention_mask, query.shape[0], causal)
         out = ring_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.cp_group,
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.ring_group,
             causal=causal, softmax_scale=self.softmax_scale, sharding="zigzag", comm=self.cp_comm_type,
         )
         sq, b, heads, dim = query.shape
@@ -164,14 +176,32 @@ def _check_mask_type(mask_type: AttnMaskType) -> AttnMaskType:
     return mask_type
 
 
-def _resolve_comm(cp_comm_type: Any, config: TransformerConfig, layer_number: int) -> str:
-    comm = config.cp_comm_type if cp_comm_type is None else cp_comm_type
+def _resolve_comm(cp_comm_type: Any, config: TransformerConfig, layer_number: int, *, fixed: bool = False) -> str:
+    """This layer's comm: ``layer_cp_comm_type`` (``fixed``, from a per-layer spec), else a per-layer
+    ``config.cp_comm_type`` list's entry ``[layer_number - 1]`` (it wins over ``cp_comm_type``, which
+    megatron-core's TransformerLayer takes from the list one layer off: Note [Per-layer
+    cp_comm_type] in model.py), else ``cp_comm_type``, else the config's single name."""
+    listed = isinstance(config.cp_comm_type, (list, tuple)) and not fixed
+    comm = config.cp_comm_type if cp_comm_type is None or listed else cp_comm_type
     if isinstance(comm, (list, tuple)):
         comm = comm[layer_number - 1]
     comm = "p2p" if comm is None else comm
     if comm not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type = {comm!r} is not supported by RingAttention; allowed: {list(CP_COMM_TYPES)}")
     return comm
+
+
+def _resolve_hierarchical_groups(pg_collection: Any, cp_group: Optional[dist.ProcessGroup]) -> CPGroups:
+    """``CPGroups(a2a, ring, cp)`` from ``pg_collection.hcp`` or Megatron's parallel_state."""
+    groups = getattr(pg_collection, "hcp", None) if pg_collection is not None else None
+    if not groups and parallel_state.model_parallel_is_initialized():
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if not groups or len(groups) != 2:
+        raise ValueError(
+            "cp_comm_type = 'a2a+p2p' needs two hierarchical CP groups [a2a, ring]: initialize_model_parallel("
+            f"hierarchical_context_parallel_sizes=[a2a, cp // a2a]) or pg_collection.hcp; got {groups!r}"
+        )
+    return CPGroups(groups[0], groups[1], cp_group)
 
 
 def _resolve_cp_group(pg_collection: Any) -> Optional[dist.ProcessGroup]:

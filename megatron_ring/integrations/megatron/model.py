@@ -7,11 +7,22 @@ differs. Megatron's ``parallel_state`` must already be initialised with the conf
 
 :func:`load_full_state_dict` loads one unsharded (tp = pp = 1) state dict into a model of any
 tp/pp layout, so differently parallelised models can be given identical weights.
+
+Note [Per-layer cp_comm_type]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Megatron lets ``TransformerConfig.cp_comm_type`` be a list, one comm per layer, and RingAttention
+reads its layer's entry from such a list (``[layer_number - 1]``). megatron-core's
+``TransformerLayer`` (the installed version) indexes the list with the 1-based ``layer_number``
+itself, which is one layer off and fails on the last layer before any attention is built. So
+this builder keeps the list out of the TransformerConfig and gives each layer's RingAttention its
+comm through a per-layer spec instead (``ModuleSpec(params={"layer_cp_comm_type": ...})``; Megatron's attention passes its own
+``cp_comm_type`` argument, None here).
 """
 from __future__ import annotations
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Mapping, Optional
 
@@ -21,6 +32,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -48,7 +60,8 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         context_parallel_size=p.cp,
-        cp_comm_type=p.cp_comm_type if p.cp > 1 else None,
+        cp_comm_type=p.cp_comm_type if p.cp > 1 and not isinstance(p.cp_comm_type, list) else None,
+        hierarchical_context_parallel_sizes=None if p.cp_a2a is None else [p.cp_a2a, p.cp // p.cp_a2a],
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=cfg.dtype == "bf16",
@@ -57,10 +70,27 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
     )
 
 
-def layer_spec(cfg: GPTConfig) -> ModuleSpec:
-    """Megatron's local GPT layer spec; ``core_attention`` is RingAttention unless ``cfg.attention == "local"``."""
+def layer_spec(cfg: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """Megatron's local GPT layer spec; ``core_attention`` is RingAttention unless ``cfg.attention == "local"``.
+
+    A per-layer ``parallel.cp_comm_type`` list becomes one layer spec per layer of this pipeline
+    stage, each RingAttention given its layer's comm (Note [Per-layer cp_comm_type])."""
     kwargs = {"normalization": cfg.model.normalization}
-    return get_gpt_layer_local_spec(**kwargs) if cfg.attention == "local" else get_gpt_layer_ring_spec(**kwargs)
+    if cfg.attention == "local":
+        return get_gpt_layer_local_spec(**kwargs)
+    spec = get_gpt_layer_ring_spec(**kwargs)
+    comms = cfg.parallel.cp_comm_type
+    if not isinstance(comms, list) or cfg.parallel.cp == 1:
+        return spec
+    per_stage = cfg.model.num_layers // cfg.parallel.pp
+    first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
+    layers = []
+    for comm in comms[first:first + per_stage]:
+        layer = copy.deepcopy(spec)
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = ModuleSpec(module=attention.core_attention, params={"layer_cp_comm_type": comm})
+        layers.append(layer)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)  # the final norm, as Megatron's own
 
 
 def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None,

@@ -54,10 +54,11 @@ def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] 
     global _own_minutes
     ps = parallel_state
     minutes = 30 if timeout_s is None else max(1, math.ceil(timeout_s / 60))
+    hierarchical = None if layout.cp_a2a is None else [layout.cp_a2a, layout.cp // layout.cp_a2a]
     if ps.model_parallel_is_initialized() and _own_minutes in (None, minutes) and (
             ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size()
-    ) == (layout.tp, layout.pp, layout.cp, layout.dp):
+            ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(), _hierarchical_sizes()
+    ) == (layout.tp, layout.pp, layout.cp, layout.dp, hierarchical):
         return
     ps.destroy_model_parallel()
     alive = dist.distributed_c10d._world.pg_map
@@ -69,9 +70,23 @@ def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] 
     existing = set(dist.distributed_c10d._world.pg_map)
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                  context_parallel_size=layout.cp, distributed_timeout_minutes=minutes,
+                                 hierarchical_context_parallel_sizes=hierarchical,
                                  create_gloo_process_groups=False)
     _OWN_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map if g not in existing)
     _own_minutes = minutes
+
+
+def hierarchical_cp_groups() -> Optional[list[dist.ProcessGroup]]:
+    """Megatron's hierarchical CP groups (``[a2a, ring]``), None when it has none. ``destroy_model_parallel``
+    does not reset them, so groups destroyed since (a re-initialisation without them) count as none."""
+    groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    alive = dist.distributed_c10d._world.pg_map
+    return list(groups) if groups and all(g in alive for g in groups) else None
+
+
+def _hierarchical_sizes() -> Optional[list[int]]:
+    groups = hierarchical_cp_groups()
+    return None if groups is None else [g.size() for g in groups]
 
 
 def check_parallel_state(cfg: GPTConfig) -> None:
@@ -103,8 +118,12 @@ def parallel_from_megatron() -> ParallelGroups:
         "dp-cp": ps.get_data_parallel_group(with_context_parallel=True),
         "tp-cp": ps.get_tensor_and_context_parallel_group(),
     }
+    hierarchical = hierarchical_cp_groups()
+    if hierarchical and len(hierarchical) == 2:
+        groups["cp-a2a"], groups["cp-ring"] = hierarchical
     ranks = {axis: dist.get_process_group_ranks(group) for axis, group in groups.items()}
-    layout = ParallelLayout(tp=len(ranks["tp"]), pp=len(ranks["pp"]), cp=len(ranks["cp"]), dp=len(ranks["dp"]))
+    layout = ParallelLayout(tp=len(ranks["tp"]), pp=len(ranks["pp"]), cp=len(ranks["cp"]), dp=len(ranks["dp"]),
+                            cp_a2a=len(ranks["cp-a2a"]) if "cp-a2a" in ranks else None)
     return ParallelGroups(layout=layout, rank=dist.get_rank(), groups=groups, ranks=ranks)
 
 

@@ -1,0 +1,278 @@
+"""All-to-all ("Ulysses") context parallelism and its hybrid with the ring: ``comm="a2a"`` and ``"a2a+p2p"``.
+
+Note [All-to-all between sequence and heads]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Rank c of a CP group of P holds the tokens of its shard (zigzag or contiguous, exactly as for
+``comm="p2p"``) for every head. One all-to-all over an *a2a group* of A ranks trades that for
+A times the tokens on 1/A of the heads: rank i sends head group j of q, k, v to rank j and
+receives head group i of every member's tokens. The received tokens are put in the order the
+attention after it needs, the attention runs, and the inverse all-to-all sends every token's
+output back to the rank that holds it::
+
+    [b, L/P, H, d] --a2a--> [b, A*L/P, H/A, d] --attention--> [b, A*L/P, H/A, d] --a2a--> [b, L/P, H, d]
+
+* ``comm="a2a"`` (DeepSpeed-Ulysses): A = P, the attention is local on the full sequence, whose
+  tokens are put in global order (undoing the caller's zigzag), so any block kernel runs it as
+  one causal or full block.
+* ``comm="a2a+p2p"`` (Megatron's hierarchical CP, USP): P = A x R. Rank c is member ``c % A`` of
+  a2a group ``c // A`` (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``.
+  After the all-to-all, the A shards of an a2a group are exactly the shard of ring rank
+  ``c // A`` in the same sharding over R ranks (zigzag: the first chunks in member order, then the
+  second chunks in reverse order), and the existing p2p ring runs over the ring group on H/A
+  heads: ``_RingAttention`` unchanged.
+
+The whole thing is differentiable: the backward of an all-to-all is the inverse all-to-all of the
+gradients. q, k and v travel in one all-to-all (their head groups packed side by side), and so do
+dq, dk and dv in backward.
+
+GQA: the a2a group needs ``heads_q % A == 0``. K/V heads are split A ways too; with
+``heads_kv % A != 0`` each K/V head is repeated, before the all-to-all, to ``h' = lcm(heads_kv, A)``
+heads, the fewest that split A ways and keep every query head's K/V head on its rank. When
+``A % heads_kv == 0`` (MQA, or fewer K/V heads than ranks) every rank receives exactly the one K/V
+head its queries use; when ``heads_kv % A == 0`` nothing is repeated. Bytes sent per rank per
+layer, with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`a2a_bytes`)::
+
+    forward   (A-1)/A * b*s*d*e * (2*heads_q + 2*h')      q, k, v out; the output back
+              + (R-1) * 2*b*s*h'*d*e                        the ring over R (K/V on h'/A heads, A*s tokens)
+    backward  (A-1)/A * b*s*d*e * (2*heads_q + 2*h')      dout out; dq, dk, dv back
+              + (R-1) * 2*b*s*h'*d*e + R * 2*b*s*h'*d*4     the ring's K/V and fp32 dK/dV
+
+against ``(P-1) * 2*b*s*heads_kv*d*e`` for the forward of ``p2p``. The replication costs
+``h'/heads_kv`` times the K/V bytes of the all-to-all (e.g. MQA at A = 4: 4x the K/V share).
+
+A ``key_padding_mask`` is supported: the a2a group all-gathers its members' masks (one byte per
+token), puts them in the same order as the keys, and the ring takes them from there.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.attention.allgather import all_gather_stacked
+from megatron_ring.attention.checks import group_rank_size
+from megatron_ring.attention.instrument import active_stats, now
+from megatron_ring.attention.sharding import local_positions
+
+A2A_COMMS: tuple[str, ...] = ("a2a", "a2a+p2p")
+FLAT_COMMS: tuple[str, ...] = ("p2p", "all_gather", "a2a")
+"""Comms that run over one (flat) CP group; ``a2a+p2p`` runs over :class:`CPGroups`."""
+
+
+class CPGroups(NamedTuple):
+    """The groups of hierarchical context parallelism (Megatron's ``hierarchical_context_parallel_sizes``).
+
+    Pass as ``ring_attention(..., group=CPGroups(a2a, ring, cp))`` or as a plain tuple
+    ``(a2a, ring)``. With ``cp = a2a_size x ring_size``, CP rank c must be rank ``c % a2a_size`` of
+    its ``a2a`` group (adjacent CP ranks) and rank ``c // a2a_size`` of its ``ring`` group;
+    :meth:`megatron_ring.parallel.groups.ParallelGroups.cp_groups` builds them so. ``cp`` (the whole
+    CP group, optional) lets the same object serve ``comm="p2p"``, ``"all_gather"`` and ``"a2a"``,
+    and ``"auto"`` choose among all four.
+    """
+
+    a2a: dist.ProcessGroup | None
+    ring: dist.ProcessGroup | None
+    cp: dist.ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
+class CPPlace:
+    """Where this process sits for one call: the flat CP group and/or the two hierarchical ones."""
+
+    rank: int
+    size: int
+    flat: dist.ProcessGroup | None
+    has_flat: bool
+    hier: tuple[tuple[dist.ProcessGroup | None, int, int], tuple[dist.ProcessGroup | None, int, int]] | None
+    """``((a2a group, rank, size), (ring group, rank, size))`` when hierarchical groups were given."""
+
+    def comms(self) -> tuple[str, ...]:
+        """The comms these groups can run (``auto`` chooses among them)."""
+        return (FLAT_COMMS if self.has_flat else ()) + (("a2a+p2p",) if self.hier is not None else ())
+
+    def levels(self, comm: str) -> tuple[tuple[dist.ProcessGroup | None, int, int], tuple[dist.ProcessGroup | None, int, int]]:
+        """``(a2a level, ring level)`` of an a2a comm: ``"a2a"`` is the flat group and a ring of one."""
+        if comm == "a2a":
+            return (self.flat, self.rank, self.size), (None, 0, 1)
+        assert self.hier is not None
+        return self.hier
+
+    def a2a_size(self, comm: str) -> int:
+        return self.levels(comm)[0][2]
+
+
+def cp_place(group: object, comm: str) -> CPPlace:
+    """Resolve ``ring_attention``'s ``group`` for ``comm``; ValueError naming ``group`` when it cannot serve it."""
+    if isinstance(group, tuple):
+        if len(group) not in (2, 3):
+            raise ValueError(f"group as a tuple must be (a2a_group, ring_group) or CPGroups, got {len(group)} items")
+        (ga, ra, a), (gr, rr, r) = ((g, *group_rank_size(g)) for g in group[:2])
+        flat = group[2] if len(group) == 3 else None
+        if flat is not None:
+            rank, size = group_rank_size(flat)
+            if (rank, size) != (rr * a + ra, a * r):
+                raise ValueError(f"CPGroups: cp rank {rank} of {size} is not ring rank {rr} x a2a size {a} + a2a rank "
+                                 f"{ra} (of cp {a} x {r}); a2a groups must be adjacent CP ranks")
+        place = CPPlace(rr * a + ra, a * r, flat, flat is not None, ((ga, ra, a), (gr, rr, r)))
+    else:
+        rank, size = group_rank_size(group)  # type: ignore[arg-type]
+        place = CPPlace(rank, size, group, True, None)  # type: ignore[arg-type]
+    if comm != "auto" and comm not in place.comms():
+        if comm == "a2a+p2p":
+            raise ValueError("comm='a2a+p2p' needs group=(a2a_group, ring_group) or a CPGroups (e.g. "
+                             "init_parallel(...).cp_groups), got a single process group")
+        if comm in FLAT_COMMS:
+            raise ValueError(f"comm={comm!r} needs the whole CP group: pass group=<cp group> or "
+                             "CPGroups(a2a, ring, cp) with cp set")
+    return place
+
+
+def kv_heads_sent(heads_q: int, heads_kv: int, a2a_size: int) -> int:
+    """``h' = lcm(heads_kv, a2a_size)``: the K/V heads the all-to-all carries (Note [All-to-all between sequence and heads])."""
+    return heads_kv * a2a_size // math.gcd(heads_kv, a2a_size)
+
+
+def check_a2a_heads(heads_q: int, a2a_size: int, comm: str) -> None:
+    """ValueError naming ``heads_q`` unless the query heads split evenly over the a2a group."""
+    if heads_q % a2a_size:
+        what = "cp size" if comm == "a2a" else "a2a group size"
+        raise ValueError(f"heads_q ({heads_q}) must be divisible by the {what} ({a2a_size}) for comm={comm!r}: "
+                         f"the all-to-all gives each rank heads_q / {a2a_size} query heads; use comm='p2p' or "
+                         "a smaller all-to-all group")
+
+
+def a2a_bytes(*, seq_local: int, batch: int, heads_q: int, heads_kv: int, head_dim: int, element_size: int,
+              a2a_size: int, ring_size: int, backward: bool = False) -> float:
+    """Bytes one rank sends for one attention call (forward, or backward) of ``a2a`` (ring_size 1) or ``a2a+p2p``."""
+    h_kv = kv_heads_sent(heads_q, heads_kv, a2a_size)
+    unit = batch * seq_local * head_dim
+    a2a = (a2a_size - 1) / a2a_size * unit * element_size * (2 * heads_q + 2 * h_kv)
+    ring = (ring_size - 1) * 2 * unit * h_kv * element_size
+    if backward and ring_size > 1:
+        ring += ring_size * 2 * unit * h_kv * 4
+    return a2a + ring
+
+
+@lru_cache(maxsize=64)
+def _gather_index(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, sharding: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(member, offset)`` int64 ``[a2a_size * seq_local]``: where token n of ring rank ``ring_rank``'s
+    shard (over ``ring_size`` in ``sharding``) is among the a2a group's received shards."""
+    size, total = a2a_size * ring_size, a2a_size * ring_size * seq_local
+    received = torch.cat([local_positions(total, ring_rank * a2a_size + i, size, sharding) for i in range(a2a_size)])
+    where = torch.empty(total, dtype=torch.int64)
+    where[received] = torch.arange(received.numel())
+    found = where[local_positions(total, ring_rank, ring_size, sharding)]
+    return found // seq_local, found % seq_local
+
+
+class _Exchange:
+    """The two all-to-alls of one a2a group; tensors are ``[batch, seq, heads, head_dim]``."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, member: torch.Tensor, offset: torch.Tensor) -> None:
+        self.group, self.size, self.member, self.offset = group, size, member, offset
+
+    def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return send
+        stats = active_stats()
+        start = now(send.device) if stats else 0.0
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        if stats:
+            elapsed = now(send.device) - start
+            stats.steps += 1
+            stats.bytes_sent += send.numel() * send.element_size() * (self.size - 1) // self.size
+            stats.wait_s += elapsed
+            stats.total_s += elapsed
+        return recv
+
+    def to_heads(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``[b, s, h, d]`` each -> ``[b, A*s, h/A, d]`` in the order of ``(member, offset)``."""
+        a = self.size
+        b, s, _, d = xs[0].shape
+        widths = [x.shape[2] // a for x in xs]
+        send = torch.empty(a, b, s, sum(widths), d, dtype=xs[0].dtype, device=xs[0].device)
+        off = 0
+        for x, w in zip(xs, widths):
+            send[..., off:off + w, :].copy_(x.reshape(b, s, a, w, d).permute(2, 0, 1, 3, 4))
+            off += w
+        recv = self._all_to_all(send).transpose(0, 1)  # [b, A, s, heads, d]
+        outs, off = [], 0
+        for w in widths:
+            outs.append(recv[:, self.member, self.offset, off:off + w])
+            off += w
+        return outs
+
+    def to_seq(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Inverse of :meth:`to_heads`: ``[b, A*s, w, d]`` each -> ``[b, s, A*w, d]``."""
+        a = self.size
+        b, n, _, d = xs[0].shape
+        s, widths = n // a, [x.shape[2] for x in xs]
+        send = torch.empty(a, b, s, sum(widths), d, dtype=xs[0].dtype, device=xs[0].device)
+        view, off = send.transpose(0, 1), 0
+        for x, w in zip(xs, widths):
+            view[:, self.member, self.offset, off:off + w] = x
+            off += w
+        recv = self._all_to_all(send)  # [A, b, s, heads, d]: member j's head group j
+        outs, off = [], 0
+        for w in widths:
+            outs.append(recv[..., off:off + w, :].permute(1, 2, 0, 3, 4).reshape(b, s, a * w, d))
+            off += w
+        return outs
+
+
+class _AllToAll(torch.autograd.Function):
+    """``to_heads`` (or ``to_seq``) of several tensors in one all-to-all; backward is the inverse."""
+
+    @staticmethod
+    def forward(ctx, exchange: _Exchange, to_heads: bool, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.exchange, ctx.to_heads = exchange, to_heads
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(exchange.to_heads(xs) if to_heads else exchange.to_seq(xs))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        exchange: _Exchange = ctx.exchange
+        filled = [g if g is not None else torch.zeros(_out_shape(ctx, i), dtype=ctx.shapes[i][1], device=ctx.shapes[i][2])
+                  for i, g in enumerate(grads)]
+        back = exchange.to_seq(filled) if ctx.to_heads else exchange.to_heads(filled)
+        return (None, None, *back)
+
+
+def _out_shape(ctx: Any, i: int) -> torch.Size:
+    """Shape of output ``i`` of an :class:`_AllToAll` from its input's shape."""
+    shape, a = ctx.shapes[i][0], ctx.exchange.size
+    b, s, h, d = shape
+    return torch.Size((b, s * a, h // a, d) if ctx.to_heads else (b, s // a, h * a, d))
+
+
+RingFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "dist.ProcessGroup | None", Any, str,
+                   "torch.Tensor | None"], torch.Tensor]
+"""``ring(q, k, v, group, spec, comm, key_padding_mask)``: ring.py's ring over BSHD inputs."""
+
+
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: CPPlace, comm: str, spec: Any,
+                  key_padding_mask: torch.Tensor | None, ring: RingFn) -> torch.Tensor:
+    """``comm="a2a"`` or ``"a2a+p2p"`` on checked inputs: q ``[b, s, heads_q, d]``, k/v ``[b, s, heads_kv, d]``
+    -> ``[b, s, heads_q, d]``. ``spec`` is the call's ring spec over the whole CP group; ``ring``
+    runs the p2p ring over the ring group on the head-sharded tensors."""
+    (ga, _, a), (gr, rr, r) = place.levels(comm)
+    s, heads_kv = q.shape[1], k.shape[2]
+    repeat = kv_heads_sent(q.shape[2], heads_kv, a) // heads_kv
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    member, offset = (t.to(q.device) for t in _gather_index(s, a, r, rr, spec.sharding))
+    exchange = _Exchange(ga, a, member, offset)
+    qh, kh, vh = _AllToAll.apply(exchange, True, q, k, v)
+    ring_mask = None
+    if key_padding_mask is not None:
+        masks = all_gather_stacked(key_padding_mask.to(torch.uint8), ga, a).transpose(0, 1)  # [b, A, s]
+        ring_mask = masks[:, member, offset].bool()
+    out = ring(qh, kh, vh, gr, replace(spec, rank=rr, size=r, seq_local=a * s), "p2p", ring_mask)
+    (result,) = _AllToAll.apply(exchange, False, out)
+    return result
