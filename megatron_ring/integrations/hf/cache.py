@@ -8,8 +8,18 @@ last token lives on one rank only, so its logits cannot come from every rank. In
 forgets that one token's K/V and reports ``L - 1`` seen tokens: ``generate`` then "continues" the
 prompt with its last token as an ordinary decode step, which every rank computes identically
 (``decode_attention`` merges all shards). From there ``generate``'s own bookkeeping (positions
-from the global mask, stopping, logits processors) is exactly the single-process one. Each decode
-token's K/V is kept by exactly one rank, ``global_index % cp_size`` (round-robin); the others drop it.
+from the global mask, sampling, beams, stopping, logits processors) is exactly the single-process
+one. Each decode token's K/V is kept by exactly one rank, ``global_index % cp_size`` (round-robin);
+the others drop it.
+
+The ring prefill needs a length that is a multiple of ``2 * cp``, so the prompt is left-padded by
+``pad`` masked tokens; the cache drops their K/V (no real token attends them) and numbers its
+columns from the first real prompt token, so ``generate`` sees the user's prompt, unpadded.
+
+Beam search reorders (and first repeats) the batch rows of every layer on every rank:
+``DynamicLayer``'s ``reorder_cache`` / ``batch_repeat_interleave`` act on the local shard's batch
+dimension, and the beam indices are the same on every rank, so the union of the shards is reordered
+exactly as ``Cache.reorder_cache`` reorders a whole cache.
 """
 from __future__ import annotations
 
@@ -47,9 +57,10 @@ class RingCacheLayer(DynamicLayer):
                 raise ValueError(f"RingCache already holds {self.seen} tokens; a ring prefill needs an empty cache")
             if key_states.shape[-2] != columns.numel():
                 raise ValueError(f"prefill K/V have {key_states.shape[-2]} local tokens, expected {columns.numel()}")
-            self.keys, self.values = key_states, value_states
-            self.columns, self.seen = columns.to(key_states.device), global_len
-            return self.keys, self.values
+            keep = columns.to(key_states.device) >= 0  # left padding of the prefill: attended, never stored
+            self.keys, self.values = key_states[..., keep, :], value_states[..., keep, :]
+            self.columns, self.seen = columns.to(key_states.device)[keep], global_len
+            return key_states, value_states
         if key_states.shape[-2] != 1:
             raise ValueError(
                 f"RingCache decodes one token per step, got {key_states.shape[-2]} (assisted or chunked decoding "
@@ -95,7 +106,8 @@ class RingCache(Cache):
 
     @contextlib.contextmanager
     def prefill(self, columns: torch.Tensor, global_len: int) -> Iterator[None]:
-        """Inside the block, ``update`` stores the whole local shard (global indices ``columns``)."""
+        """Inside the block, ``update`` stores the local shard: ``columns`` are its global indices, negative
+        ones (left padding of the prefill) are dropped; the sequence then counts ``global_len`` tokens."""
         self.prefill_plan = (columns, global_len)
         try:
             yield
