@@ -2,7 +2,8 @@
 
 Every case is ``(prompt, generate kwargs, seed)``; its kwargs are built fresh per call because logits
 processors and stopping criteria are objects. The tiny Llama's prompts: ``padded`` (13 tokens, not a
-multiple of ``2 * cp``, row 1 left-padded by 5) and ``plain`` (16 tokens, no mask).
+multiple of ``2 * cp``, row 1 left-padded by 5), ``plain`` (16 tokens, no mask) and ``one`` (1 token:
+after the prefill every rank's cache shard is empty).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def prompts() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     mask = torch.ones_like(padded)
     mask[1, :5] = 0
     padded[1, :5] = 258
-    return {"plain": (plain, None), "padded": (padded, mask)}
+    return {"plain": (plain, None), "padded": (padded, mask), "one": (plain[:, :1], None)}
 
 
 class BanToken(LogitsProcessor):
@@ -82,6 +83,7 @@ CASES: dict[str, tuple[str, Callable[[], dict[str, Any]], int]] = {
     "beams2": ("padded", lambda: {"num_beams": 2}, 0),
     "beams4": ("padded", lambda: {"num_beams": 4, "num_return_sequences": 2}, 0),
     "beams4-plain": ("plain", lambda: {"num_beams": 4, "length_penalty": 0.5}, 0),
+    "beams2-one-token": ("one", lambda: {"num_beams": 2}, 0),
     "sample-top-k": ("padded", lambda: {"do_sample": True, "top_k": 20, "temperature": 0.8}, 11),
     "sample-top-p": ("padded", lambda: {"do_sample": True, "top_p": 0.9, "temperature": 1.5,
                                         "num_return_sequences": 2}, 12),

@@ -17,14 +17,14 @@ The ring prefill needs a length that is a multiple of ``2 * cp``, so the prompt 
 columns from the first real prompt token, so ``generate`` sees the user's prompt, unpadded.
 
 Beam search reorders (and first repeats) the batch rows of every layer on every rank:
-``DynamicLayer``'s ``reorder_cache`` / ``batch_repeat_interleave`` act on the local shard's batch
-dimension, and the beam indices are the same on every rank, so the union of the shards is reordered
-exactly as ``Cache.reorder_cache`` reorders a whole cache.
+``reorder_cache`` / ``batch_repeat_interleave`` act on the local shard's batch dimension, and the
+beam indices are the same on every rank, so the union of the shards is reordered exactly as
+``Cache.reorder_cache`` reorders a whole cache.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -83,6 +83,21 @@ class RingCacheLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` to the batch rows of the local K/V, also when this rank's shard is empty
+        (``DynamicLayer`` skips a layer whose ``get_seq_length()`` is 0, which here is the global count)."""
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_rows(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_rows(lambda x: x[indices, ...])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
