@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from megatron_ring.hf import ring_generate  # noqa: E402
+from megatron_ring.hf import cp_context, ring_generate  # noqa: E402
 from megatron_ring.testing.tiny_hf import tiny_model  # noqa: E402
 from tests.integration.hf_generate_workers import (  # noqa: E402
     BANNED, CASES, NEW_TOKENS, generate, prompts, run_generation_cases, sampled_logits, streamed,
@@ -90,6 +90,12 @@ def test_single_process_ring_matches_generate(eager):
     ring = tiny_model("llama", attn_implementation="ring")
     for name in ("greedy", "beams4", "sample-top-p", "no-cache-beams2", "processors"):
         assert torch.equal(generate(ring, name, ring=True), generate(eager, name, ring=False)), name
+
+
+def test_generate_inside_a_bare_cp_context_points_to_ring_generate():
+    model = tiny_model("llama", attn_implementation="ring")
+    with pytest.raises(ValueError, match=r"1 local queries but 17 keys.*ring_generate"), cp_context():
+        model.generate(prompts()["plain"][0], max_new_tokens=2)
 
 
 @pytest.mark.parametrize("kwargs, match", [
