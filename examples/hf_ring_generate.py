@@ -1,4 +1,4 @@
-"""Prefill + greedy generate of a Hugging Face causal LM with ring attention over CP ranks.
+"""Prefill + generate (greedy, beam search or sampling) of a Hugging Face causal LM with ring attention over CP ranks.
 
 Every rank loads the same model and prompt; the prompt is sharded (zigzag) over the CP group, the
 KV cache stays sharded, and every rank ends with the same tokens. With a DeepSpeed config whose
@@ -9,6 +9,7 @@ KV cache stays sharded, and every rank ends with the same tokens. With a DeepSpe
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 examples/hf_ring_generate.py --model /tmp/tiny-llama \\
         --deepspeed_config configs/deepspeed/cpu_ring_tp2_cp2.json --check
 
+``--num-beams N`` runs beam search, ``--sample`` seeded sampling (the same ``--seed`` on every rank);
 ``--check`` compares with single-process eager generation on rank 0.
 """
 from __future__ import annotations
@@ -33,6 +34,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--deepspeed_config", help="DeepSpeed inference JSON; its tensor_parallel.tp_size sets TP")
     parser.add_argument("--prompt", nargs="+", default=["Ring attention splits the sequence,", "so each rank"])
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--num-beams", type=int, default=1, help="beam search with this many beams")
+    parser.add_argument("--sample", action="store_true", help="sampling (top_k=50, top_p=0.95)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed, the same on every rank")
     parser.add_argument("--check", action="store_true", help="compare with single-process eager on rank 0")
     parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return parser.parse_args()
@@ -56,15 +60,18 @@ def main() -> None:
     if ds_config is not None:
         model = init_autotp(model, groups.tp, ds_config)
     batch = tokenizer(args.prompt, return_tensors="pt", padding=True).to(device)
-    tokens = ring_generate(model, batch.input_ids, batch.attention_mask, group=groups.cp,
-                           max_new_tokens=args.max_new_tokens)
+    mode = dict(max_new_tokens=args.max_new_tokens, num_beams=args.num_beams, do_sample=args.sample,
+                **(dict(top_k=50, top_p=0.95) if args.sample else {}))
+    torch.manual_seed(args.seed)
+    tokens = ring_generate(model, batch.input_ids, batch.attention_mask, group=groups.cp, **mode)
 
     if rank == 0:
         prompt_len = batch.input_ids.shape[1]
         print(f"tp={tp} x cp={world // tp}: {tokenizer.batch_decode(tokens[:, prompt_len:])}")
         if args.check:
             ref = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="eager").to(device).eval()
-            expected = ref.generate(**batch, max_new_tokens=args.max_new_tokens, do_sample=False)
+            torch.manual_seed(args.seed)
+            expected = ref.generate(**batch, **mode)
             print("check:", "same tokens as single-process eager" if torch.equal(tokens, expected) else "MISMATCH")
     dist.barrier()
     dist.destroy_process_group()

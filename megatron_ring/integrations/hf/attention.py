@@ -112,6 +112,10 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if ctx.phase == "decode" and ctx.cache is None:
         raise ValueError("the decode phase needs the RingCache of the running generate in the CP context")
+    if ctx.phase == "prefill" and k.shape[1] != q.shape[1]:
+        raise ValueError(f"a ring prefill got {q.shape[1]} local queries but {k.shape[1]} keys: a KV cache that "
+                         "ring_generate did not build (model.generate inside a bare cp_context?); generate with "
+                         "megatron_ring.hf.ring_generate")
     key_mask = attention_mask
     if key_mask is not None:
         if key_mask.dim() != 2:

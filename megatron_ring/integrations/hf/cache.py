@@ -8,13 +8,23 @@ last token lives on one rank only, so its logits cannot come from every rank. In
 forgets that one token's K/V and reports ``L - 1`` seen tokens: ``generate`` then "continues" the
 prompt with its last token as an ordinary decode step, which every rank computes identically
 (``decode_attention`` merges all shards). From there ``generate``'s own bookkeeping (positions
-from the global mask, stopping, logits processors) is exactly the single-process one. Each decode
-token's K/V is kept by exactly one rank, ``global_index % cp_size`` (round-robin); the others drop it.
+from the global mask, sampling, beams, stopping, logits processors) is exactly the single-process
+one. Each decode token's K/V is kept by exactly one rank, ``global_index % cp_size`` (round-robin);
+the others drop it.
+
+The ring prefill needs a length that is a multiple of ``2 * cp``, so the prompt is left-padded by
+``pad`` masked tokens; the cache drops their K/V (no real token attends them) and numbers its
+columns from the first real prompt token, so ``generate`` sees the user's prompt, unpadded.
+
+Beam search reorders (and first repeats) the batch rows of every layer on every rank:
+``reorder_cache`` / ``batch_repeat_interleave`` act on the local shard's batch dimension, and the
+beam indices are the same on every rank, so the union of the shards is reordered exactly as
+``Cache.reorder_cache`` reorders a whole cache.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -47,9 +57,10 @@ class RingCacheLayer(DynamicLayer):
                 raise ValueError(f"RingCache already holds {self.seen} tokens; a ring prefill needs an empty cache")
             if key_states.shape[-2] != columns.numel():
                 raise ValueError(f"prefill K/V have {key_states.shape[-2]} local tokens, expected {columns.numel()}")
-            self.keys, self.values = key_states, value_states
-            self.columns, self.seen = columns.to(key_states.device), global_len
-            return self.keys, self.values
+            keep = columns.to(key_states.device) >= 0  # left padding of the prefill: attended, never stored
+            self.keys, self.values = key_states[..., keep, :], value_states[..., keep, :]
+            self.columns, self.seen = columns.to(key_states.device)[keep], global_len
+            return key_states, value_states
         if key_states.shape[-2] != 1:
             raise ValueError(
                 f"RingCache decodes one token per step, got {key_states.shape[-2]} (assisted or chunked decoding "
@@ -73,6 +84,21 @@ class RingCacheLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.seen
 
+    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` to the batch rows of the local K/V, also when this rank's shard is empty
+        (``DynamicLayer`` skips a layer whose ``get_seq_length()`` is 0, which here is the global count)."""
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_rows(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_rows(lambda x: x[indices, ...])
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
 
@@ -95,7 +121,8 @@ class RingCache(Cache):
 
     @contextlib.contextmanager
     def prefill(self, columns: torch.Tensor, global_len: int) -> Iterator[None]:
-        """Inside the block, ``update`` stores the whole local shard (global indices ``columns``)."""
+        """Inside the block, ``update`` stores the local shard: ``columns`` are its global indices, negative
+        ones (left padding of the prefill) are dropped; the sequence then counts ``global_len`` tokens."""
         self.prefill_plan = (columns, global_len)
         try:
             yield

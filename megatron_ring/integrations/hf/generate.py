@@ -2,62 +2,42 @@
 
 Every rank of the CP group calls these with the same *global* ``input_ids`` and gets the same
 result; each rank embeds, projects and attends only its own zigzag shard of the prompt. The
-prompt runs as a ring prefill, then ``model.generate`` continues from the sharded
-:class:`~megatron_ring.integrations.hf.cache.RingCache` (Note [Prefill, replay, decode] there).
+prompt runs as a ring prefill, then transformers' own ``model.generate`` continues from the sharded
+:class:`~megatron_ring.integrations.hf.cache.RingCache` (Note [Prefill, replay, decode] there), so
+every decoding mode of ``generate`` (greedy, sampling, beam search) and every argument (logits
+processors, stopping criteria, streamers, ...) works as in one process. ``use_cache=False`` runs
+each step as a ring prefill instead (Note [Generation without a cache] in recompute.py).
+
+Note [Sampling over a CP group]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every rank runs ``generate``'s loop itself and must pick the same tokens, or the ranks' caches and
+sequences drift apart silently. The logits are bitwise the same on every rank (decode attention
+merges the same gathered partials in the same order on every rank; without a cache they are
+broadcast), so greedy and beam search agree by construction. Sampling draws from the default
+random generator of the tokens' device, so :func:`ring_generate` checks, before generating, that
+this generator's state is the same on every rank (one small all-gather) and raises a ValueError on
+every rank otherwise: call ``torch.manual_seed(seed)`` with the same seed on every rank first.
+With the same seed the draws also match single-process ``generate``: the prefill consumes no random
+numbers and each step makes the same ``multinomial`` call.
 """
 from __future__ import annotations
 
-import copy
+import hashlib
 import inspect
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.generation.utils import GenerateOutput
 
-from megatron_ring.attention.sharding import chunks_per_rank, shard_sequence, unshard_sequence
 from megatron_ring.integrations.hf.attention import check_model, check_window
 from megatron_ring.integrations.hf.cache import RingCache
-from megatron_ring.integrations.hf.context import SHARDING, CPContext, cp_context
-
-
-def _pad_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, multiple: int,
-              pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Left-pad ``[batch, seq]`` tensors to a multiple of ``multiple`` (mask 0, position 0); return the pad width."""
-    pad = -input_ids.shape[1] % multiple
-    if pad:
-        def left(x: torch.Tensor, value: int) -> torch.Tensor:
-            return torch.cat([x.new_full((x.shape[0], pad), value), x], dim=1)
-        input_ids, attention_mask, position_ids = left(input_ids, pad_id), left(attention_mask, 0), left(position_ids, 0)
-    return input_ids, attention_mask, position_ids, pad
-
-
-def _check_ids(input_ids: object, attention_mask: object) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a 2-D tensor [batch, seq], got {getattr(input_ids, 'shape', type(input_ids))}")
-    if attention_mask is None:
-        return input_ids, torch.ones_like(input_ids)
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must be a 2-D tensor shaped like input_ids {tuple(input_ids.shape)}, "
-                         f"got {getattr(attention_mask, 'shape', type(attention_mask))}")
-    return input_ids, attention_mask.long()
-
-
-def _shard(ctx: CPContext, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [shard_sequence(t, ctx.rank, ctx.size, dim=1, sharding=SHARDING) for t in tensors]
-
-
-def _local_columns(ctx: CPContext, seq_len: int, device: torch.device) -> torch.Tensor:
-    return shard_sequence(torch.arange(seq_len, device=device)[None], ctx.rank, ctx.size, dim=1, sharding=SHARDING)[0]
-
-
-def _gather_seq(ctx: CPContext, local: torch.Tensor) -> torch.Tensor:
-    """All-gather ``[batch, seq_local, ...]`` over the CP group and undo the zigzag -> ``[batch, seq, ...]``."""
-    if ctx.size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(ctx.size)]
-    dist.all_gather(parts, local.contiguous(), group=ctx.group)
-    return unshard_sequence(parts, dim=1, sharding=SHARDING)
+from megatron_ring.integrations.hf.context import CPContext, cp_context
+from megatron_ring.integrations.hf.inputs import (
+    check_ids, gather_seq, generate_positions, local_columns, local_inputs,
+)
+from megatron_ring.integrations.hf.recompute import ring_prefill_every_call
 
 
 @torch.no_grad()
@@ -73,89 +53,124 @@ def ring_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     of the (padded) sequence ``[batch, seq_padded // cp, vocab]``.
     """
     check_model(model)
-    input_ids, attention_mask = _check_ids(input_ids, attention_mask)
+    input_ids, attention_mask = check_ids(input_ids, attention_mask)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    with cp_context(group) as ctx:
-        ids, mask, pos, pad = _pad_left(input_ids, attention_mask, position_ids,
-                                        chunks_per_rank(SHARDING) * ctx.size, _pad_id(model))
-        ctx.total_len = input_ids.shape[1]
+    with cp_context(group, total_len=input_ids.shape[1]) as ctx:
         check_window(model, ctx.total_len)
-        local_ids, local_mask, local_pos = _shard(ctx, ids, mask, pos)
-        out = model(input_ids=local_ids, attention_mask=None if bool(mask.all()) else local_mask,
-                    position_ids=local_pos, use_cache=False)
-        logits = out.logits
+        local, pad = local_inputs(model, ctx, input_ids, attention_mask, position_ids)
+        logits = model(**local, use_cache=False).logits
         if not gather_logits:
             return logits
-        return _gather_seq(ctx, logits)[:, pad:]
+        return gather_seq(ctx, logits)[:, pad:]
 
 
-def _pad_id(model: PreTrainedModel) -> int:
-    config = model.config.get_text_config()
-    for value in (getattr(model.generation_config, "pad_token_id", None), getattr(config, "pad_token_id", None),
-                  getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0
-
-
+MANAGED = ("cache", "past_key_values", "position_ids", "inputs_embeds", "assistant_model")
+"""``generate`` arguments that :func:`ring_generate` sets itself or cannot shard."""
+MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+"""The ``GenerationMode`` values that :func:`ring_generate` runs (``generate``'s built-in loops)."""
 DEFAULT_NEW_TOKENS = 20  # generate's own default when neither max_new_tokens nor max_length is set
-GREEDY_ONLY: dict[str, tuple[object, ...]] = {"num_beams": (None, 1), "do_sample": (None, False),
-                                              "prefill_chunk_size": (None,)}
+EXPLICIT = frozenset(inspect.signature(GenerationMixin.generate).parameters) - {"self", "kwargs", "generation_config"}
+"""``generate``'s named parameters (streamer, logits_processor, ...), which are not generation-config fields."""
+
+
+def _generation_config(model: PreTrainedModel, generation_config: GenerationConfig | None,
+                       kwargs: dict[str, Any]) -> GenerationConfig:
+    """The generation config ``generate`` will use for these arguments, checked for what the ring supports."""
+    for name in MANAGED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"ring_generate does not take {name!r} (it manages the cache, positions and inputs "
+                             f"itself); got {name}={type(kwargs[name]).__name__}")
+    config_kwargs = {k: v for k, v in kwargs.items() if k not in EXPLICIT}
+    config, _ = model._prepare_generation_config(generation_config, **config_kwargs)  # generate's own merge
+    mode = config.get_generation_mode().value
+    if mode not in MODES:
+        raise ValueError(f"ring_generate does not support generation mode {mode!r} (assisted decoding needs a cache "
+                         f"that can be cropped; the others are Hub recipes); allowed: {list(MODES)}")
+    if config.prefill_chunk_size is not None:
+        raise ValueError(f"prefill_chunk_size={config.prefill_chunk_size!r} is not supported with ring_generate (the "
+                         "prompt runs as one ring prefill); allowed: None")
+    if config.use_cache is not False and config.cache_implementation is not None:
+        raise ValueError(f"ring_generate brings its own sharded cache; got cache_implementation="
+                         f"{config.cache_implementation!r}, allowed: None")
+    for name in ("output_attentions", "output_hidden_states"):
+        if getattr(config, name):
+            raise ValueError(f"{name}=True is not supported with ring_generate (attention weights are never "
+                             "materialised; hidden states are sharded); allowed: False")
+    return config
+
+
+def _max_total_len(config: GenerationConfig, prompt_len: int) -> int:
+    """An upper bound of the sequence length ``generate`` can reach (for the sliding-window check)."""
+    if config.max_new_tokens is not None:
+        return prompt_len + config.max_new_tokens
+    return prompt_len + (config.max_length or DEFAULT_NEW_TOKENS)
+
+
+def _check_same_random_state(ctx: CPContext, device: torch.device) -> None:
+    """Raise on every rank unless the default generator of ``device`` is in the same state on every rank."""
+    if ctx.size == 1:
+        return
+    state = torch.get_rng_state() if device.type == "cpu" else torch.get_device_module(device).get_rng_state(device)
+    digest = hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest()[:16]
+    digests: list[str | None] = [None] * ctx.size
+    dist.all_gather_object(digests, digest, group=ctx.group)
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for rank, value in enumerate(digests):
+            groups.setdefault(str(value), []).append(rank)
+        raise ValueError(
+            f"do_sample=True needs the same random state on every rank of the CP group, but the {device.type} "
+            f"generator differs: CP ranks {sorted(groups.values())} agree among themselves only. Call "
+            "torch.manual_seed(seed) with the same seed on every rank before ring_generate "
+            "(Note [Sampling over a CP group])"
+        )
+
+
+def _prefill_cache(model: PreTrainedModel, ctx: CPContext, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   expand: int) -> RingCache:
+    """Ring-prefill the prompt into a new :class:`RingCache`, forget its last token, repeat rows ``expand`` times."""
+    local, pad = local_inputs(model, ctx, input_ids, attention_mask, generate_positions(attention_mask))
+    seq = input_ids.shape[1]
+    cache = RingCache(model.config.get_text_config().num_hidden_layers, ctx.rank, ctx.size)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    columns = local_columns(ctx, seq + pad, input_ids.device) - pad  # the padding gets negative columns: dropped
+    with cache.prefill(columns, seq):
+        model(**local, cache=cache, use_cache=True, **extra)
+    cache.forget_last()
+    if expand > 1:  # generate repeats input_ids and mask for beams / return sequences, not a cache it is given
+        cache.batch_repeat_interleave(expand)
+    return cache
 
 
 @torch.no_grad()
 def ring_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                   group: dist.ProcessGroup | None = None, generation_config: GenerationConfig | None = None,
-                  **kwargs: Any) -> torch.Tensor:
-    """Greedy ``model.generate`` with a ring-attention prefill and a KV cache sharded over ``group``.
+                  **kwargs: Any) -> GenerateOutput | torch.Tensor:
+    """``model.generate`` with a ring-attention prefill and a KV cache sharded over ``group``.
 
     Call on every rank of ``group`` with the same global prompt ``input_ids`` ``[batch, seq]`` and
-    optional padding ``attention_mask`` (left padding); other keyword arguments go to
-    ``generate`` (``max_new_tokens``, ``eos_token_id``, ...). Returns ``[batch, seq + new]`` token
-    ids, identical on every rank and equal to the single-process ``generate``. See
-    Note [Prefill, replay, decode].
+    optional padding ``attention_mask`` (left padding; default: all ones). ``generation_config`` and
+    every other keyword argument go to ``generate`` unchanged: ``max_new_tokens``, ``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``num_beams``, ``num_return_sequences``, ``use_cache``,
+    ``logits_processor``, ``stopping_criteria``, ``streamer``, ``return_dict_in_generate``, ... .
+    Returns what ``generate`` returns (``[batch * n, seq + new]`` ids, or its output object),
+    identical on every rank and equal to the single-process ``generate``. Sampling needs the same
+    seed on every rank (Note [Sampling over a CP group]); a streamer may be given on one rank only.
     """
     check_model(model)
-    input_ids, attention_mask = _check_ids(input_ids, attention_mask)
-    for name in ("cache", "past_key_values", "position_ids", "assistant_model", "streamer"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"ring_generate manages {name!r} itself; got {name}={type(kwargs[name]).__name__}")
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    model_kwargs = config.update(**kwargs)
-    for name, allowed in GREEDY_ONLY.items():
-        if getattr(config, name, None) not in allowed:
-            raise ValueError(f"ring_generate supports greedy search only: {name}={getattr(config, name)!r}, "
-                             f"allowed: {list(allowed)}")
-    if config.use_cache is False or config.cache_implementation is not None:
-        raise ValueError(f"ring_generate needs its own sharded cache: use_cache={config.use_cache!r}, "
-                         f"cache_implementation={config.cache_implementation!r}; allowed: True, None")
-    if config.output_attentions:
-        raise ValueError("output_attentions=True is not supported with ring attention; allowed: False")
-    # generate's own positions: count of real tokens so far (left padding gets 0)
-    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-    with cp_context(group) as ctx:
-        ids, mask, pos, pad = _pad_left(input_ids, attention_mask, position_ids,
-                                        chunks_per_rank(SHARDING) * ctx.size, _pad_id(model))
-        seq = ids.shape[1]
-        if config.max_new_tokens is None:  # lengths count the prompt, which gained `pad` tokens
-            config.max_new_tokens = config.max_length - input_ids.shape[1] if config.max_length else DEFAULT_NEW_TOKENS
-            config.max_length = None
-        if config.min_length:
-            config.min_length += pad
-        ctx.total_len = input_ids.shape[1] + config.max_new_tokens
+    input_ids, attention_mask = check_ids(input_ids, attention_mask)
+    config = _generation_config(model, generation_config, kwargs)
+    with cp_context(group, total_len=_max_total_len(config, input_ids.shape[1])) as ctx:
         check_window(model, ctx.total_len)
-        text_config = model.config.get_text_config()
-        cache = RingCache(text_config.num_hidden_layers, ctx.rank, ctx.size)
-        local_ids, local_mask, local_pos = _shard(ctx, ids, mask, pos)
-        extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        with cache.prefill(_local_columns(ctx, seq, ids.device), seq):
-            model(input_ids=local_ids, attention_mask=None if bool(mask.all()) else local_mask,
-                  position_ids=local_pos, cache=cache, use_cache=True, **extra)
-        cache.forget_last()
-        ctx.phase, ctx.cache = "decode", cache
-        out = model.generate(ids, attention_mask=mask, cache=cache, generation_config=config, **model_kwargs)
-    sequences = out if isinstance(out, torch.Tensor) else out.sequences
-    return sequences[:, pad:]
+        if config.do_sample:
+            _check_same_random_state(ctx, input_ids.device)
+        if config.use_cache is False:
+            with ring_prefill_every_call(model, ctx):
+                return model.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
+                                      **kwargs)
+        expand = max(config.num_beams or 1, config.num_return_sequences or 1)
+        ctx.cache = _prefill_cache(model, ctx, input_ids, attention_mask, expand)
+        ctx.phase = "decode"
+        return model.generate(input_ids, attention_mask=attention_mask, cache=ctx.cache,
+                              generation_config=generation_config, **kwargs)
