@@ -1,4 +1,4 @@
-"""``megatron-ring bench attention``: ring (p2p) vs all-gather vs single process vs DeepSpeed Ulysses.
+"""``megatron-ring bench attention``: ring (p2p) vs all-gather vs all-to-all (a2a, a2a+p2p) vs single process vs DeepSpeed Ulysses.
 
 Every point runs on ``P`` gloo processes (CPU) started by :class:`~megatron_ring.runtime.pool.GlooPool`
 with ``threads = max(1, cores // P)`` each, so ranks do not oversubscribe the cores while
@@ -14,7 +14,9 @@ slowest rank's wall time (ranks start together after a barrier); exposed communi
 (:func:`megatron_ring.attention.instrument.ring_stats`) / wall time (for all-gather, forward only:
 the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
 instrumentation; for Ulysses computed from the four all-to-alls; ``bytes_sent`` is rank 0's,
-``bytes_sent_max`` the largest over ranks, which differ under a window); peak memory per rank.
+``bytes_sent_max`` the largest over ranks, which differ under a window); peak memory per rank. A
+second table gives the bytes every comm sends per rank per layer at each (L, P), from the formulas
+(:func:`comm_bytes`), so comms that were not run can be compared too.
 
 Note [Ranks and the scheduler]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -59,8 +61,10 @@ import torch.distributed as dist
 
 from megatron_ring.runtime.args import non_negative_int, positive_float, positive_int, usage_error
 
-IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "ulysses")
+IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "a2a", "a2a+p2p", "ulysses")
 RING_IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather")
+"""The implementations that take a window and packed documents (the variants)."""
+_COMM_OF = {"single": "p2p", "ring_p2p": "p2p", "all_gather": "all_gather", "a2a": "a2a", "a2a+p2p": "a2a+p2p"}
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _M_MMAP_THRESHOLD = -3
@@ -144,9 +148,13 @@ def _make_attention(cfg: dict[str, Any]) -> Callable[..., torch.Tensor]:
     from megatron_ring import ring_attention
 
     impl, causal, backend = cfg["impl"], cfg["causal"], cfg["backend"]
-    if impl in RING_IMPLS:
-        comm = "all_gather" if impl == "all_gather" else "p2p"
-        group = _solo_group() if impl == "single" else None
+    if impl in _COMM_OF:
+        comm = _COMM_OF[impl]
+        group: Any = _solo_group() if impl == "single" else None
+        if impl == "a2a+p2p":
+            from megatron_ring import ParallelLayout, init_parallel
+
+            group = init_parallel(ParallelLayout(cp=dist.get_world_size(), cp_a2a=cfg.get("a2a_size", 2))).cp_groups
         window = _window_size(cfg)
         cu = _cu_seqlens(cfg) if cfg.get("variant") == "packed" else None
 
@@ -286,6 +294,50 @@ def _ulysses_bytes(cfg: dict[str, Any], size: int) -> float:
     return passes * (size - 1) / size * local * (2 * cfg["heads"] + 2 * cfg["heads_kv"])
 
 
+def comm_bytes(*, L: int, P: int, batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str,
+               a2a_size: int) -> dict[str, dict[str, float]]:
+    """Bytes each rank sends for one attention layer, ``{comm: {"fwd": .., "fwd_bwd": ..}}``.
+
+    p2p: P-1 K/V blocks; backward again, plus the fp32 dK/dV accumulator P times. all_gather:
+    the same forward volume, backward a reduce-scatter of fp32 dK/dV. a2a / a2a+p2p:
+    :func:`~megatron_ring.attention.alltoall.a2a_bytes`. ulysses: its four all-to-alls each way
+    (fails with heads_kv % P != 0, counted as if it ran).
+    """
+    from megatron_ring.attention.alltoall import a2a_bytes
+
+    e = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    c = L // P
+    kv = 2 * batch * c * heads_kv * head_dim
+    ring_fwd = (P - 1) * kv * e
+    out = {"p2p": {"fwd": ring_fwd, "fwd_bwd": 2 * ring_fwd + (P * kv * 4 if P > 1 else 0)},
+           "all_gather": {"fwd": ring_fwd, "fwd_bwd": 2 * ring_fwd + (P - 1) * kv * 4}}
+    shape = dict(seq_local=c, batch=batch, heads_q=heads, heads_kv=heads_kv, head_dim=head_dim, element_size=e)
+    for comm, a in (("a2a", P), ("a2a+p2p", a2a_size)):
+        if heads % a == 0 and P % a == 0:
+            fwd = a2a_bytes(**shape, a2a_size=a, ring_size=P // a)
+            out[comm] = {"fwd": fwd, "fwd_bwd": fwd + a2a_bytes(**shape, a2a_size=a, ring_size=P // a, backward=True)}
+    uly = {"batch": batch, "L": L, "head_dim": head_dim, "dtype": dtype, "heads": heads, "heads_kv": heads_kv}
+    out["ulysses"] = {mode: _ulysses_bytes(uly | {"mode": mode}, P) for mode in MODES}
+    return out
+
+
+def bytes_rows(points: list[dict[str, Any]], a2a_size: int) -> list[list[str]]:
+    """One row per (L, P, comm) of the bench: bytes per rank per layer, forward and forward+backward."""
+    from megatron_ring.perf.report import fmt_bytes
+
+    rows, seen = [], set()
+    for p in points:
+        key = (p["L"], p["P"])
+        if p["P"] < 2 or key in seen:
+            continue
+        seen.add(key)
+        table = comm_bytes(L=p["L"], P=p["P"], batch=p["batch"], heads=p["heads"], heads_kv=p["heads_kv"],
+                           head_dim=p["head_dim"], dtype=p["dtype"], a2a_size=a2a_size)
+        for comm, b in table.items():
+            rows.append([str(p["L"]), str(p["P"]), comm, fmt_bytes(b["fwd"]), fmt_bytes(b["fwd_bwd"])])
+    return rows
+
+
 def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) -> dict[str, Any]:
     """One JSON point from every rank's :func:`bench_worker` result for ``cfg`` (idle ranks ignored)."""
     active = [r for r in per_rank if r["active"]]
@@ -293,7 +345,7 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) ->
     wall = [max(r["times"][i] for r in active) for i in range(repeats)]
     timed = sum(sum(r["times"]) for r in active)
     ranks = len(active)
-    if cfg["impl"] == "ring_p2p":
+    if cfg["impl"] in ("ring_p2p", "a2a", "a2a+p2p"):
         exposed: float | None = sum(r["wait_s"] for r in active) / timed if ranks > 1 else 0.0
     elif cfg["impl"] == "all_gather" and cfg["mode"] == "fwd":
         ring_total = sum(r["ring_total_s"] for r in active)
@@ -301,7 +353,8 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) ->
     else:
         exposed = None
     sent = active[0]["bytes_sent"] if cfg["impl"] != "ulysses" else _ulysses_bytes(cfg, size)
-    keys = ("impl", "mode", "causal", "L", "batch", "heads", "heads_kv", "head_dim", "dtype", "threads", "backend")
+    keys = ("impl", "mode", "causal", "L", "batch", "heads", "heads_kv", "head_dim", "dtype", "threads", "backend",
+            "a2a_size")
     return {k: cfg[k] for k in keys} | {
         "variant": _variant_name(cfg), "window": cfg.get("window"), "docs": cfg.get("docs"),
         "P": ranks, "pool_P": size,
@@ -356,7 +409,7 @@ def machine_description() -> dict[str, Any]:
 
 def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: list[str], causals: list[bool],
               batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str, repeats: int, warmup: int,
-              backend: str, seed: int = 0, timeout_s: float = 600.0,
+              backend: str, seed: int = 0, timeout_s: float = 600.0, a2a_size: int = 2,
               progress: Callable[[str], None] = print,
               pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True,
               window: str | int | None = None, docs: int = 0) -> list[dict[str, Any]]:
@@ -405,6 +458,12 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
         if "ulysses" in p_impls and heads_kv % p:
             progress(f"skip ulysses P={p}: heads_kv={heads_kv} not divisible by P")
             p_impls.remove("ulysses")
+        if "a2a" in p_impls and heads % p:
+            progress(f"skip a2a P={p}: heads={heads} not divisible by P")
+            p_impls.remove("a2a")
+        if "a2a+p2p" in p_impls and (p % a2a_size or heads % a2a_size or p == a2a_size or a2a_size == 1):
+            progress(f"skip a2a+p2p P={p}: needs a2a size {a2a_size} dividing P and heads, 1 < {a2a_size} < P")
+            p_impls.remove("a2a+p2p")
         with borrow_pool(pools, p, threads, timeout_s) as pool:
             for mode in modes:
                 for causal in causals:
@@ -414,7 +473,7 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
                         cfgs = [dict(impl=impl, mode=mode, causal=causal, L=seq, batch=batch, heads=heads,
                                      heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
                                      backend=backend, seed=seed, device="cpu", own_session=own_sessions,
-                                     variant=variant, window=w, docs=docs)
+                                     variant=variant, window=w, docs=docs, a2a_size=a2a_size)
                                 for impl in p_impls for variant, w in variants if not variant or impl in RING_IMPLS]
                         per_rank = pool.run(bench_worker, cfgs, repeats, warmup)
                         for i, cfg in enumerate(cfgs):
@@ -466,6 +525,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=positive_int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--backend", default="auto", help="ring block backend (auto, math, sdpa, flash_attn)")
+    ap.add_argument("--a2a-size", type=positive_int, default=2, help="a2a group size of a2a+p2p (1 < size < P)")
     ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--warmup", type=non_negative_int, default=1)
     ap.add_argument("--timeout", type=positive_float, default=600.0,
@@ -490,28 +550,33 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
         points = run_sweep(lengths=args.lengths, ranks=args.ranks, impls=args.impl, modes=args.mode, causals=causals,
                            batch=args.batch, heads=args.heads, heads_kv=args.heads_kv or args.heads,
                            head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
-                           backend=args.backend, timeout_s=args.timeout, window=args.window, docs=args.docs)
+                           backend=args.backend, timeout_s=args.timeout, window=args.window, docs=args.docs,
+                           a2a_size=args.a2a_size)
     except ValueError as err:
         return usage_error(parser.prog, err)
     plain = args.window is None and not args.docs  # the plots compare implementations, not variants
     write_outputs(points, machine_before, out=Path(args.out), argv=argv,
                   plots=None if args.no_plots or not plain else Path(args.plots) if args.plots
-                  else Path(args.out).parent / "plots")
+                  else Path(args.out).parent / "plots", a2a_size=args.a2a_size)
     return 0
 
 
 def write_outputs(points: list[dict[str, Any]], machine: dict[str, Any], *, out: Path, argv: list[str] | None,
-                  plots: Path | None) -> dict[str, Any]:
+                  plots: Path | None, a2a_size: int = 2) -> dict[str, Any]:
     """Write the JSON, print the table, draw the plots (``plots=None``: none); returns the JSON object."""
     from megatron_ring.perf import report
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine, "loadavg_after": list(os.getloadavg()), "argv": argv or [], "points": points}
+    result = {"machine": machine, "loadavg_after": list(os.getloadavg()), "argv": argv or [], "points": points,
+              "bytes_per_rank_per_layer": [dict(zip(("L", "P", "comm", "fwd", "fwd_bwd"), row))
+                                           for row in bytes_rows(points, a2a_size)]}
     out.write_text(json.dumps(result, indent=2))
     first = points[0] if points else {}
     report.print_table(f"attention bench ({machine['cpu']}, {machine['cores']} cores, {first.get('dtype')}, batch "
                        f"{first.get('batch')}, heads {first.get('heads')}/{first.get('heads_kv')}, head_dim "
                        f"{first.get('head_dim')})", report.BENCH_COLUMNS, report.bench_rows(points))
+    report.print_table("bytes sent per rank per layer (formulas)", ["L", "P", "comm", "fwd", "fwd+bwd"],
+                       bytes_rows(points, a2a_size))
     print(f"wrote {out}")
     if plots is not None:
         for path in report.plot_attention(points, plots):

@@ -580,7 +580,7 @@ def compare_measured(bench: dict[str, Any], hw: HardwareProfile) -> list[dict[st
     """One row per bench point: measured median and predicted time, and their ratio."""
     rows = []
     for point in bench.get("points", []):
-        if point.get("impl") == "ulysses" or point.get("median_s") is None:
+        if point.get("impl") in ("ulysses", "a2a", "a2a+p2p") or point.get("median_s") is None:  # ring model only
             continue
         predicted = predict_attention_point(point, hw)["time_s"]
         rows.append({k: point[k] for k in ("impl", "mode", "causal", "L", "P", "dtype")} |

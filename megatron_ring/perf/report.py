@@ -162,7 +162,8 @@ def bench_rows(points: Sequence[dict[str, Any]]) -> list[list[str]]:
             for p in points]
 
 
-IMPL_COLORS = {"single": "black", "ring_p2p": "tab:blue", "all_gather": "tab:orange", "ulysses": "tab:green"}
+IMPL_COLORS = {"single": "black", "ring_p2p": "tab:blue", "all_gather": "tab:orange", "ulysses": "tab:green",
+               "a2a": "tab:red", "a2a+p2p": "tab:purple"}
 POOL_STYLES = {1: "-", 2: "-", 4: "--", 8: ":", 16: "-."}
 
 
