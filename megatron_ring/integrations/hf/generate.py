@@ -16,9 +16,10 @@ import torch.distributed as dist
 from transformers import GenerationConfig, PreTrainedModel
 
 from megatron_ring.attention.sharding import chunks_per_rank, shard_sequence, unshard_sequence
-from megatron_ring.integrations.hf.attention import check_model, check_window
+from megatron_ring.integrations.hf.attention import check_model
 from megatron_ring.integrations.hf.cache import RingCache
 from megatron_ring.integrations.hf.context import SHARDING, CPContext, cp_context
+from megatron_ring.integrations.hf.packed import is_packed, pack_rows
 
 
 def _pad_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, multiple: int,
@@ -52,12 +53,13 @@ def _local_columns(ctx: CPContext, seq_len: int, device: torch.device) -> torch.
 
 
 def _gather_seq(ctx: CPContext, local: torch.Tensor) -> torch.Tensor:
-    """All-gather ``[batch, seq_local, ...]`` over the CP group and undo the zigzag -> ``[batch, seq, ...]``."""
+    """All-gather ``[batch, seq_local, ...]`` over the CP group and undo the zigzag -> ``[batch, seq, ...]``
+    (per document when the context is packed)."""
     if ctx.size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(ctx.size)]
     dist.all_gather(parts, local.contiguous(), group=ctx.group)
-    return unshard_sequence(parts, dim=1, sharding=SHARDING)
+    return unshard_sequence(parts, dim=1, sharding=SHARDING, cu_seqlens=ctx.cu_seqlens)
 
 
 @torch.no_grad()
@@ -71,16 +73,26 @@ def ring_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     ``position_ids`` (default ``0..seq-1``, like the model's own forward). Returns the global logits
     ``[batch, seq, vocab]`` on every rank, or with ``gather_logits=False`` this rank's zigzag shard
     of the (padded) sequence ``[batch, seq_padded // cp, vocab]``.
+
+    Packed rows (``position_ids`` that restart inside a row, as transformers' packing collators
+    make them, without padding): every document attends only to itself, as if run alone (Note
+    [Packed sequences] in packed.py); ``gather_logits=False`` then returns this rank's shard of
+    the packed row ``[1, tokens_local, vocab]``.
     """
     check_model(model)
     input_ids, attention_mask = _check_ids(input_ids, attention_mask)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    elif not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != input_ids.shape[1] \
+            or position_ids.dim() != 2 or position_ids.shape[0] not in (1, input_ids.shape[0]):
+        raise ValueError(f"position_ids must be a [batch, seq] tensor like input_ids {tuple(input_ids.shape)}, "
+                         f"got {getattr(position_ids, 'shape', type(position_ids))}")
+    position_ids = position_ids.expand_as(input_ids)
+    if is_packed(position_ids, attention_mask):
+        return _packed_forward(model, input_ids, attention_mask, position_ids, group, gather_logits)
     with cp_context(group) as ctx:
         ids, mask, pos, pad = _pad_left(input_ids, attention_mask, position_ids,
                                         chunks_per_rank(SHARDING) * ctx.size, _pad_id(model))
-        ctx.total_len = input_ids.shape[1]
-        check_window(model, ctx.total_len)
         local_ids, local_mask, local_pos = _shard(ctx, ids, mask, pos)
         out = model(input_ids=local_ids, attention_mask=None if bool(mask.all()) else local_mask,
                     position_ids=local_pos, use_cache=False)
@@ -88,6 +100,22 @@ def ring_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
         if not gather_logits:
             return logits
         return _gather_seq(ctx, logits)[:, pad:]
+
+
+def _packed_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, group: dist.ProcessGroup | None, gather_logits: bool) -> torch.Tensor:
+    """:func:`ring_forward` of rows of packed documents (Note [Packed sequences] in packed.py)."""
+    if not bool(attention_mask.bool().all()):
+        raise ValueError("packed rows (position_ids that restart inside a row) with padding in attention_mask are "
+                         "not supported; pass packed documents without padding (attention_mask None or all ones)")
+    with cp_context(group) as ctx:
+        row = pack_rows(input_ids, position_ids, chunks_per_rank(SHARDING) * ctx.size, _pad_id(model))
+        ctx.cu_seqlens = row.cu_seqlens
+        local_ids, local_pos = row.shard(ctx.rank, ctx.size)
+        logits = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits
+        if not gather_logits:
+            return logits
+        return _gather_seq(ctx, logits)[0, row.index]
 
 
 def _pad_id(model: PreTrainedModel) -> int:
@@ -145,8 +173,6 @@ def ring_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
             config.max_length = None
         if config.min_length:
             config.min_length += pad
-        ctx.total_len = input_ids.shape[1] + config.max_new_tokens
-        check_window(model, ctx.total_len)
         text_config = model.config.get_text_config()
         cache = RingCache(text_config.num_hidden_layers, ctx.rank, ctx.size)
         local_ids, local_mask, local_pos = _shard(ctx, ids, mask, pos)
