@@ -6,7 +6,7 @@ schedule as the ring, so both paths compute identical blocks in the same order.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,14 +29,22 @@ class GatheredKV:
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
-        self.bytes_per_step = 0
+        self._sent_steps = self._sent_bytes = 0
         self._grads: torch.Tensor | None = None
+
+    def take_traffic(self) -> tuple[int, int]:
+        """``(steps, bytes)`` since the last call, as the equivalent ring volume: P-1 K/V steps per
+        pass, and P gradient steps in backward."""
+        traffic = (self._sent_steps, self._sent_bytes)
+        self._sent_steps = self._sent_bytes = 0
+        return traffic
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(src, k_src, v_src)`` in ring order, each ``[batch, heads_kv, seq_local, head_dim]``."""
         kv = torch.stack((k, v))
         gathered = all_gather_stacked(kv, self.group, self.size)
-        self.bytes_per_step = kv.numel() * kv.element_size()
+        self._sent_steps += self.size - 1
+        self._sent_bytes += kv.numel() * kv.element_size() * (self.size - 1)
         for step in range(self.size):
             src = (self.rank - step) % self.size
             yield src, gathered[src, 0], gathered[src, 1]
@@ -44,9 +52,10 @@ class GatheredKV:
     def start_grads(self, kv_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         self._grads = torch.zeros((self.size, *kv_shape), dtype=dtype, device=device)
 
-    def add_grads(self, src: int, plan: StepPlan | None, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
-        if plan is not None:
-            assert self._grads is not None and dk is not None and dv is not None
+    def add_grads(self, src: int, grads: Sequence[tuple[StepPlan, torch.Tensor, torch.Tensor]]) -> None:
+        """Add this step's dK/dV pieces ``(plan, dk, dv)`` for block ``src``."""
+        assert self._grads is not None
+        for plan, dk, dv in grads:
             self._grads[src, 0][:, :, plan.k] += dk
             self._grads[src, 1][:, :, plan.k] += dv
 
@@ -56,6 +65,8 @@ class GatheredKV:
         grads, self._grads = self._grads, None
         if self.size == 1:
             return grads[0]
+        self._sent_steps += self.size
+        self._sent_bytes += grads[0].numel() * grads.element_size() * self.size
         if dist.get_backend(self.group) == "nccl":
             mine = torch.empty_like(grads[0])
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -39,8 +39,11 @@ sees keys 0..i.
 
 ``key_mask`` (bool ``[batch, k_len]``, True = a real key, False = padding) hides keys from every
 query; a query that sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the
-merge). Only ``math`` and the CPU ``sdpa`` kernel (an additive bias) take it; ``resolve_backend``
-with ``masked=True`` picks or checks accordingly.
+merge). ``visible`` (bool ``[q_len, k_len]``, True = the query may see the key: a sliding
+window's band, or decode's positions) hides pairs the same way and combines with both. Only
+``math`` and the CPU ``sdpa`` kernel (an additive bias) take masks; ``resolve_backend`` with
+``masked=True`` picks or checks accordingly. With a ``visible`` mask the GQA fold still applies
+(the mask is repeated over the folded query heads).
 """
 from __future__ import annotations
 
@@ -77,8 +80,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
     if masked:
         if backend == "flash_attn" or (backend == "sdpa" and not _sdpa_takes_a_mask(device)):
             raise ValueError(f"backend {backend!r} cannot take a key_padding_mask on device={device} with torch "
-                             f"{torch.__version__}; use 'math' or 'auto' (which picks 'sdpa' on CPU with torch "
-                             ">= 2.5 and 'math' elsewhere)")
+                             f"{torch.__version__}, nor a window_size; use 'math' or 'auto' (which picks 'sdpa' on "
+                             "CPU with torch >= 2.5 and 'math' elsewhere)")
         if backend == "auto":
             return "sdpa" if _sdpa_takes_a_mask(device) else "math"
     if backend == "auto":
@@ -141,7 +144,7 @@ def _unfold_queries(t: torch.Tensor, heads_q: int) -> torch.Tensor:
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
-                 key_mask: torch.Tensor | None) -> torch.Tensor:
+                 key_mask: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
     """Scaled scores ``[b, hkv, g, q, k]`` in the compute dtype, masked with -inf."""
     ct = compute_dtype(q.dtype)
     scores = torch.matmul(_grouped(q, k.shape[1]).to(ct), k.to(ct).unsqueeze(2).transpose(-1, -2)) * scale
@@ -149,6 +152,8 @@ def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
         scores.masked_fill_(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     if key_mask is not None:
         scores.masked_fill_(~key_mask[:, None, None, None, :], float("-inf"))
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
     return scores
 
 
@@ -157,16 +162,39 @@ def _without_neginf(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
-def _key_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive ``[b, 1, 1, k]`` bias: 0 for real keys, -inf for padding."""
-    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
-    return bias.masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
+def _bias(key_mask: torch.Tensor | None, visible: torch.Tensor | None, groups: int,
+          dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive ``[b or 1, 1, q or 1, k]`` bias, -inf where a key is padding or not visible;
+    ``visible`` repeated ``groups`` times along q for folded query heads (Note [GQA without repeats])."""
+    hidden = None if key_mask is None else ~key_mask[:, None, :]
+    if visible is not None:
+        shown = visible.repeat(groups, 1) if groups > 1 else visible
+        hidden = ~shown[None] if hidden is None else hidden | ~shown[None]
+    if hidden is None:
+        return None
+    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))[:, None]
 
 
-def _check_mask_backend(key_mask: torch.Tensor | None, backend: str, device: torch.device) -> None:
-    """A key mask reaches only the kernels that apply it (resolve_backend(masked=True) picks them)."""
-    if key_mask is not None and not (backend == "math" or (backend == "sdpa" and _sdpa_takes_a_mask(device))):
-        raise ValueError(f"backend {backend!r} on {device} cannot apply a key mask; resolve it with masked=True")
+def _blind(key_mask: torch.Tensor | None, visible: torch.Tensor | None, q_len: int,
+           causal: bool) -> torch.Tensor | None:
+    """``[b or 1, q]``: the queries that see no key of the block (None when every query sees one)."""
+    if visible is None:
+        return None if key_mask is None else ~_sees_a_key(key_mask, q_len, causal)
+    sees = visible[None] if key_mask is None else visible[None] & key_mask[:, None, :]
+    return ~sees.any(-1)
+
+
+def _with_causal(visible: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor | None, bool]:
+    """A ``visible`` mask absorbs the causal flag (one mask for the kernel)."""
+    if visible is None or not causal:
+        return visible, causal
+    return visible & ~_causal_mask(*visible.shape, visible.device), False
+
+
+def _check_mask_backend(masked: bool, backend: str, device: torch.device) -> None:
+    """A mask reaches only the kernels that apply it (resolve_backend(masked=True) picks them)."""
+    if masked and not (backend == "math" or (backend == "sdpa" and _sdpa_takes_a_mask(device))):
+        raise ValueError(f"backend {backend!r} on {device} cannot apply a key mask or a visibility mask; resolve it with masked=True")
 
 
 def _sees_a_key(key_mask: torch.Tensor, q_len: int, causal: bool) -> torch.Tensor:
@@ -177,19 +205,22 @@ def _sees_a_key(key_mask: torch.Tensor, q_len: int, causal: bool) -> torch.Tenso
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                  backend: str, key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]``.
+                  backend: str, key_mask: torch.Tensor | None = None,
+                  visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` (masks: see the module docstring).
 
     Returns ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in
     the compute dtype (math) or q's dtype (sdpa, flash_attn).
     """
-    _check_mask_backend(key_mask, backend, q.device)
+    _check_mask_backend(key_mask is not None or visible is not None, backend, q.device)
     if backend == "flash_attn":
         out, lse = flash_forward(q, k, v, causal=causal, scale=scale)
         return out, lse.to(compute_dtype(q.dtype))
     if backend == "sdpa":
-        heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
+        visible, causal = _with_causal(visible, causal)
+        heads_q, groups, q_len = q.shape[1], q.shape[1] // k.shape[1], q.shape[2]
         fold = groups > 1 and not causal
+        blind = None
         if fold:
             q = _fold_queries(q, k.shape[1])
         else:
@@ -202,16 +233,16 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         else:
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, causal, attn_mask=None if key_mask is None else _key_bias(key_mask, q.dtype), scale=scale
+                q, k, v, 0.0, causal, attn_mask=_bias(key_mask, visible, groups if fold else 1, q.dtype), scale=scale
             )
-            if key_mask is not None:  # the kernel reports lse 0 for a query that sees no key
-                blind = ~_sees_a_key(key_mask, q.shape[2], causal)[:, None, :]
-                lse = lse.masked_fill(blind, float("-inf"))
-                out = out.masked_fill(blind.unsqueeze(-1), 0.0)
+            blind = _blind(key_mask, visible, q_len, causal)
         if fold:
             out, lse = _unfold_queries(out, heads_q), _unfold_queries(lse, heads_q)
+        if blind is not None:  # the kernel reports lse 0 for a query that sees no key
+            lse = lse.masked_fill(blind[:, None, :], float("-inf"))
+            out = out.masked_fill(blind[:, None, :, None], 0.0)
         return out, lse.to(compute_dtype(q.dtype))
-    scores = _math_scores(q, k, causal, scale, key_mask)
+    scores = _math_scores(q, k, causal, scale, key_mask, visible)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _without_neginf(lse).unsqueeze(-1))
     out = torch.matmul(probs, v.to(scores.dtype).unsqueeze(2))
@@ -221,19 +252,21 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, *, causal: bool, scale: float, backend: str,
-                   key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   key_mask: torch.Tensor | None = None,
+                   visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of these queries.
 
     With the final lse, ``exp(s - lse)`` is exactly this block's slice of the global softmax, so the
     block's dq/dk/dv are its exact share of the global gradients. Returns ``(dq [b, hq, sq, d],
     dk [b, hkv, sk, d], dv [b, hkv, sk, d])`` in the compute dtype.
     """
-    _check_mask_backend(key_mask, backend, q.device)
+    _check_mask_backend(key_mask is not None or visible is not None, backend, q.device)
     ct = compute_dtype(q.dtype)
     if backend == "flash_attn":
         dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         return dq.to(ct), dk.to(ct), dv.to(ct)
     if backend == "sdpa":
+        visible, causal = _with_causal(visible, causal)
         heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
         b, hkv, sk, d = k.shape
         dout, out = dout.to(q.dtype), out.to(q.dtype)
@@ -258,16 +291,16 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                 dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], sk, 0.0, causal, seed, offset, scale=scale,
             )
         else:  # with a mask, a query that sees no key has lse -inf: made 0 so its gradients are 0
-            masked = key_mask is not None
+            bias = _bias(key_mask, visible, groups if fold else 1, q.dtype)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, _without_neginf(lse) if masked else lse, 0.0, causal,
-                attn_mask=_key_bias(key_mask, q.dtype) if masked else None, scale=scale,
+                dout, q, k, v, out, lse if bias is None else _without_neginf(lse), 0.0, causal,
+                attn_mask=bias, scale=scale,
             )
         if fold:
             return _unfold_queries(dq, heads_q).to(ct), dk.to(ct), dv.to(ct)
         return dq.to(ct), dk.to(ct).reshape(b, hkv, groups, sk, d).sum(2), dv.to(ct).reshape(b, hkv, groups, sk, d).sum(2)
     hkv = k.shape[1]
-    scores = _math_scores(q, k, causal, scale, key_mask)
+    scores = _math_scores(q, k, causal, scale, key_mask, visible)
     probs = torch.exp(scores - _grouped(_without_neginf(lse).to(ct).unsqueeze(-1), hkv))
     g_out = _grouped(dout.to(ct), hkv)
     delta = (g_out * _grouped(out.to(ct), hkv)).sum(-1, keepdim=True)

@@ -79,3 +79,29 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
         raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group "
                          "(torch.distributed.get_rank(group) is -1); call it only on the group's members")
     return rank, dist.get_world_size(group)
+
+
+def check_cu_seqlens(cu_seqlens: object, total_tokens: int) -> tuple[int, ...]:
+    """The document lengths of packed boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``, from 0 to
+    ``total_tokens``, non-decreasing); TypeError/ValueError naming ``cu_seqlens`` otherwise.
+
+    Reads the values to the host (one device synchronisation when they live on a GPU).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32 torch.Tensor [n_docs + 1] or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens.dtype is {cu_seqlens.dtype}; allowed: torch.int32")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [n_docs + 1] with n_docs >= 1, got shape {tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {bounds[0]}")
+    lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if min(lengths) < 0:
+        at = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}] = {bounds[at]} > "
+                         f"cu_seqlens[{at + 1}] = {bounds[at + 1]}")
+    if bounds[-1] != total_tokens:
+        raise ValueError(f"cu_seqlens[-1] = {bounds[-1]} must equal the global packed token count {total_tokens} "
+                         "(tokens_local x cp)")
+    return lengths

@@ -12,10 +12,15 @@ token's K/V to one rank only (round-robin keeps the shards balanced)::
     rank 0: q . [K0 | new0]  -> (o0, lse0) \\
     rank 1: q . [K1 | new1]  -> (o1, lse1)  }-- all_gather --> merge -> o (same on all ranks)
     rank 2: q . [K2]         -> (o2, lse2) /
+
+With a sliding window, each rank masks its shard by positions (``q_positions`` vs
+``k_positions``, any order, e.g. round-robin), so a query sees only the cached keys inside its
+window; a rank whose whole shard is outside contributes ``lse = -inf`` (weight 0).
 """
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -25,11 +30,26 @@ from megatron_ring.attention.block import block_forward, compute_dtype, resolve_
 from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens, group_rank_size
 from megatron_ring.attention.handshake import Field, agree, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.merge import merge_stacked
+from megatron_ring.attention.window import NO_WINDOW, check_window, positions_visible
+
+
+def _check_positions(name: str, positions: object, length: int, what: str) -> torch.Tensor:
+    """int ``[length]`` positions (``what`` names the dimension) as int64; ValueError naming ``name``."""
+    if not isinstance(positions, torch.Tensor):
+        raise ValueError(f"{name} must be an integer torch.Tensor [{what}] when window_size is given, "
+                         f"got {type(positions).__name__}")
+    if positions.dtype not in (torch.int32, torch.int64) or tuple(positions.shape) != (length,):
+        raise ValueError(f"{name} must be int32/int64 [{what}] = [{length}], got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
+    return positions.to(torch.int64)
 
 
 def _prepare(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, softmax_scale: float | None,
-             backend: str, key_padding_mask: torch.Tensor | None) -> tuple[float, str]:
-    """Every local check of a call, before any collective; returns ``(scale, kernel)``.
+             backend: str, key_padding_mask: torch.Tensor | None, window_size: object = NO_WINDOW,
+             q_positions: object = None,
+             k_positions: object = None) -> tuple[float, str, tuple[int, int], torch.Tensor | None]:
+    """Every local check of a call, before any collective; returns ``(scale, kernel, window,
+    visible)``, ``visible`` the bool ``[q_len, s_local]`` window mask (None without a window).
 
     The kernel is resolved on every rank, even one with an empty shard, so that a rank that cannot
     run it raises with the others (through the handshake) instead of leaving them in the all-gather.
@@ -40,19 +60,33 @@ def _prepare(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, s
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return scale, resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=key_padding_mask is not None)
+    window = check_window(window_size)
+    visible = None
+    if window != NO_WINDOW:
+        q_pos = _check_positions("q_positions", q_positions, q.shape[1], "q_len")
+        k_pos = _check_positions("k_positions", k_positions, k_local.shape[1], "s_local")
+        visible = positions_visible(q_pos.to(q.device), k_pos.to(q.device), window)
+    kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1],
+                             masked=key_padding_mask is not None or visible is not None)
+    return scale, kernel, window, visible
 
 
-def _fields(q: torch.Tensor, k_local: torch.Tensor, scale: float, masked: bool) -> list[Field]:
-    """What every rank must agree on (Note [Cross-rank handshake]); not the shard length ``s_local``."""
+def _fields(q: torch.Tensor, k_local: torch.Tensor, scale: float, masked: bool, window: tuple[int, int],
+            q_positions: torch.Tensor | None) -> list[Field]:
+    """What every rank must agree on (Note [Cross-rank handshake]); not the shard length ``s_local``
+    nor ``k_positions`` (both differ between ranks)."""
+    positions = 0 if window == NO_WINDOW or q_positions is None else zlib.crc32(str(q_positions.tolist()).encode())
     return [*tensor_fields(q, k_local, "q_len"), scale_field(scale),
-            flag_field("key_padding_mask", masked, ("None", "a mask"))]
+            flag_field("key_padding_mask", masked, ("None", "a mask")),
+            Field("window_size[0]", window[0]), Field("window_size[1]", window[1]),
+            Field("q_positions", positions, lambda code: "unused" if code == 0 else f"values with crc32 {code:#010x}")]
 
 
 def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
                      group: dist.ProcessGroup | None = None, *, softmax_scale: float | None = None,
                      backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
-                     check_consistency: bool = True) -> torch.Tensor:
+                     window_size: tuple[int, int] = (-1, -1), q_positions: torch.Tensor | None = None,
+                     k_positions: torch.Tensor | None = None, check_consistency: bool = True) -> torch.Tensor:
     """Attention of new queries over the union of every rank's cache shard.
 
     Args:
@@ -65,8 +99,14 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         key_padding_mask: None, or bool ``[batch, s_local]`` for this rank's shard (True = a real
             token), given on every rank or on none; a query that sees no real key on any rank
             (also: the cache is empty on every rank) gets a zero output.
+        window_size: ``(left, right)``, flash-attn's sliding window on positions: query i sees
+            cached key j iff ``q_positions[i] - left <= k_positions[j] <= q_positions[i] + right``
+            (-1 = unbounded; right = 0 for a causal window). Other than ``(-1, -1)`` it needs
+        q_positions: int ``[q_len]``, the queries' global positions (the same on every rank), and
+        k_positions: int ``[s_local]``, the positions of this rank's cached keys (any order).
         check_consistency: first check, with one small all-gather, that every rank passed the same
-            batch, q_len, heads, head_dim, dtype, device type, scale and mask presence, and raise
+            batch, q_len, heads, head_dim, dtype, device type, scale, mask presence, window and
+            q_positions, and raise
             ValueError on every rank naming what differs (Note [Cross-rank handshake] in
             handshake.py). Must be the same on every rank. In a decode loop it doubles the
             collectives per call; pass False once the first step has agreed.
@@ -76,20 +116,22 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         An empty batch gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError.
     """
     _, size = group_rank_size(group)
-    prepared: tuple[float, str] | None = None
+    prepared: tuple[float, str, tuple[int, int], torch.Tensor | None] | None = None
     error: Exception | None = None
     try:
         prepared = _prepare(q, k_local, v_local, softmax_scale=softmax_scale, backend=backend,
-                            key_padding_mask=key_padding_mask)
+                            key_padding_mask=key_padding_mask, window_size=window_size, q_positions=q_positions,
+                            k_positions=k_positions)
     except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
         error = err
     if check_consistency and size > 1:
-        fields = None if prepared is None else _fields(q, k_local, prepared[0], key_padding_mask is not None)
+        fields = None if prepared is None else _fields(q, k_local, prepared[0], key_padding_mask is not None,
+                                                       prepared[2], q_positions)
         agree("decode_attention", fields, group, size, q)
     if prepared is None:
         assert error is not None
         raise error
-    scale, kernel = prepared
+    scale, kernel, _, visible = prepared
     if q.shape[0] == 0:
         return torch.empty_like(q)
     with torch.no_grad():
@@ -102,7 +144,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             part[..., d] = float("-inf")
         else:
             out, lse = block_forward(qh, kh, vh, causal=False, scale=scale, key_mask=key_padding_mask,
-                                     backend=kernel)
+                                     backend=kernel, visible=visible)
             part[..., :d] = out
             part[..., d] = lse
         parts = all_gather_stacked(part, group, size)

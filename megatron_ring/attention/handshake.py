@@ -16,7 +16,7 @@ the same ValueError naming each differing field, its values and the ranks holdin
 any data collective. A rank whose own checks rejected its inputs sends ``valid = 0``: it raises its
 own error and the others raise a ValueError naming it, so no rank is left waiting in a collective.
 
-Cost: one all-gather of ``WIDTH * 8 = 128`` bytes per rank per call (one collective latency,
+Cost: one all-gather of ``WIDTH * 8 = 192`` bytes per rank per call (one collective latency,
 tens of microseconds on NVLink, ~0.1 ms on gloo) and, when the group has no CPU (gloo) backend,
 one host-device synchronisation to read the table. Nothing is added per ring step or in backward.
 The rows are not cached per (group, shapes): a rank whose cache hit would skip the collective that
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from megatron_ring.attention.allgather import all_gather_stacked
 from megatron_ring.attention.checks import DTYPES
 
-WIDTH = 16
-"""Int64s per rank in the handshake: entry point, valid flag, up to 14 fields, zero padding."""
+WIDTH = 24
+"""Int64s per rank in the handshake: entry point, valid flag, up to 22 fields, zero padding."""
 ENTRIES: tuple[str, ...] = ("ring_attention", "decode_attention")
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "mps", "hpu", "meta", "other")
 

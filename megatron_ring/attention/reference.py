@@ -7,14 +7,24 @@ import torch
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                        softmax_scale: float | None = None,
-                        key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                        softmax_scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
+                        window_size: tuple[int, int] = (-1, -1),
+                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention in float64 over global tensors ``[batch, seq, heads, head_dim]`` (GQA aware).
 
     ``key_padding_mask``: bool ``[batch, seq_k]``, True = a real key; a query that sees no key
-    gets a zero output. Differentiable, so references for gradients come from ``torch.autograd``.
-    Returns float64.
+    gets a zero output. ``window_size``: flash-attn's ``(left, right)`` on positions (-1 =
+    unbounded). ``cu_seqlens``: q/k/v packed ``[tokens, heads, head_dim]`` (mask ``[tokens]``),
+    each document computed on its own, positions counted from its start. Differentiable, so
+    references for gradients come from ``torch.autograd``. Returns float64.
     """
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        docs = [attention_reference(
+            q[None, a:b], k[None, a:b], v[None, a:b], causal=causal, softmax_scale=softmax_scale,
+            key_padding_mask=None if key_padding_mask is None else key_padding_mask[None, a:b],
+            window_size=window_size)[0] for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(docs)
     q64, k64, v64 = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))
     groups = q64.shape[1] // k64.shape[1]
     k64 = k64.repeat_interleave(groups, dim=1)
@@ -26,6 +36,12 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))
     if key_padding_mask is not None:
         scores = scores.masked_fill(~key_padding_mask[:, None, None, :].to(scores.device), float("-inf"))
+    left, right = window_size
+    d = torch.arange(scores.shape[-2])[:, None] - torch.arange(scores.shape[-1])[None, :]
+    if left >= 0:
+        scores = scores.masked_fill(d > left, float("-inf"))
+    if right >= 0:
+        scores = scores.masked_fill(d < -right, float("-inf"))
     blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows that see no key: zero output
     probs = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)
     return torch.matmul(probs, v64).transpose(1, 2)

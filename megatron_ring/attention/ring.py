@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,13 @@ from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, resolve_backend
 from megatron_ring.attention.checks import (check_choice, check_key_padding_mask, check_qkv, check_tokens,
                                             group_rank_size)
+from megatron_ring.attention.direct import DirectP2P
 from megatron_ring.attention.handshake import Field, agree, choice_field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.merge import merge_into
-from megatron_ring.attention.schedule import StepPlan, step_plan
+from megatron_ring.attention.schedule import RankSchedule, StepPlan, step_plan
 from megatron_ring.attention.sharding import SHARDINGS, check_divisible
+from megatron_ring.attention.sparse_call import SparseCall, packed_as_batch, prepare_sparse, sparse_fields
 
 COMMS: tuple[str, ...] = ("p2p", "all_gather", "auto")
 _KV_TAG, _GRAD_TAG = 0, 1
@@ -49,7 +51,7 @@ class P2PRing:
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
-        self.bytes_per_step = 0
+        self._sent_steps = self._sent_bytes = 0
         if size > 1:
             self.next = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
             self.prev = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
@@ -60,7 +62,15 @@ class P2PRing:
     def _exchange(self, send: tuple[torch.Tensor, ...], recv: tuple[torch.Tensor, ...], tag: int) -> list[dist.Work]:
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in recv]
+        self._sent_steps += 1
+        self._sent_bytes += sum(t.numel() * t.element_size() for t in send)
         return dist.batch_isend_irecv(ops)
+
+    def take_traffic(self) -> tuple[int, int]:
+        """``(steps, bytes)`` this rank sent since the last call."""
+        traffic = (self._sent_steps, self._sent_bytes)
+        self._sent_steps = self._sent_bytes = 0
+        return traffic
 
     def _wait(self, works: list[dist.Work], device: torch.device) -> None:
         stats = active_stats()
@@ -79,7 +89,6 @@ class P2PRing:
         transfer is in flight while the caller computes on the yielded one.
         """
         cur = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
-        self.bytes_per_step = 2 * cur[0].numel() * cur[0].element_size()
         spare: list[tuple[torch.Tensor, torch.Tensor]] = []
         for step in range(self.size):
             works: list[dist.Work] = []
@@ -97,13 +106,14 @@ class P2PRing:
         self._grad_bufs = torch.zeros((2, *kv_shape), dtype=dtype, device=device)
         self._grad_work, self._grad_step = [], 0
 
-    def add_grads(self, src: int, plan: StepPlan | None, dk: torch.Tensor | None, dv: torch.Tensor | None) -> None:
-        """Add this step's dK/dV to the travelling accumulator of block ``src`` and pass it on."""
+    def add_grads(self, src: int, grads: Sequence[tuple[StepPlan, torch.Tensor, torch.Tensor]]) -> None:
+        """Add this step's dK/dV pieces ``(plan, dk, dv)`` to the travelling accumulator of block
+        ``src`` and pass it on."""
         assert self._grad_bufs is not None
         step = self._grad_step
         self._wait(self._grad_work, self._grad_bufs.device)
         acc = self._grad_bufs[step % 2]
-        if plan is not None:
+        for plan, dk, dv in grads:
             acc[0][:, :, plan.k] += dk
             acc[1][:, :, plan.k] += dv
         if self.size > 1:
@@ -128,9 +138,15 @@ class _Spec:
     sharding: str
     scale: float
     backend: str
+    schedule: RankSchedule | None = None
+    """Window / packed-documents plans (sparse_call.py); None for the plain schedule."""
 
-    def plan(self, src: int) -> StepPlan | None:
-        return step_plan(self.rank, src, self.size, self.seq_local, causal=self.causal, sharding=self.sharding)
+    def plans(self, src: int) -> tuple[StepPlan, ...]:
+        """This rank's work on the K/V block of ``src`` (empty: skip it)."""
+        if self.schedule is not None:
+            return self.schedule.plans[src]
+        plan = step_plan(self.rank, src, self.size, self.seq_local, causal=self.causal, sharding=self.sharding)
+        return () if plan is None else (plan,)
 
 
 def _alloc_bshd(b: int, h: int, s: int, d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -143,11 +159,16 @@ def _block_mask(key_masks: torch.Tensor | None, src: int, plan: StepPlan) -> tor
     return None if key_masks is None else key_masks[src][:, plan.k]
 
 
+def _visible(plan: StepPlan, device: torch.device) -> torch.Tensor | None:
+    """The plan's band as a bool ``[q, k]`` mask (None when the block is full or causal)."""
+    return None if plan.band is None else plan.band.visible(plan.q.stop - plan.q.start, plan.k.stop - plan.k.start, device)
+
+
 class _RingAttention(torch.autograd.Function):
     """Autograd wrapper; tensors are ``[batch, heads, seq_local, head_dim]`` (views of BSHD input)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: P2PRing | GatheredKV,
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: P2PRing | GatheredKV | DirectP2P,
                 spec: _Spec, key_masks: torch.Tensor | None) -> torch.Tensor:
         stats = active_stats()
         t0 = now(q.device) if stats else 0.0
@@ -156,22 +177,21 @@ class _RingAttention(torch.autograd.Function):
         out = _alloc_bshd(b, hq, s, d, ct, q.device)
         lse = torch.full((b, hq, s), float("-inf"), dtype=ct, device=q.device)
         for src, k_src, v_src in comm.blocks(k, v):
-            plan = spec.plan(src)
-            if plan is None:
-                continue
-            c0 = now(q.device) if stats else 0.0
-            o, l = block_forward(q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
-                                 causal=plan.causal, scale=spec.scale, backend=spec.backend,
-                                 key_mask=_block_mask(key_masks, src, plan))
-            merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
-            del o, l  # free this block's output before the next kernel allocates its own
-            if stats:
-                stats.compute_s += now(q.device) - c0
+            for plan in spec.plans(src):
+                c0 = now(q.device) if stats else 0.0
+                o, l = block_forward(q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
+                                     causal=plan.causal, scale=spec.scale, backend=spec.backend,
+                                     key_mask=_block_mask(key_masks, src, plan), visible=_visible(plan, q.device))
+                merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
+                del o, l  # free this block's output before the next kernel allocates its own
+                if stats:
+                    stats.compute_s += now(q.device) - c0
         result = out.to(q.dtype)
+        steps, sent = comm.take_traffic()
         if stats:
             stats.calls += 1
-            stats.steps += spec.size - 1
-            stats.bytes_sent += comm.bytes_per_step * (spec.size - 1)
+            stats.steps += steps
+            stats.bytes_sent += sent
             stats.total_s += now(q.device) - t0
         ctx.save_for_backward(q, k, v, result, lse)
         ctx.comm, ctx.spec, ctx.key_masks = comm, spec, key_masks
@@ -180,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        comm: P2PRing | GatheredKV = ctx.comm
+        comm: P2PRing | GatheredKV | DirectP2P = ctx.comm
         spec: _Spec = ctx.spec
         stats = active_stats()
         t0 = now(q.device) if stats else 0.0
@@ -189,25 +209,26 @@ class _RingAttention(torch.autograd.Function):
         dq = _alloc_bshd(b, hq, s, d, ct, q.device)
         comm.start_grads(torch.Size((2, *k.shape)), ct, q.device)
         for src, k_src, v_src in comm.blocks(k, v):
-            plan = spec.plan(src)
-            dk_b = dv_b = None
-            if plan is not None:
+            grads = []
+            for plan in spec.plans(src):
                 c0 = now(q.device) if stats else 0.0
                 dq_b, dk_b, dv_b = block_backward(
                     dout[:, :, plan.q], q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k],
                     out[:, :, plan.q], lse[:, :, plan.q], causal=plan.causal, scale=spec.scale, backend=spec.backend,
-                    key_mask=_block_mask(ctx.key_masks, src, plan),
+                    key_mask=_block_mask(ctx.key_masks, src, plan), visible=_visible(plan, q.device),
                 )
                 dq[:, :, plan.q] += dq_b
                 del dq_b  # as in forward: not alive during the next block's kernel
+                grads.append((plan, dk_b, dv_b))
                 if stats:
                     stats.compute_s += now(q.device) - c0
-            comm.add_grads(src, plan, dk_b, dv_b)
+            comm.add_grads(src, grads)
+            del grads
         dkv = comm.finish_grads()
+        steps, sent = comm.take_traffic()
         if stats:
-            grad_bytes = dkv.numel() * dkv.element_size()
-            stats.steps += 2 * spec.size - 1 if spec.size > 1 else 0
-            stats.bytes_sent += comm.bytes_per_step * (spec.size - 1) + (grad_bytes * spec.size if spec.size > 1 else 0)
+            stats.steps += steps
+            stats.bytes_sent += sent
             stats.total_s += now(q.device) - t0
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
@@ -219,11 +240,13 @@ class _Call:
     spec: _Spec
     comm: str
     masked: bool
+    sparse: SparseCall
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, size: int, *, causal: bool,
              softmax_scale: float | None, sharding: str, comm: str, backend: str,
-             key_padding_mask: torch.Tensor | None) -> _Call:
+             key_padding_mask: torch.Tensor | None, window_size: object = (-1, -1),
+             cu_seqlens: torch.Tensor | None = None) -> _Call:
     """Every local check of a call (TypeError/ValueError naming the field), before any collective."""
     check_qkv(q, k, v, same_seq=True)
     check_tokens(q, "seq_local", "ring_attention", "at least one token per rank")
@@ -235,17 +258,22 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, size:
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
     seq_local, masked = q.shape[1], key_padding_mask is not None
-    if size > 1:
+    if size > 1 and cu_seqlens is None:
         check_divisible(seq_local * size, size, sharding, what=f"global sequence length (seq_local {seq_local} x cp {size})")
+    sparse = prepare_sparse(rank, size, seq_local, causal=causal, sharding=sharding, window_size=window_size,
+                            cu_seqlens=cu_seqlens)
     spec = _Spec(
         rank=rank, size=size, seq_local=seq_local, causal=causal, sharding=sharding,
         scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked),
+        backend=resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked or sparse.windowed),
+        schedule=sparse.schedule,
     )
+    if comm == "auto" and sparse.schedule is not None:
+        comm = "p2p"  # it moves only the rows the plans read (Note [Direct transfers] in direct.py)
     if comm == "auto" and q.shape[0] > 0:  # an empty batch moves nothing
         comm = choose_comm_for_shapes(tuple(q.shape), tuple(k.shape), size, causal=causal,
                                       element_size=q.element_size(), device_type=q.device.type)
-    return _Call(spec, comm, masked)
+    return _Call(spec, comm, masked, sparse)
 
 
 def _fields(q: torch.Tensor, k: torch.Tensor, call: _Call, comm: str) -> list[Field]:
@@ -253,7 +281,8 @@ def _fields(q: torch.Tensor, k: torch.Tensor, call: _Call, comm: str) -> list[Fi
     spec = call.spec
     return [*tensor_fields(q, k, "seq_local"), flag_field("causal", spec.causal),
             choice_field("sharding", spec.sharding, SHARDINGS), choice_field("comm", comm, COMMS),
-            scale_field(spec.scale), flag_field("key_padding_mask", call.masked, ("None", "a mask"))]
+            scale_field(spec.scale), flag_field("key_padding_mask", call.masked, ("None", "a mask")),
+            *sparse_fields(call.sparse)]
 
 
 def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -265,12 +294,15 @@ def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                    causal: bool = False, softmax_scale: float | None = None, sharding: str = "zigzag",
                    comm: str = "p2p", backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
+                   window_size: tuple[int, int] = (-1, -1), cu_seqlens: torch.Tensor | None = None,
                    check_consistency: bool = True) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
-        q: ``[batch, seq_local, heads_q, head_dim]``, this rank's queries.
-        k, v: ``[batch, seq_local, heads_kv, head_dim]``; ``heads_q % heads_kv == 0`` (GQA/MQA).
+        q: ``[batch, seq_local, heads_q, head_dim]``, this rank's queries; with ``cu_seqlens``
+            packed ``[tokens_local, heads_q, head_dim]``.
+        k, v: ``[batch, seq_local, heads_kv, head_dim]`` (packed: ``[tokens_local, heads_kv,
+            head_dim]``); ``heads_q % heads_kv == 0`` (GQA/MQA).
         group: the context-parallel group; its ranks in group order form the ring. None = world
             (or a single process when torch.distributed is not initialised). ValueError on a
             process that is not a member.
@@ -285,14 +317,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
             False = padding that no query may see), given on every rank of the group or on none.
             The masks are all-gathered once per call (one byte per token); a query that sees no
             key gets a zero output. With a mask, ``auto`` uses the CPU ``sdpa`` kernel or ``math``.
+            With ``cu_seqlens``: bool ``[tokens_local]``.
+        window_size: ``(left, right)``, flash-attn's sliding window on global positions (inside
+            each document with ``cu_seqlens``): the query at i sees the key at j iff
+            ``i - left <= j <= i + right``, -1 = unbounded; with ``causal`` also ``j <= i``
+            (Mistral's style). Blocks outside the window are skipped, and ``comm="p2p"`` moves only
+            the rows some rank reads (Note [Direct transfers] in direct.py). A window that hides
+            something needs a mask inside blocks: ``auto`` uses the CPU ``sdpa`` kernel or ``math``.
+        cu_seqlens: None, or int32 ``[n_docs + 1]``: the global packed boundaries of documents
+            (0, ..., total tokens), identical on every rank; each document's length divisible by
+            2*cp (zigzag) or cp (contiguous), and each sharded on its own, as
+            :func:`~megatron_ring.attention.sharding.shard_sequence` does with ``cu_seqlens``
+            (Note [Packed documents (varlen)]). No query sees a key of another document. Its values
+            are read on the host once per call.
         check_consistency: first check, with one small all-gather, that every rank passed the same
-            shapes, dtype, device type, causal, sharding, comm, scale and mask presence, and raise
+            shapes, dtype, device type, causal, sharding, comm, scale, mask presence, window and
+            document boundaries, and raise
             ValueError on every rank naming what differs (or which rank rejected its inputs):
             Note [Cross-rank handshake] in handshake.py. Must be the same on every rank; with
             False, a rank whose input differs or is rejected aborts or hangs the others.
 
     Returns:
-        ``[batch, seq_local, heads_q, head_dim]`` in q's dtype; differentiable w.r.t. q, k, v. An
+        ``[batch, seq_local, heads_q, head_dim]`` (packed: ``[tokens_local, heads_q, head_dim]``) in
+        q's dtype; differentiable w.r.t. q, k, v. An
         empty batch (batch 0) gives an empty result; ``seq_local``, heads or ``head_dim`` of 0 are
         a ValueError.
     """
@@ -300,8 +347,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     call: _Call | None = None
     error: Exception | None = None
     try:
+        q, k, v, key_padding_mask = packed_as_batch(q, k, v, key_padding_mask, cu_seqlens)  # type: ignore[assignment]
         call = _prepare(q, k, v, rank, size, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
-                        comm=comm, backend=backend, key_padding_mask=key_padding_mask)
+                        comm=comm, backend=backend, key_padding_mask=key_padding_mask, window_size=window_size,
+                        cu_seqlens=cu_seqlens)
     except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
         error = err
     if check_consistency and size > 1:
@@ -311,9 +360,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         raise error
     if q.shape[0] == 0:
         return _empty_batch(q, k, v)
-    channel = P2PRing(group, rank, size) if call.comm == "p2p" else GatheredKV(group, rank, size)
+    channel: P2PRing | GatheredKV | DirectP2P = GatheredKV(group, rank, size)
+    if call.comm == "p2p":
+        schedule = call.spec.schedule
+        channel = P2PRing(group, rank, size) if schedule is None else DirectP2P(group, rank, size, schedule)
     key_masks = None
     if key_padding_mask is not None:
         key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, size).bool()
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, call.spec, key_masks)
-    return out.transpose(1, 2)
+    return out.transpose(1, 2) if cu_seqlens is None else out.transpose(1, 2).squeeze(0)

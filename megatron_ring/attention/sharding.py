@@ -12,12 +12,28 @@ one "early" and one "late" chunk and, at every ring step, computes the same amou
     L = 8 tokens, P = 2:   chunks 0 1 2 3        rank 0 -> [0, 3]   rank 1 -> [1, 2]
 
 ``contiguous`` (rank r holds chunk r of P) is kept for non-causal models and for comparison.
+
+Note [Packed documents (varlen)]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``cu_seqlens`` (global packed boundaries, the same on every rank) each document is sharded on
+its own and a rank holds its chunks of every document, concatenated in document order: the
+Megatron / Transformer Engine THD convention. Every rank then holds the same share of every
+document, so causal work stays balanced whatever the document lengths::
+
+    docs A (8 tokens) | B (4 tokens), P = 2, zigzag: chunks A0..A3 (2 tokens), B0..B3 (1 token)
+    rank 0 -> [A0 A3 B0 B3]    rank 1 -> [A1 A2 B1 B2]
+
+A rank's tokens are thus a list of :class:`Segment` runs (consecutive positions of one document),
+which is all the schedule needs to know (schedule.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from megatron_ring.attention.checks import check_cu_seqlens
 
 SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
 
@@ -61,26 +77,90 @@ def chunk_ids(cp_rank: int, cp_size: int, sharding: str = "zigzag") -> list[int]
 
 
 def local_positions(seq_len: int, cp_rank: int, cp_size: int, sharding: str = "zigzag",
-                    device: torch.device | str | None = None) -> torch.Tensor:
-    """Global positions (int64 ``[seq_len // cp_size]``) of the tokens rank ``cp_rank`` holds."""
+                    device: torch.device | str | None = None, *,
+                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Global positions (int64 ``[seq_len // cp_size]``) of the tokens rank ``cp_rank`` holds.
+
+    With ``cu_seqlens`` (``seq_len`` = its last entry): each token's position inside its own
+    document (what rotary embeddings need), in the rank's packed order.
+    """
+    if cu_seqlens is not None:
+        segments = rank_segments(cp_rank, cp_size, doc_lengths(cu_seqlens, seq_len, cp_size, sharding), sharding)
+        return torch.cat([torch.arange(g.pos, g.pos + g.length, device=device) for g in segments]
+                         or [torch.zeros(0, dtype=torch.int64, device=device)])
     chunk = check_divisible(seq_len, cp_size, sharding)
     return torch.cat([
         torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(cp_rank, cp_size, sharding)
     ])
 
 
-def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int = 1,
-                   sharding: str = "zigzag") -> torch.Tensor:
-    """The part of ``x`` (global along ``dim``) that rank ``cp_rank`` of ``cp_size`` holds."""
+@dataclass(frozen=True)
+class Segment:
+    """A run of a rank's local tokens: rows ``[local, local + length)`` hold positions
+    ``[pos, pos + length)`` of document ``doc`` (positions counted from the document's start)."""
+
+    local: int
+    length: int
+    doc: int
+    pos: int
+
+
+def doc_lengths(cu_seqlens: torch.Tensor, total_tokens: int, cp_size: int, sharding: str) -> tuple[int, ...]:
+    """The document lengths of ``cu_seqlens``, each checked to split evenly over ``cp_size`` ranks."""
+    lengths = check_cu_seqlens(cu_seqlens, total_tokens)
+    parts = chunks_per_rank(sharding) * cp_size
+    for doc, length in enumerate(lengths):
+        if length % parts:
+            rule = "2*cp" if sharding == "zigzag" else "cp"
+            raise ValueError(f"cu_seqlens: document {doc} has {length} tokens, not divisible by {rule} = {parts} "
+                             f"({sharding} sharding over cp={cp_size}); pad every document to a multiple of {parts}")
+    return lengths
+
+
+def rank_segments(cp_rank: int, cp_size: int, lengths: Sequence[int], sharding: str) -> tuple[Segment, ...]:
+    """The runs of consecutive positions rank ``cp_rank`` holds, in local order, for documents of
+    ``lengths`` (one document = an unpacked sequence). Empty documents have no run."""
+    parts = chunks_per_rank(sharding) * cp_size
+    segments: list[Segment] = []
+    local = 0
+    for doc, length in enumerate(lengths):
+        chunk = length // parts
+        if chunk == 0:
+            continue
+        for c in chunk_ids(cp_rank, cp_size, sharding):
+            segments.append(Segment(local, chunk, doc, c * chunk))
+            local += chunk
+    return tuple(segments)
+
+
+def _global_runs(cp_rank: int, cp_size: int, cu_seqlens: torch.Tensor, total: int,
+                 sharding: str) -> list[tuple[int, int]]:
+    """``(global start, length)`` of each run of rank ``cp_rank``, in its local order."""
+    lengths = doc_lengths(cu_seqlens, total, cp_size, sharding)
+    starts = [sum(lengths[:doc]) for doc in range(len(lengths))]
+    return [(starts[g.doc] + g.pos, g.length) for g in rank_segments(cp_rank, cp_size, lengths, sharding)]
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int = 1, sharding: str = "zigzag",
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The part of ``x`` (global along ``dim``) that rank ``cp_rank`` of ``cp_size`` holds.
+
+    ``cu_seqlens``: ``x`` is packed along ``dim`` (e.g. ``[tokens, heads, head_dim]`` with ``dim=0``)
+    and each document is sharded on its own (Note [Packed documents (varlen)]).
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_rank(cp_rank, cp_size)
     dim = dim % x.dim()
+    if cu_seqlens is not None:
+        runs = _global_runs(cp_rank, cp_size, cu_seqlens, x.shape[dim], check_sharding(sharding))
+        return torch.cat([x.narrow(dim, start, n) for start, n in runs] or [x.narrow(dim, 0, 0)], dim=dim)
     chunk = check_divisible(x.shape[dim], cp_size, sharding)
     return torch.cat([x.narrow(dim, c * chunk, chunk) for c in chunk_ids(cp_rank, cp_size, sharding)], dim=dim)
 
 
-def unshard_sequence(parts: Sequence[torch.Tensor], *, dim: int = 1, sharding: str = "zigzag") -> torch.Tensor:
+def unshard_sequence(parts: Sequence[torch.Tensor], *, dim: int = 1, sharding: str = "zigzag",
+                     cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the global tensor from every rank's part, in rank order."""
     if not parts:
         raise ValueError("parts must hold one tensor per rank, got an empty sequence")
@@ -90,6 +170,15 @@ def unshard_sequence(parts: Sequence[torch.Tensor], *, dim: int = 1, sharding: s
     lengths = {p.shape[dim] for p in parts}
     if len(lengths) != 1 or next(iter(lengths)) % per_rank:
         raise ValueError(f"every part must have the same length along dim {dim}, divisible by {per_rank}; got {sorted(lengths)}")
+    if cu_seqlens is not None:
+        total = next(iter(lengths)) * cp_size
+        pieces: list[tuple[int, torch.Tensor]] = []
+        for rank, part in enumerate(parts):
+            local = 0
+            for start, n in _global_runs(rank, cp_size, cu_seqlens, total, sharding):
+                pieces.append((start, part.narrow(dim, local, n)))
+                local += n
+        return torch.cat([p for _, p in sorted(pieces, key=lambda item: item[0])] or [parts[0]], dim=dim)
     chunk = next(iter(lengths)) // per_rank
     ordered: list[torch.Tensor | None] = [None] * (per_rank * cp_size)
     for rank, part in enumerate(parts):

@@ -33,6 +33,12 @@ the live tensors. Before one extra, untimed call the worker resets the kernel's 
 resident size just before the call (inputs already allocated, so it counts what the call adds:
 buffers, temporaries, outputs, saved tensors and gradients). Buffers under 64 KiB are not seen.
 On CUDA it is ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
+
+Variants (``--window``, ``--docs``): with ``--window W`` every ring implementation (single,
+ring_p2p, all_gather) also runs with ``window_size=(W, 0)`` (causal; ``(W, W)`` otherwise), and
+with ``--docs N`` as N equal documents of L/N tokens, once packed (one call with ``cu_seqlens``)
+and once one by one (N calls, timed together); a point's ``variant`` names it ("" = plain). All
+variants of a point are interleaved like the implementations.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ import torch.distributed as dist
 from megatron_ring.runtime.args import non_negative_int, positive_float, positive_int, usage_error
 
 IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "ulysses")
+RING_IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather")
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _M_MMAP_THRESHOLD = -3
@@ -120,15 +127,33 @@ def _solo_group() -> dist.ProcessGroup:
 _SOLO: dist.ProcessGroup | None = None
 
 
-def _make_attention(impl: str, causal: bool, backend: str) -> Callable[..., torch.Tensor]:
+def _window_size(cfg: dict[str, Any]) -> tuple[int, int]:
+    """``--window W`` as flash-attn's ``(left, right)``: ``(W, 0)`` causal, ``(W, W)`` otherwise."""
+    w = cfg.get("window") or -1
+    return (w, 0 if cfg["causal"] else w) if w > 0 else (-1, -1)
+
+
+def _cu_seqlens(cfg: dict[str, Any]) -> torch.Tensor:
+    """N equal documents of L/N tokens."""
+    n = cfg["docs"]
+    return torch.arange(0, cfg["L"] + 1, cfg["L"] // n, dtype=torch.int32)
+
+
+def _make_attention(cfg: dict[str, Any]) -> Callable[..., torch.Tensor]:
     from megatron_ring import ring_attention
 
-    if impl in ("single", "ring_p2p", "all_gather"):
+    impl, causal, backend = cfg["impl"], cfg["causal"], cfg["backend"]
+    if impl in RING_IMPLS:
         comm = "all_gather" if impl == "all_gather" else "p2p"
         group = _solo_group() if impl == "single" else None
+        window = _window_size(cfg)
+        cu = _cu_seqlens(cfg) if cfg.get("variant") == "packed" else None
 
         def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return ring_attention(q, k, v, group, causal=causal, comm=comm, backend=backend)
+            return ring_attention(q, k, v, group, causal=causal, comm=comm, backend=backend, window_size=window,
+                                  cu_seqlens=cu)
+        if cfg.get("variant") == "separate":  # [docs, batch, seq_local, heads, dim]: one call per document
+            return lambda q, k, v: torch.stack([ring(q[i], k[i], v[i]) for i in range(q.shape[0])])
         return ring
     import deepspeed.comm
     from deepspeed.sequence.layer import DistributedAttention
@@ -160,10 +185,18 @@ def _inputs(cfg: dict[str, Any], rank: int, size: int, device: torch.device) -> 
     b, seq, h, hkv, d = cfg["batch"], cfg["L"], cfg["heads"], cfg["heads_kv"], cfg["head_dim"]
     shapes = [(b, seq, h, d), (b, seq, hkv, d), (b, seq, hkv, d), (b, seq, h, d)]
     sharding = "contiguous" if cfg["impl"] == "ulysses" else "zigzag"
+    sharded = size > 1 and cfg["impl"] != "single"
     out = []
     for shape in shapes:
         full = torch.randn(shape, generator=gen)
-        local = shard_sequence(full, rank, size, sharding=sharding) if size > 1 and cfg["impl"] != "single" else full
+        if cfg.get("variant") == "packed":  # [tokens, heads, dim]
+            cu = _cu_seqlens(cfg)
+            local = shard_sequence(full[0], rank, size, dim=0, cu_seqlens=cu) if sharded else full[0]
+        elif cfg.get("variant") == "separate":  # [docs, batch, seq_local, heads, dim]
+            docs = full.split(seq // cfg["docs"], dim=1)
+            local = torch.stack([shard_sequence(d, rank, size) if sharded else d for d in docs])
+        else:
+            local = shard_sequence(full, rank, size, sharding=sharding) if sharded else full
         out.append(local.to(device=device, dtype=DTYPES[cfg["dtype"]]).contiguous())
     return out
 
@@ -176,7 +209,7 @@ class _Case:
         self.device = torch.device(cfg["device"])
         self.active = cfg["impl"] != "single" or rank == 0
         self.grad = cfg["mode"] == "fwd_bwd"
-        self.attn = _make_attention(cfg["impl"], cfg["causal"], cfg["backend"])
+        self.attn = _make_attention(cfg)
         self.tensors = _inputs(cfg, rank, size, self.device) if self.active else []
         for t in self.tensors[:3]:
             t.requires_grad_(self.grad)
@@ -211,7 +244,7 @@ class _Case:
 
     def result(self, peak: int) -> dict[str, Any]:
         return {"active": self.active, "times": self.times, "wait_s": self.wait, "compute_s": self.compute,
-                "ring_total_s": self.total, "bytes_sent": self.sent / self.calls if self.calls else None,
+                "ring_total_s": self.total, "bytes_sent": self.sent / len(self.times) if self.calls else None,
                 "peak_mem_bytes": peak}
 
 
@@ -269,6 +302,7 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) ->
     sent = active[0]["bytes_sent"] if cfg["impl"] != "ulysses" else _ulysses_bytes(cfg, size)
     keys = ("impl", "mode", "causal", "L", "batch", "heads", "heads_kv", "head_dim", "dtype", "threads", "backend")
     return {k: cfg[k] for k in keys} | {
+        "variant": _variant_name(cfg), "window": cfg.get("window"), "docs": cfg.get("docs"),
         "P": ranks, "pool_P": size,
         "median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "times_s": wall,
         "exposed_fraction": exposed, "bytes_sent": sent or 0,
@@ -276,11 +310,26 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) ->
     }
 
 
+def _variant_name(cfg: dict[str, Any]) -> str:
+    """"" for the plain point, else "window=W", "packed N docs" or "N docs one by one"."""
+    variant = cfg.get("variant") or ""
+    if variant == "window":
+        return f"window={cfg['window']}"
+    if variant == "packed":
+        return f"packed {cfg['docs']} docs"
+    if variant == "separate":
+        return f"{cfg['docs']} docs one by one"
+    return variant
+
+
 def add_efficiency(points: list[dict[str, Any]], cores: int) -> None:
     """Fill ``efficiency`` and ``efficiency_per_core`` from the single-process point timed in the same pool."""
-    single = {(p["mode"], p["causal"], p["L"], p["pool_P"]): p["median_s"] for p in points if p["impl"] == "single"}
+    def key(p: dict[str, Any]) -> tuple[Any, ...]:
+        return p["mode"], p["causal"], p["L"], p["pool_P"], p.get("variant", "")
+
+    single = {key(p): p["median_s"] for p in points if p["impl"] == "single"}
     for p in points:
-        base = single.get((p["mode"], p["causal"], p["L"], p["pool_P"]))
+        base = single.get(key(p))
         if base is None or p["impl"] == "single":
             p["efficiency"] = p["efficiency_per_core"] = 1.0 if p["impl"] == "single" else None
             continue
@@ -307,8 +356,12 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
               batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str, repeats: int, warmup: int,
               backend: str, seed: int = 0, timeout_s: float = 600.0,
               progress: Callable[[str], None] = print,
-              pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True) -> list[dict[str, Any]]:
+              pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True,
+              window: str | int | None = None, docs: int = 0) -> list[dict[str, Any]]:
     """Run every (P, impl, mode, causal, L) point, the implementations of a point interleaved.
+
+    ``window`` (tokens, or ``"L/k"``) and ``docs`` add the variants of the module docstring to the
+    ring implementations.
 
     The single-process baseline runs on rank 0 of each P-rank pool (the others idle), with that
     pool's threads per rank, so it is timed under the same load as the points it is compared to.
@@ -336,6 +389,13 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
     if bad_len:
         seq, p = bad_len[0]
         raise ValueError(f"L = {seq} is not divisible by 2*P = {2 * p} (zigzag sharding); every L must be")
+    bad_docs = [(seq, p) for p in pool_sizes for seq in lengths if docs and seq % (docs * 2 * p)]
+    if docs and batch != 1:
+        raise ValueError(f"--docs packs the documents of one sequence: it needs batch 1, got {batch}")
+    if docs < 0 or bad_docs:
+        raise ValueError(f"--docs {docs}: every L must split into docs documents whose length is divisible by 2*P; "
+                         f"got (L, P) = {bad_docs[:1]}")
+    windows = {seq: window_tokens(window, seq) for seq in lengths}
     points = []
     for p in pool_sizes:
         threads = max(1, cores // p)
@@ -347,18 +407,35 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
             for mode in modes:
                 for causal in causals:
                     for seq in lengths:
+                        variants = [("", 0)] + ([("window", windows[seq])] if windows[seq] else []) + (
+                            [("packed", 0), ("separate", 0)] if docs else [])
                         cfgs = [dict(impl=impl, mode=mode, causal=causal, L=seq, batch=batch, heads=heads,
                                      heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
-                                     backend=backend, seed=seed, device="cpu", own_session=own_sessions)
-                                for impl in p_impls]
+                                     backend=backend, seed=seed, device="cpu", own_session=own_sessions,
+                                     variant=variant, window=w, docs=docs)
+                                for impl in p_impls for variant, w in variants if not variant or impl in RING_IMPLS]
                         per_rank = pool.run(bench_worker, cfgs, repeats, warmup)
                         for i, cfg in enumerate(cfgs):
                             point = summarize(cfg, [r[i] for r in per_rank], p)
                             points.append(point)
-                            progress(f"{cfg['impl']:10s} {mode:7s} causal={causal!s:5s} L={seq:6d} P={point['P']:2d} "
-                                     f"(pool {p}) median {point['median_s'] * 1e3:9.2f} ms")
+                            progress(f"{cfg['impl']:10s} {point['variant']:20s} {mode:7s} causal={causal!s:5s} L={seq:6d} "
+                                     f"P={point['P']:2d} (pool {p}) median {point['median_s'] * 1e3:9.2f} ms")
     add_efficiency(points, cores)
     return points
+
+
+def window_tokens(window: str | int | None, seq: int) -> int:
+    """``--window`` for a sequence of ``seq`` tokens: an int, or ``"L/k"`` for ``seq // k``; 0 = none."""
+    if window is None:
+        return 0
+    text = str(window)
+    try:
+        tokens = seq // int(text[2:]) if text.startswith("L/") else int(text)
+    except (ValueError, ZeroDivisionError):
+        tokens = -1
+    if tokens < 1:
+        raise ValueError(f"--window must be a positive number of tokens or 'L/k', got {window!r}")
+    return tokens
 
 
 @contextmanager
@@ -391,6 +468,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=non_negative_int, default=1)
     ap.add_argument("--timeout", type=positive_float, default=600.0,
                     help="seconds per point before a rank is declared hung")
+    ap.add_argument("--window", default=None,
+                    help="also run the ring with a sliding window of W tokens (an int, or L/k), see the docstring")
+    ap.add_argument("--docs", type=non_negative_int, default=0,
+                    help="also run N equal documents, packed (cu_seqlens) and one by one")
     ap.add_argument("--out", default="results/bench_attention.json", help="JSON output")
     ap.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
     ap.add_argument("--no-plots", action="store_true")
@@ -407,11 +488,13 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
         points = run_sweep(lengths=args.lengths, ranks=args.ranks, impls=args.impl, modes=args.mode, causals=causals,
                            batch=args.batch, heads=args.heads, heads_kv=args.heads_kv or args.heads,
                            head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
-                           backend=args.backend, timeout_s=args.timeout)
+                           backend=args.backend, timeout_s=args.timeout, window=args.window, docs=args.docs)
     except ValueError as err:
         return usage_error(parser.prog, err)
+    plain = args.window is None and not args.docs  # the plots compare implementations, not variants
     write_outputs(points, machine_before, out=Path(args.out), argv=argv,
-                  plots=None if args.no_plots else Path(args.plots) if args.plots else Path(args.out).parent / "plots")
+                  plots=None if args.no_plots or not plain else Path(args.plots) if args.plots
+                  else Path(args.out).parent / "plots")
     return 0
 
 

@@ -148,7 +148,7 @@ def bench_rows(points: Sequence[dict[str, Any]]) -> list[list[str]]:
     def num(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    return [[p["impl"], p["mode"], "yes" if p["causal"] else "no", p["L"], p["P"], p.get("pool_P", p["P"]),
+    return [[p["impl"] + (f" {p['variant']}" if p.get("variant") else ""), p["mode"], "yes" if p["causal"] else "no", p["L"], p["P"], p.get("pool_P", p["P"]),
              fmt_time(p["median_s"]),
              fmt_time(p["min_s"]), fmt_time(p["max_s"]), num(p.get("efficiency")), num(p.get("efficiency_per_core")),
              pct(p.get("exposed_fraction")), fmt_bytes(p["peak_mem_bytes"]),

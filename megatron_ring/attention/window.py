@@ -1,0 +1,65 @@
+"""Sliding windows: ``window_size=(left, right)`` and the band of (query, key) distances it allows. Pure.
+
+flash-attn's convention on positions: the query at position i sees the key at position j iff
+``i - left <= j <= i + right``, -1 meaning unbounded on that side; ``causal`` adds ``j <= i``. Both
+are one condition on the distance ``d = i - j``: ``lo <= d <= hi`` (:func:`band_limits`). Inside a
+block whose queries and keys are runs of consecutive positions, ``d`` is ``offset + row - col``, so
+the allowed pairs form a diagonal band (:class:`Band`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+UNBOUNDED = 1 << 62
+"""Stands for an infinite distance (fits int64, never reached by a real position)."""
+NO_WINDOW: tuple[int, int] = (-1, -1)
+
+
+def check_window(window_size: object, name: str = "window_size") -> tuple[int, int]:
+    """``window_size`` as ``(left, right)``; ValueError unless it is a pair of ints >= -1."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
+            isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+        raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}")
+    return left, right
+
+
+def band_limits(window: tuple[int, int], causal: bool) -> tuple[int, int]:
+    """``(lo, hi)``: the query sees the key iff ``lo <= q_pos - k_pos <= hi`` (UNBOUNDED for none)."""
+    left, right = window
+    lo = -UNBOUNDED if right < 0 else -right
+    hi = UNBOUNDED if left < 0 else left
+    return (max(lo, 0) if causal else lo), hi
+
+
+def is_windowed(window: tuple[int, int], causal: bool, longest: int) -> bool:
+    """Whether the window hides any pair of a sequence (or document) of ``longest`` tokens beyond
+    what ``causal`` already hides; a window at least as long as the sequence changes nothing."""
+    lo, hi = band_limits(window, causal)
+    return hi < longest - 1 or lo > (0 if causal else -(longest - 1))
+
+
+@dataclass(frozen=True)
+class Band:
+    """Pairs of a block that are visible: query row ``i`` sees key column ``j`` iff
+    ``lo <= offset + i - j <= hi`` (``offset`` = position of row 0 minus position of column 0)."""
+
+    offset: int
+    lo: int
+    hi: int
+
+    def visible(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+        """bool ``[q_len, k_len]``, True where the query sees the key."""
+        d = (torch.arange(q_len, device=device) + self.offset)[:, None] - torch.arange(k_len, device=device)[None, :]
+        return (d >= self.lo) & (d <= self.hi)
+
+
+def positions_visible(q_positions: torch.Tensor, k_positions: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """bool ``[q_len, k_len]`` from int64 positions ``[q_len]`` and ``[k_len]`` (decode: any order)."""
+    lo, hi = band_limits(window, causal=False)
+    d = q_positions[:, None].to(torch.int64) - k_positions[None, :].to(torch.int64)
+    return (d >= lo) & (d <= hi)
