@@ -2,7 +2,8 @@
 
 Windowed families with prompts longer than the window (16 tokens, window 6): Mistral
 ``sliding_window`` (every layer), Qwen2 ``use_sliding_window`` with ``max_window_layers=1`` (layer 1
-windowed, layer 0 full), Gemma 2 and Gemma 3 (a sliding layer, then a full one). Logits equal
+windowed, layer 0 full), Gemma 2 and Gemma 3 (a sliding layer, then a full one), at cp 2, 3 and 4
+(cp 3 left-pads the prompts to a multiple of 6). Logits equal
 single-process ``eager`` (fp32 relative error <= 1e-5 on real tokens) and greedy ``generate`` the
 same tokens, so decoding from the sharded cache honours the window too. Packed rows (position_ids
 restarting per document, as ``DataCollatorWithFlattening`` makes them) give per-document logits
@@ -100,7 +101,7 @@ def window_results(gloo_pool):
     return get
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("case", list(WINDOWED))
 def test_windowed_logits_and_generate_match_eager(window_results, size, case):
     eager = _model(case, "eager")
@@ -118,14 +119,17 @@ def test_windowed_logits_and_generate_match_eager(window_results, size, case):
 
 
 def test_windowed_models_differ_from_full_attention():
-    """The window matters for these prompts: the full-attention model gives other logits."""
+    """The window matters for these prompts: the full-attention model gives other logits and other
+    greedy tokens (so a window ignored in prefill or in decode would fail the tests above)."""
     ids = _prompts()["plain"][0]
     for case, (family, overrides) in WINDOWED.items():
-        full = {**overrides, "sliding_window": 64}
+        windowed = _model(case, "eager")
+        unwindowed = tiny_model(family, attn_implementation="eager", **{**overrides, "sliding_window": 64})
         with torch.no_grad():
-            windowed = _model(case, "eager")(ids).logits
-            unwindowed = tiny_model(family, attn_implementation="eager", **full)(ids).logits
-        assert rel_err(windowed, unwindowed) > 1e-2, case
+            assert rel_err(windowed(ids).logits, unwindowed(ids).logits) > 1e-2, case
+        tokens = [m.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[:, -NEW_TOKENS:]
+                  for m in (windowed, unwindowed)]
+        assert not torch.equal(*tokens), case
 
 
 @pytest.mark.parametrize("size", [2, 3])
