@@ -125,6 +125,43 @@ def thd_refusals(tokens: int = 16) -> dict[str, str]:
     }
 
 
+def thd_core_attention_cases(doc_lengths: tuple[int, ...] = (6, 9, 4), window: tuple[int, int] = (3, 2)) -> dict[str, float]:
+    """cp = world: RingAttention on a packed THD row (documents padded to 2·cp) vs the float64 reference
+    of each document's real tokens alone, causal and no-mask, with and without a window; padding outputs
+    must be 0. Returns the relative error per case (padding: max |output|)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.attention.reference import attention_reference, rel_err
+    from megatron_ring.attention.sharding import unshard_sequence
+    from megatron_ring.megatron import RingAttention, get_thd_batch_on_this_cp_rank, pack_documents
+
+    cp = dist.get_world_size()
+    init_megatron(ParallelLayout(cp=cp))
+    gen = torch.Generator().manual_seed(5)
+    docs = [{"q": torch.randn(n, 64, generator=gen), "k": torch.randn(n, 32, generator=gen),
+             "v": torch.randn(n, 32, generator=gen)} for n in doc_lengths]
+    batch, params = pack_documents(docs, 2 * cp)
+    part = get_thd_batch_on_this_cp_rank(batch, params.cu_seqlens_q_padded)
+    q, k, v = part["q"][0].view(-1, 4, 16), part["k"][0].view(-1, 2, 16), part["v"][0].view(-1, 2, 16)
+    real = batch["loss_mask"][0].bool()
+    errors: dict[str, float] = {}
+    for mask_type in (AttnMaskType.causal, AttnMaskType.no_mask):
+        for win in (None, window):
+            config = _attention_config(context_parallel_size=cp, window_size=win)
+            out = RingAttention(config, 1, mask_type, "self")(q, k, v, None, packed_seq_params=params)
+            parts = [torch.empty_like(out) for _ in range(cp)]
+            dist.all_gather(parts, out.contiguous())
+            full = unshard_sequence(parts, dim=0, cu_seqlens=params.cu_seqlens_q_padded)
+            causal = mask_type == AttnMaskType.causal
+            ref = attention_reference(*(torch.cat([d[key] for d in docs]).view(sum(doc_lengths), -1, 16).double()
+                                        for key in ("q", "k", "v")), causal=causal, cu_seqlens=params.cu_seqlens_q,
+                                      window_size=(-1, -1) if win is None else (win[0], 0 if causal else win[1]))
+            name = f"{mask_type.name}-window{win}"
+            errors[name] = rel_err(full[real].view(-1, 4, 16), ref)
+            errors[f"{name}-padding"] = float(full[~real].abs().max())
+    return errors
+
+
 def core_attention_mask_cp_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
     """cp = world: the CP-sharded causal mask is accepted (same output as no mask); others are refused."""
     from megatron.core import parallel_state as ps

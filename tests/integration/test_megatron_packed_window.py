@@ -80,6 +80,13 @@ def test_windowed_core_attention_equals_dot_product_attention(gloo_pool: Any) ->
             assert err <= TOL, (case, err)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_thd_core_attention_matches_float64_per_document(gloo_pool: Any, world: int) -> None:
+    for errors in gloo_pool(world).run(megatron_workers.thd_core_attention_cases):
+        for case, err in errors.items():
+            assert err == 0.0 if case.endswith("padding") else err <= TOL, (case, err)
+
+
 def test_bad_packed_seq_params_are_refused(gloo_pool: Any) -> None:
     refusals = gloo_pool(2).run(megatron_workers.thd_refusals)[0]
     assert "qkv_format = 'sbhd' is not supported by RingAttention; allowed: ['thd']" in refusals["sbhd"]

@@ -98,8 +98,8 @@ def pack_documents(docs: Sequence[Mapping[str, torch.Tensor]], multiple: int,
                    pad: Optional[Mapping[str, int]] = None) -> tuple[dict[str, torch.Tensor], PackedSeqParams]:
     """Pack documents into one THD row, each padded at its end to a multiple of ``multiple`` (``2 * cp``).
 
-    ``docs``: per document, 1-D tensors of its length under the same keys (``tokens``, ``labels``,
-    ...); ``pad`` gives each key's padding value (default 0). Adds ``position_ids`` (restarting at
+    ``docs``: per document, tensors whose first dim is its length, under the same keys (``tokens``,
+    ``labels``, ...: ``[n]``; anything ``[n, ...]``); ``pad`` gives each key's padding value (default 0). Adds ``position_ids`` (restarting at
     0 in every document, continuing through its padding) and ``loss_mask`` (1.0 on real tokens)
     unless given. Returns the ``[1, total]`` batch and its ``PackedSeqParams`` (global boundaries).
     """
@@ -108,7 +108,7 @@ def pack_documents(docs: Sequence[Mapping[str, torch.Tensor]], multiple: int,
     if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
         raise ValueError(f"multiple must be an int >= 1, got {multiple!r}")
     pad = dict(pad or {})
-    lengths = [len(next(iter(doc.values()))) for doc in docs]
+    lengths = [next(iter(doc.values())).shape[0] for doc in docs]
     padded = [-(-n // multiple) * multiple for n in lengths]
     rows: dict[str, list[torch.Tensor]] = {}
     for doc, n, p in zip(docs, lengths, padded):
@@ -116,9 +116,10 @@ def pack_documents(docs: Sequence[Mapping[str, torch.Tensor]], multiple: int,
         fields.setdefault("position_ids", torch.arange(n))
         fields.setdefault("loss_mask", torch.ones(n))
         for key, value in fields.items():
-            if value.shape != (n,):
-                raise ValueError(f"docs: {key!r} has shape {tuple(value.shape)}, expected ({n},) like the other keys")
-            fill = torch.arange(n, p) if key == "position_ids" else value.new_full((p - n,), pad.get(key, 0))
+            if value.dim() == 0 or value.shape[0] != n:
+                raise ValueError(f"docs: {key!r} has shape {tuple(value.shape)}, expected ({n}, ...) like the other keys")
+            fill = torch.arange(n, p) if key == "position_ids" else \
+                value.new_full((p - n, *value.shape[1:]), pad.get(key, 0))
             rows.setdefault(key, []).append(torch.cat([value, fill.to(value.dtype)]))
     batch = {key: torch.cat(parts)[None] for key, parts in rows.items()}
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
