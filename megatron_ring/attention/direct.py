@@ -83,7 +83,7 @@ class DirectP2P:
         """Yield ``(src, k_src, v_src)`` (``[batch, heads_kv, seq_local, head_dim]``) for the blocks
         this rank's plans read, its own first; only their used rows hold data."""
         own = (k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3))  # [seq, batch, heads, dim] views
-        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # two slots, allocated on first use
 
         def post(i: int) -> list[dist.Work]:
             t = self._steps[i]
@@ -91,9 +91,9 @@ class DirectP2P:
             sends = [] if send_rows is None else [((self.rank + t) % self.size, x[send_rows].contiguous()) for x in own]
             recvs = []
             if recv_rows is not None:
-                if len(buffers) <= i % 2:
-                    buffers.append((torch.empty_like(own[0], memory_format=torch.contiguous_format),
-                                    torch.empty_like(own[1], memory_format=torch.contiguous_format)))
+                if i % 2 not in buffers:
+                    buffers[i % 2] = (torch.empty_like(own[0], memory_format=torch.contiguous_format),
+                                      torch.empty_like(own[1], memory_format=torch.contiguous_format))
                 recvs = [((self.rank - t) % self.size, x[recv_rows]) for x in buffers[i % 2]]
             return self._post(sends, recvs, _KV_TAG)
 

@@ -28,8 +28,11 @@ under zigzag). The query may see the key iff both lie in one document and ``lo <
 ``d = q_pos - k_pos`` (window.py). For a run of queries against a run of keys of the same
 document, ``d = offset + row - col``, so :func:`segment_plans` can decide each pair of runs
 exactly from integers: *empty* (no kernel call), *full* (no mask), *causal* (the diagonal) or a
-*band*; and it trims the pair to the rows and columns that see anything. Full pieces that share
-their keys (or their queries) and touch are merged, so a packed batch costs one kernel call per
+*band*; and it trims the pair to the rows and columns that see anything. A band costs a full
+product plus its mask, so a banded pair longer than ``BAND_TILE`` is cut into tiles, each again
+empty, full or banded: only the tiles along the band's edges keep a mask, the rest run unmasked
+(for a triangle, about half the product plus one tile per edge). Full pieces that share their
+keys (or their queries) and touch are merged, so a packed batch costs one kernel call per
 document and step, as each document alone would. Per rank and step (src = the block's owner)::
 
     window (W = chunk), causal, zigzag, P = 2:   chunks 0 1 2 3;  rank 0 = [0 3], rank 1 = [1 2]
@@ -45,6 +48,9 @@ from typing import Sequence
 
 from megatron_ring.attention.sharding import Segment, check_sharding
 from megatron_ring.attention.window import UNBOUNDED, Band
+
+BAND_TILE = 512
+"""Tile length of banded pairs (Note [Windows and documents: which blocks meet])."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,12 @@ def _pair_plan(qs: Segment, ks: Segment, lo: int, hi: int) -> StepPlan | None:
     return StepPlan(q, k, False, Band(off, lo, hi))
 
 
+def _tiles(segment: Segment) -> list[Segment]:
+    """``segment`` cut into runs of at most ``BAND_TILE`` tokens."""
+    return [Segment(segment.local + i, min(BAND_TILE, segment.length - i), segment.doc, segment.pos + i)
+            for i in range(0, segment.length, BAND_TILE)]
+
+
 def _merge_full(plans: list[StepPlan], along: str) -> list[StepPlan]:
     """Merge unmasked plans that share their other slice and touch along ``along`` ("q" or "k")."""
     other = "k" if along == "q" else "q"
@@ -122,7 +134,14 @@ def segment_plans(q_segments: Sequence[Segment], k_segments: Sequence[Segment], 
             rows = slice(qs[0].local, qs[-1].local + qs[-1].length)
             plans.append(StepPlan(rows, rows, True))
             continue
-        pairs = [p for p in (_pair_plan(a, b, lo, hi) for a in qs for b in ks) if p is not None]
+        pairs: list[StepPlan] = []
+        for a, b in ((a, b) for a in qs for b in ks):
+            plan = _pair_plan(a, b, lo, hi)
+            if plan is not None and plan.band is not None and max(a.length, b.length) > BAND_TILE:
+                tiles = (_pair_plan(x, y, lo, hi) for x in _tiles(a) for y in _tiles(b))
+                pairs += [t for t in tiles if t is not None]
+            elif plan is not None:
+                pairs.append(plan)
         plans += _merge_full(_merge_full(pairs, "q"), "k")
     return tuple(plans)
 

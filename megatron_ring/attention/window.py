@@ -54,8 +54,9 @@ class Band:
 
     def visible(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
         """bool ``[q_len, k_len]``, True where the query sees the key."""
-        d = (torch.arange(q_len, device=device) + self.offset)[:, None] - torch.arange(k_len, device=device)[None, :]
-        return (d >= self.lo) & (d <= self.hi)
+        reach = q_len + k_len + abs(self.offset)  # diagonals beyond the block change nothing
+        lowest, highest = max(-reach, self.offset - self.hi), min(reach, self.offset - self.lo)
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu_(lowest).tril_(highest)
 
 
 def positions_visible(q_positions: torch.Tensor, k_positions: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:

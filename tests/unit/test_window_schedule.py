@@ -4,6 +4,7 @@ import itertools
 import pytest
 import torch
 
+from megatron_ring.attention import schedule as schedule_module
 from megatron_ring.attention.schedule import rank_schedule
 from megatron_ring.attention.sharding import (doc_lengths, local_positions, rank_segments, shard_sequence,
                                               unshard_sequence)
@@ -52,7 +53,18 @@ CASES = [
 @pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{'causal' if c[1] else 'full'}-{c[2]}" for c in CASES])
 def test_plans_cover_each_allowed_pair_exactly_once(size, sharding, case):
-    base, causal, window = case
+    _check_coverage(size, sharding, *case)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] != (-1, -1)][:5], ids=[str(i) for i in range(5)])
+def test_band_tiles_cover_each_allowed_pair_exactly_once(monkeypatch, size, case):
+    """Banded pairs longer than BAND_TILE are cut into tiles; most of them run unmasked."""
+    monkeypatch.setattr(schedule_module, "BAND_TILE", 3)
+    _check_coverage(size, "zigzag", *case)
+
+
+def _check_coverage(size, sharding, base, causal, window):
     lengths = [n * size for n in base]
     total = sum(lengths)
     seen = torch.zeros(total, total, dtype=torch.int64)
