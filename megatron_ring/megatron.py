@@ -9,6 +9,7 @@ from megatron_ring.integrations.megatron.attention import CP_COMM_TYPES, RingAtt
 from megatron_ring.integrations.megatron.batches import gather_logits, gather_sequence, get_batch_on_this_cp_rank
 from megatron_ring.integrations.megatron.equivalence import check_config_main
 from megatron_ring.integrations.megatron.model import build_gpt_model, load_full_state_dict, transformer_config
+from megatron_ring.integrations.megatron.packed import get_thd_batch_on_this_cp_rank, pack_documents
 from megatron_ring.integrations.megatron.specs import get_gpt_layer_ring_spec, gpt_layer_ring_spec, use_ring_attention
 from megatron_ring.integrations.megatron.state import init_megatron, parallel_from_megatron
 
@@ -20,9 +21,11 @@ __all__ = [
     "gather_sequence",
     "get_batch_on_this_cp_rank",
     "get_gpt_layer_ring_spec",
+    "get_thd_batch_on_this_cp_rank",
     "gpt_layer_ring_spec",
     "init_megatron",
     "load_full_state_dict",
+    "pack_documents",
     "parallel_from_megatron",
     "transformer_config",
     "use_ring_attention",

@@ -53,6 +53,10 @@ class GPTModelConfig(StrictModel):
     tie_embeddings: bool = False
     hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    window_size: Optional[list[int]] = Field(
+        default=None, min_length=2, max_length=2, description="sliding window (left, right) in tokens, -1 = unbounded; Megatron's window_size")
+    window_attn_skip_freq: Optional[int] = Field(
+        default=None, ge=1, description="every N-th layer attends fully (Megatron's window_attn_skip_freq)")
 
     @property
     def kv_channels(self) -> int:
@@ -138,6 +142,9 @@ class GPTConfig(StrictModel):
                 f"model.num_layers = {m.num_layers} is not divisible by parallel.pp = {p.pp}; "
                 f"allowed pp: {_divisors(m.num_layers)}"
             )
+        if m.window_size is not None and min(m.window_size) < -1:
+            problems.append(f"model.window_size = {list(m.window_size)} has a value below -1; "
+                            "allowed: ints >= -1 (-1 = unbounded on that side)")
         if p.cp > 1 and m.seq_length % (2 * p.cp):
             problems.append(
                 f"model.seq_length = {m.seq_length} is not divisible by 2*parallel.cp = {2 * p.cp} "

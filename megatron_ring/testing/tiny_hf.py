@@ -1,8 +1,10 @@
-"""Tiny Hugging Face causal LMs (Llama, Qwen2, Mistral) made locally: nothing is downloaded.
+"""Tiny Hugging Face causal LMs (Llama, Qwen2, Mistral, Gemma 2, Gemma 3) made locally: nothing is downloaded.
 
 Each model has grouped-query attention (4 query heads, 2 K/V heads) and RoPE, random weights from
 a fixed seed, and a byte-level tokenizer built in code (256 byte tokens + ``<s>``, ``</s>``,
-``<pad>``; left padding)::
+``<pad>``; left padding). The Gemma models alternate a sliding-window layer and a full layer
+(window 4096 unless ``sliding_window=`` says otherwise) and have no attention-logit softcapping
+unless ``attn_logit_softcapping=`` sets it::
 
     path = save_tiny_model("llama", "/tmp/tiny-llama")          # config + weights + tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "mistral")
+GEMMA_FAMILIES: tuple[str, ...] = ("gemma2", "gemma3")
+ALL_FAMILIES: tuple[str, ...] = FAMILIES + GEMMA_FAMILIES
 SPECIAL_TOKENS: tuple[str, ...] = ("<s>", "</s>", "<pad>")
 BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 VOCAB_SIZE = 260  # 256 bytes + 3 specials, rounded up to an even size
@@ -24,11 +28,13 @@ VOCAB_SIZE = 260  # 256 bytes + 3 specials, rounded up to an even size
 
 def tiny_config(family: str = "llama", **overrides: Any):
     """A ``PretrainedConfig`` for a 2-layer model: hidden 64, 4 heads, 2 K/V heads, head_dim 16."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers.models.gemma3 import Gemma3TextConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma2": Gemma2Config,
+               "gemma3": Gemma3TextConfig}
     if family not in classes:
-        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+        raise ValueError(f"family must be one of {list(ALL_FAMILIES)}, got {family!r}")
     fields: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -36,7 +42,10 @@ def tiny_config(family: str = "llama", **overrides: Any):
         initializer_range=0.2,  # sharp attention and well-separated logits, so tests see real differences
     )
     if family == "mistral":
-        fields["sliding_window"] = None  # full causal attention; set an int to test the window check
+        fields["sliding_window"] = None  # full causal attention; set an int for a windowed model
+    if family in GEMMA_FAMILIES:
+        fields.update(query_pre_attn_scalar=16, attn_logit_softcapping=None,
+                      layer_types=["sliding_attention", "full_attention"])
     fields.update(overrides)
     return classes[family](**fields)
 
@@ -91,6 +100,6 @@ def save_tiny_model(family: str, path: str | os.PathLike, *, seed: int = 0, **ov
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] not in FAMILIES:
-        sys.exit(f"usage: python -m megatron_ring.testing.tiny_hf {{{','.join(FAMILIES)}}} DIRECTORY")
+    if len(sys.argv) != 3 or sys.argv[1] not in ALL_FAMILIES:
+        sys.exit(f"usage: python -m megatron_ring.testing.tiny_hf {{{','.join(ALL_FAMILIES)}}} DIRECTORY")
     print(save_tiny_model(sys.argv[1], sys.argv[2]))

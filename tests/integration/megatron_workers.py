@@ -61,16 +61,105 @@ def core_attention_cp1_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
         "attention_bias": _expect_error(lambda: ring(q, k, v, None, attention_bias=torch.zeros(1))),
         "arbitrary_mask": _expect_error(lambda: ring(q, k, v, torch.rand(1, 1, seq, seq) > 0.5)),
         "packed_seq_params": _expect_error(lambda: ring(q, k, v, None, packed_seq_params=object())),
+        "window_size": _expect_error(
+            lambda: RingAttention(_attention_config(window_size=(4, -2)), 1, AttnMaskType.causal, "self")),
         "dropout_training": _expect_error(lambda: training(q, k, v, None)),
         "padding_mask_type": _expect_error(lambda: RingAttention(_attention_config(), 1, AttnMaskType.padding, "self")),
         "cp_comm_type_unknown": _expect_error(
             lambda: RingAttention(_attention_config(), 1, AttnMaskType.causal, "self", cp_comm_type="ulysses")),
-        "window_size": _expect_error(
-            lambda: RingAttention(_attention_config(window_size=(4, 0)), 1, AttnMaskType.causal, "self")),
     }
     training.eval()
     errors["dropout_eval"] = rel_max(training(q, k, v, None), ring(q, k, v, None))
     return {"errors": errors, "refusals": refusals}
+
+
+def core_attention_window_cp1_cases(seq: int = 16, batch: int = 2) -> dict[str, float]:
+    """cp = 1: windowed RingAttention vs windowed DotProductAttention, per layer of ``window_attn_skip_freq``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.megatron import RingAttention
+
+    init_megatron(ParallelLayout(dp=dist.get_world_size()))
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(seq, batch, 4, 16, generator=gen)
+    k, v = (torch.randn(seq, batch, 2, 16, generator=gen) for _ in range(2))
+    errors = {}
+    for window, skip in (((3, 0), None), ((5, 0), 2), ((0, 0), None), ((20, 0), None)):
+        config = _attention_config(window_size=window, window_attn_skip_freq=skip)
+        for layer in (1, 2):
+            ref = DotProductAttention(config, layer, AttnMaskType.causal, "self")
+            ring = RingAttention(config, layer, AttnMaskType.causal, "self")
+            errors[f"window{window}-skip{skip}-layer{layer}"] = rel_max(ring(q, k, v, None), ref(q, k, v, None))
+    return errors
+
+
+def thd_refusals(tokens: int = 16) -> dict[str, str]:
+    """cp = 1: the packed_seq_params that RingAttention refuses, each with its error message."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.megatron import RingAttention
+
+    init_megatron(ParallelLayout(dp=dist.get_world_size()))
+    q = torch.randn(tokens, 4, 16)
+    k = v = torch.randn(tokens, 2, 16)
+    cu = torch.tensor([0, 6, tokens], dtype=torch.int32)
+    ring = RingAttention(_attention_config(), 1, AttnMaskType.causal, "self")
+
+    def call(mask: Any = None, query: torch.Tensor = q, **fields: Any) -> Callable[[], Any]:
+        params = PackedSeqParams(**{"qkv_format": "thd", "cu_seqlens_q": cu, "cu_seqlens_kv": cu, **fields})
+        return lambda: ring(query, k, v, mask, packed_seq_params=params)
+
+    return {
+        "sbhd": _expect_error(call(qkv_format="sbhd")),
+        "cross": _expect_error(call(cu_seqlens_kv=torch.tensor([0, 8, tokens], dtype=torch.int32))),
+        "hybrid": _expect_error(call(local_cp_size=2)),
+        "mask": _expect_error(call(mask=torch.ones(1, 1, tokens, tokens, dtype=torch.bool))),
+        "4d_query": _expect_error(call(query=q[:, None])),
+        "short": _expect_error(call(cu_seqlens_q=torch.tensor([0, 6, tokens - 2], dtype=torch.int32),
+                                    cu_seqlens_kv=torch.tensor([0, 6, tokens - 2], dtype=torch.int32))),
+        "overlong": _expect_error(call(cu_seqlens_q_padded=torch.tensor([0, 4, tokens], dtype=torch.int32),
+                                       cu_seqlens_kv_padded=torch.tensor([0, 4, tokens], dtype=torch.int32))),
+        "float": _expect_error(call(cu_seqlens_q=cu.float(), cu_seqlens_kv=cu.float())),
+    }
+
+
+def thd_core_attention_cases(doc_lengths: tuple[int, ...] = (6, 9, 4), window: tuple[int, int] = (3, 2)) -> dict[str, float]:
+    """cp = world: RingAttention on a packed THD row (documents padded to 2·cp) vs the float64 reference
+    of each document's real tokens alone, causal and no-mask, with and without a window; padding outputs
+    must be 0. Returns the relative error per case (padding: max |output|)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_ring.attention.reference import attention_reference, rel_err
+    from megatron_ring.attention.sharding import unshard_sequence
+    from megatron_ring.megatron import RingAttention, get_thd_batch_on_this_cp_rank, pack_documents
+
+    cp = dist.get_world_size()
+    init_megatron(ParallelLayout(cp=cp))
+    gen = torch.Generator().manual_seed(5)
+    docs = [{"q": torch.randn(n, 64, generator=gen), "k": torch.randn(n, 32, generator=gen),
+             "v": torch.randn(n, 32, generator=gen)} for n in doc_lengths]
+    batch, params = pack_documents(docs, 2 * cp)
+    part = get_thd_batch_on_this_cp_rank(batch, params.cu_seqlens_q_padded)
+    q, k, v = part["q"][0].view(-1, 4, 16), part["k"][0].view(-1, 2, 16), part["v"][0].view(-1, 2, 16)
+    real = batch["loss_mask"][0].bool()
+    errors: dict[str, float] = {}
+    for mask_type in (AttnMaskType.causal, AttnMaskType.no_mask):
+        for win in (None, window):
+            config = _attention_config(context_parallel_size=cp, window_size=win)
+            out = RingAttention(config, 1, mask_type, "self")(q, k, v, None, packed_seq_params=params)
+            parts = [torch.empty_like(out) for _ in range(cp)]
+            dist.all_gather(parts, out.contiguous())
+            full = unshard_sequence(parts, dim=0, cu_seqlens=params.cu_seqlens_q_padded)
+            causal = mask_type == AttnMaskType.causal
+            ref = attention_reference(*(torch.cat([d[key] for d in docs]).view(sum(doc_lengths), -1, 16).double()
+                                        for key in ("q", "k", "v")), causal=causal, cu_seqlens=params.cu_seqlens_q,
+                                      window_size=(-1, -1) if win is None else (win[0], 0 if causal else win[1]))
+            name = f"{mask_type.name}-window{win}"
+            errors[name] = rel_err(full[real].view(-1, 4, 16), ref)
+            errors[f"{name}-padding"] = float(full[~real].abs().max())
+    return errors
 
 
 def core_attention_mask_cp_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def test_cp1_ring_attention_matches_dot_product_attention(gloo_pool: Any) -> Non
         assert "attn_mask_type = padding" in refusals["padding_mask_type"]
         assert "cp_comm_type = 'ulysses'" in refusals["cp_comm_type_unknown"]
         assert "'a2a+p2p'" in refusals["cp_comm_type_unknown"]
-        assert "window_size" in refusals["window_size"]
+        assert "window_size = (4, -2) must be None or two ints >= -1" in refusals["window_size"]
 
 
 def test_cp_sharded_causal_mask_is_accepted_others_refused(gloo_pool: Any) -> None:

@@ -79,6 +79,9 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
             problems.add(f"parallel.{axis} = {getattr(cfg.parallel, axis)} but megatron_ring.layout.{axis} = "
                          f"{getattr(layout, axis)}; they must be equal")
     problems.run(cfg.check_world_size, layout.world_size)
+    if cfg.model.window_size is not None:
+        problems.add(f"model.window_size = {cfg.model.window_size} is not supported by the Megatron inference runner "
+                     "(its KV-cache decode attends to every cached token); allowed: null")
     total = prompt_len + new_tokens - 1
     if total > cfg.model.seq_length:
         problems.add(f"megatron_ring.workload: prompt_len + new_tokens - 1 = {prompt_len} + {new_tokens} - 1 = "

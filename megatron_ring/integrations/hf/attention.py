@@ -48,7 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.ring import ring_attention
-from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, active
+from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, CPContext, active
 
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
@@ -77,7 +77,12 @@ def _mask_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torc
             torch.cat([v, v.new_zeros(v.shape[:-1] + (extra,))], dim=-1))
 
 
-def _check_module_call(module: torch.nn.Module, seq_len: int, dropout: float, kwargs: dict[str, Any]) -> None:
+def _check_module_call(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """Refuse what the ring cannot compute; return the core's ``window_size`` for this layer.
+
+    transformers' ``sliding_window=W`` lets a query see itself and the ``W - 1`` tokens before it
+    (``kv_idx > q_idx - W``), which is the core's causal ``window_size=(W - 1, 0)``.
+    """
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported with ring attention (weights are never materialised)")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -88,11 +93,11 @@ def _check_module_call(module: torch.nn.Module, seq_len: int, dropout: float, kw
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}={kwargs[name]!r} is not supported with ring attention; allowed: None")
     window = kwargs.get("sliding_window")
-    if window is not None and seq_len > window:
-        raise ValueError(
-            f"sliding_window={window} is shorter than the sequence ({seq_len} tokens); ring attention is exact "
-            "full causal attention, so it supports sliding windows only when the whole sequence fits in the window"
-        )
+    if window is None:
+        return (-1, -1)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window={window!r} must be None or an int >= 1")
+    return (window - 1, 0)
 
 
 def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -107,7 +112,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     changes the shapes that the ranks exchange.
     """
     ctx = active()
-    _check_module_call(module, ctx.total_len or query.shape[2] * ctx.size, dropout, kwargs)
+    window = _check_module_call(module, dropout, kwargs)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if ctx.phase == "decode" and ctx.cache is None:
@@ -116,21 +121,46 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         raise ValueError(f"a ring prefill got {q.shape[1]} local queries but {k.shape[1]} keys: a KV cache that "
                          "ring_generate did not build (model.generate inside a bare cp_context?); generate with "
                          "megatron_ring.hf.ring_generate")
+    if ctx.cu_seqlens is not None:
+        return _packed_prefill(ctx, q, k, v, attention_mask, scale, window), None
     key_mask = attention_mask
+    columns = ctx.cache.layers[module.layer_idx].columns if ctx.phase == "decode" else None
     if key_mask is not None:
         if key_mask.dim() != 2:
             raise ValueError(f"ring attention takes a 2-D padding mask [batch, seq], got shape {tuple(key_mask.shape)}")
         if ctx.phase == "decode":
-            columns = ctx.cache.layers[module.layer_idx].columns
             key_mask = key_mask[:, columns.to(key_mask.device)] if columns is not None else key_mask[:, :0]
     d = q.shape[-1]
     if key_mask is not None:
         q, k, v = _mask_keys(q, k, v, key_mask.bool(), scale)
     if ctx.phase == "decode":
-        out = decode_attention(q, k, v, ctx.group, softmax_scale=scale)
+        positions = _decode_positions(ctx, module.layer_idx, q.shape[1], columns, q.device) if window != (-1, -1) else {}
+        out = decode_attention(q, k, v, ctx.group, softmax_scale=scale, window_size=window, **positions)
     else:
-        out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING)
+        out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING,
+                             window_size=window)
     return out[..., :d], None
+
+
+def _decode_positions(ctx: CPContext, layer_idx: int, q_len: int, columns: torch.Tensor | None,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """Global token indices of the decode queries (the last ``q_len`` seen) and of the local cache entries."""
+    seen = ctx.cache.layers[layer_idx].seen
+    k_positions = columns.to(device) if columns is not None else torch.empty(0, dtype=torch.long, device=device)
+    return {"q_positions": torch.arange(seen - q_len, seen, device=device), "k_positions": k_positions}
+
+
+def _packed_prefill(ctx: CPContext, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scale: float, window: tuple[int, int]) -> torch.Tensor:
+    """One packed row ``[1, t, heads, dim]`` of documents (Note [Packed sequences] in packed.py) -> same shape."""
+    if ctx.phase != "prefill" or q.shape[0] != 1 or attention_mask is not None:
+        raise ValueError(
+            f"a packed call (cp_context(cu_seqlens=...)) runs one prefill row without a padding mask; got phase "
+            f"{ctx.phase!r}, batch {q.shape[0]}, attention_mask {'given' if attention_mask is not None else 'None'}"
+        )
+    out = ring_attention(q[0], k[0], v[0], ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING,
+                         window_size=window, cu_seqlens=ctx.cu_seqlens)
+    return out[None]
 
 
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -208,12 +238,34 @@ def check_model(model: PreTrainedModel, *, require_ring: bool = True) -> None:
         )
     if getattr(config, "output_attentions", False):
         raise ValueError("config.output_attentions=True is not supported with ring attention; allowed: False")
+    _check_attention_fields(config)
     impl = config._attn_implementation
     if require_ring and impl != ATTN_IMPLEMENTATION:
         raise ValueError(
             f"model has attn_implementation={impl!r}; ring_forward / ring_generate need {ATTN_IMPLEMENTATION!r}: "
             f"load it with attn_implementation={ATTN_IMPLEMENTATION!r} or call enable_ring_attention(model)"
         )
+
+
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+"""``config.layer_types`` entries the ring computes exactly (causal full and causal sliding-window layers)."""
+
+
+def _check_attention_fields(config: Any) -> None:
+    """Refuse the attention variants of the config that the ring cannot compute (the field, value, allowed)."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"config.attn_logit_softcapping={softcap} is not supported with ring attention: none of the ring's block "
+            "kernels caps the attention logits (tanh), so the result would differ from the model's; allowed: None"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("config.use_bidirectional_attention=True is not supported with ring attention (causal "
+                         "decoders only); allowed: False")
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if other:
+        raise ValueError(f"config.layer_types contains {other}, which ring attention does not compute; "
+                         f"allowed: {list(LAYER_TYPES)}")
 
 
 def _rope_types(config: Any) -> set[str]:
@@ -223,12 +275,3 @@ def _rope_types(config: Any) -> set[str]:
     return {entry.get("rope_type", "default") for entry in entries}
 
 
-def check_window(model: PreTrainedModel, total_len: int) -> None:
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
-    if window is not None and sliding and total_len > window:
-        raise ValueError(
-            f"config.sliding_window={window} is shorter than the sequence ({total_len} tokens); ring attention is "
-            "exact full causal attention, so sliding windows are supported only when the whole sequence fits"
-        )

@@ -6,6 +6,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.checks import group_rank_size
@@ -23,7 +24,8 @@ class CPContext:
 
     ``phase`` is ``"prefill"`` (local tokens of a zigzag-sharded sequence: ring attention) or
     ``"decode"`` (new tokens identical on all ranks against ``cache``: decode attention).
-    ``total_len`` is the longest global sequence this call can reach (sliding-window check).
+    ``cu_seqlens`` (int32 ``[n_docs + 1]``, global boundaries) marks a packed prefill: one row of
+    documents, each sharded zigzag on its own (Note [Packed sequences] in packed.py).
     """
 
     group: dist.ProcessGroup | None
@@ -31,24 +33,27 @@ class CPContext:
     size: int
     phase: str = "prefill"
     cache: "RingCache | None" = None
-    total_len: int = 0
+    cu_seqlens: torch.Tensor | None = None
 
 
 _ACTIVE: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("megatron_ring_cp_context", default=None)
 
 
 @contextlib.contextmanager
-def cp_context(group: dist.ProcessGroup | None = None, *, total_len: int = 0) -> Iterator[CPContext]:
+def cp_context(group: dist.ProcessGroup | None = None, *,
+               cu_seqlens: torch.Tensor | None = None) -> Iterator[CPContext]:
     """Make ``group`` the CP group of ring-attention model calls inside the ``with`` block.
 
     :func:`ring_forward` and :func:`ring_generate` open it for you. Use it directly to run a
     ``"ring"`` model forward (prefill) on inputs you sharded yourself: zigzag shards of
-    ``input_ids``, the padding mask (or None on every rank) and *global* ``position_ids``;
-    ``total_len`` is the global length for the sliding-window check (default: local x cp). It does not
-    see the model: :func:`enable_ring_attention` checks that a model can run under the ring.
+    ``input_ids``, the padding mask (or None on every rank) and *global* ``position_ids``. For a
+    packed row of documents pass their global boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``,
+    each document a multiple of ``2 * cp`` long) and shard with
+    ``shard_sequence(x, rank, cp, dim=1, cu_seqlens=cu_seqlens)``, batch 1, no padding mask. It does
+    not see the model: :func:`enable_ring_attention` checks that a model can run under the ring.
     """
     rank, size = group_rank_size(group)
-    token = _ACTIVE.set(CPContext(group, rank, size, total_len=total_len))
+    token = _ACTIVE.set(CPContext(group, rank, size, cu_seqlens=cu_seqlens))
     try:
         yield _ACTIVE.get()  # type: ignore[misc]
     finally:

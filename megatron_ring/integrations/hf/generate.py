@@ -31,12 +31,14 @@ import torch.distributed as dist
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.utils import GenerateOutput
 
-from megatron_ring.integrations.hf.attention import check_model, check_window
+from megatron_ring.attention.sharding import chunks_per_rank
+from megatron_ring.integrations.hf.attention import check_model
 from megatron_ring.integrations.hf.cache import RingCache
-from megatron_ring.integrations.hf.context import CPContext, cp_context
+from megatron_ring.integrations.hf.context import SHARDING, CPContext, cp_context
 from megatron_ring.integrations.hf.inputs import (
-    check_ids, gather_seq, generate_positions, local_columns, local_inputs,
+    check_ids, gather_seq, generate_positions, local_columns, local_inputs, pad_id,
 )
+from megatron_ring.integrations.hf.packed import is_packed, pack_rows
 from megatron_ring.integrations.hf.recompute import ring_prefill_every_call
 
 
@@ -51,18 +53,45 @@ def ring_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     ``position_ids`` (default ``0..seq-1``, like the model's own forward). Returns the global logits
     ``[batch, seq, vocab]`` on every rank, or with ``gather_logits=False`` this rank's zigzag shard
     of the (padded) sequence ``[batch, seq_padded // cp, vocab]``.
+
+    Packed rows (``position_ids`` that restart inside a row, as transformers' packing collators
+    make them, without padding): every document attends only to itself, as if run alone (Note
+    [Packed sequences] in packed.py); ``gather_logits=False`` then returns this rank's shard of
+    the packed row ``[1, tokens_local, vocab]``.
     """
     check_model(model)
     input_ids, attention_mask = check_ids(input_ids, attention_mask)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    with cp_context(group, total_len=input_ids.shape[1]) as ctx:
-        check_window(model, ctx.total_len)
+    elif not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != input_ids.shape[1] \
+            or position_ids.dim() != 2 or position_ids.shape[0] not in (1, input_ids.shape[0]):
+        raise ValueError(f"position_ids must be a [batch, seq] tensor like input_ids {tuple(input_ids.shape)}, "
+                         f"got {getattr(position_ids, 'shape', type(position_ids))}")
+    position_ids = position_ids.expand_as(input_ids)
+    if is_packed(position_ids, attention_mask):
+        return _packed_forward(model, input_ids, attention_mask, position_ids, group, gather_logits)
+    with cp_context(group) as ctx:
         local, pad = local_inputs(model, ctx, input_ids, attention_mask, position_ids)
         logits = model(**local, use_cache=False).logits
         if not gather_logits:
             return logits
         return gather_seq(ctx, logits)[:, pad:]
+
+
+def _packed_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, group: dist.ProcessGroup | None, gather_logits: bool) -> torch.Tensor:
+    """:func:`ring_forward` of rows of packed documents (Note [Packed sequences] in packed.py)."""
+    if not bool(attention_mask.bool().all()):
+        raise ValueError("packed rows (position_ids that restart inside a row) with padding in attention_mask are "
+                         "not supported; pass packed documents without padding (attention_mask None or all ones)")
+    with cp_context(group) as ctx:
+        row = pack_rows(input_ids, position_ids, chunks_per_rank(SHARDING) * ctx.size, pad_id(model))
+        ctx.cu_seqlens = row.cu_seqlens
+        local_ids, local_pos = row.shard(ctx.rank, ctx.size)
+        logits = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits
+        if not gather_logits:
+            return logits
+        return gather_seq(ctx, logits)[0, row.index]
 
 
 MANAGED = ("cache", "past_key_values", "position_ids", "inputs_embeds", "assistant_model")
@@ -98,13 +127,6 @@ def _generation_config(model: PreTrainedModel, generation_config: GenerationConf
             raise ValueError(f"{name}=True is not supported with ring_generate (attention weights are never "
                              "materialised; hidden states are sharded); allowed: False")
     return config
-
-
-def _max_total_len(config: GenerationConfig, prompt_len: int) -> int:
-    """An upper bound of the sequence length ``generate`` can reach (for the sliding-window check)."""
-    if config.max_new_tokens is not None:
-        return prompt_len + config.max_new_tokens
-    return prompt_len + (config.max_length or DEFAULT_NEW_TOKENS)
 
 
 def _check_same_random_state(ctx: CPContext, device: torch.device) -> None:
@@ -161,8 +183,7 @@ def ring_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     check_model(model)
     input_ids, attention_mask = check_ids(input_ids, attention_mask)
     config = _generation_config(model, generation_config, kwargs)
-    with cp_context(group, total_len=_max_total_len(config, input_ids.shape[1])) as ctx:
-        check_window(model, ctx.total_len)
+    with cp_context(group) as ctx:
         if config.do_sample:
             _check_same_random_state(ctx, input_ids.device)
         if config.use_cache is False:

@@ -78,12 +78,13 @@ def local_columns(ctx: CPContext, seq_len: int, device: torch.device) -> torch.T
 
 
 def gather_seq(ctx: CPContext, local: torch.Tensor) -> torch.Tensor:
-    """All-gather ``[batch, seq_local, ...]`` over the CP group and undo the zigzag -> ``[batch, seq, ...]``."""
+    """All-gather ``[batch, seq_local, ...]`` over the CP group and undo the zigzag -> ``[batch, seq, ...]``
+    (per document when the context is packed)."""
     if ctx.size == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(ctx.size)]
     dist.all_gather(parts, local.contiguous(), group=ctx.group)
-    return unshard_sequence(parts, dim=1, sharding=SHARDING)
+    return unshard_sequence(parts, dim=1, sharding=SHARDING, cu_seqlens=ctx.cu_seqlens)
 
 
 def last_token(ctx: CPContext, local: torch.Tensor) -> torch.Tensor:

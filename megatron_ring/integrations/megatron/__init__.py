@@ -5,11 +5,12 @@ Files:
 * ``attention.py``   :class:`RingAttention`, the drop-in for ``DotProductAttention``;
 * ``specs.py``       layer specs with the leaf swapped (``get_gpt_layer_ring_spec``, ``use_ring_attention``);
 * ``batches.py``     Megatron's zigzag batch split and the gathers of sequences and logits;
+* ``packed.py``      packed (THD) batches: documents packed and split per document, ``PackedSeqParams`` checks;
 * ``state.py``       the one initialisation of ``parallel_state`` (:func:`init_megatron`) and views of its groups;
 * ``model.py``       a real ``GPTModel`` from a ``configs/megatron`` file; unsharded weights in and out;
 * ``cpu_shims.py``   the CUDA-only calls of megatron-core replaced on CPU;
 * ``pipeline.py``    one pipeline stage's forward and backward with send/recv;
-* ``equivalence.py`` a config against the same model at cp = 1 (``python -m megatron_ring.megatron``).
+* ``equivalence.py`` a config (or a packed batch) against the same model at cp = 1 (``python -m megatron_ring.megatron``).
 
 Users import the public names from :mod:`megatron_ring.megatron`.
 """

@@ -10,8 +10,10 @@ forward, so context parallelism becomes a one-line spec swap on any device::
 Everything else in Megatron stays as it is: RoPE already rotates each CP rank's tokens at their
 global zigzag positions, ``get_batch_on_this_cp_rank`` already lays batches out zigzag, and the
 DP x CP gradient reduction already sums weight gradients over CP ranks. This module only
-translates layouts (``[sq, b, np, hn]`` <-> ``[b, sq, np, hn]``) and checks that the arguments it
-cannot honour are absent; the numerics live in :func:`megatron_ring.ring_attention`.
+translates layouts (``[sq, b, np, hn]`` <-> ``[b, sq, np, hn]``; packed THD ``[t, np, hn]`` as is,
+Note [THD layout under CP] in packed.py), maps ``config.window_size`` to the ring's window and
+checks that the arguments it cannot honour are absent; the numerics live in
+:func:`megatron_ring.ring_attention`.
 """
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_ring.attention.alltoall import CPGroups
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import local_positions
+from megatron_ring.integrations.megatron.packed import thd_layout
 
 CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """Megatron ``cp_comm_type`` values RingAttention implements: all of them (``comm`` of ring_attention)."""
@@ -45,10 +49,14 @@ class RingAttention(MegatronModule):
 
     Layouts (np = query heads of this TP rank, ng = its K/V heads, sq = local tokens):
     query ``[sq, b, np, hn]``, key/value ``[sq, b, ng, hn]`` -> output ``[sq, b, np * hn]``.
-    Supports causal and no-mask attention, GQA/MQA, any ``softmax_scale`` and every ``cp_comm_type``
-    (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``; a list picks one per layer, by global
-    layer number). ``"a2a+p2p"`` runs over Megatron's hierarchical CP groups
-    (``hierarchical_context_parallel_sizes = [a2a, ring]``, from ``pg_collection.hcp`` or
+    Packed sequences (``packed_seq_params.qkv_format == "thd"``): query ``[t, np, hn]``, key/value
+    ``[t, ng, hn]`` -> ``[t, np * hn]``, t = this rank's tokens of all documents.
+    Supports causal and no-mask attention, GQA/MQA, any ``softmax_scale``, sliding windows
+    (``config.window_size`` on the layers that ``config.window_attn_skip_freq`` selects, as
+    Megatron's ``DotProductAttention``) and every ``cp_comm_type`` (``"p2p"``, ``"all_gather"``,
+    ``"a2a"``, ``"a2a+p2p"``; a list picks one per layer, by global layer number; windows and packed
+    sequences need ``"p2p"`` or ``"all_gather"``). ``"a2a+p2p"`` runs over Megatron's hierarchical CP
+    groups (``hierarchical_context_parallel_sizes = [a2a, ring]``, from ``pg_collection.hcp`` or
     parallel_state). With cp = 1 it is plain attention.
     """
 
@@ -86,14 +94,14 @@ class RingAttention(MegatronModule):
                 f"context_parallel_size = {config.context_parallel_size} in the TransformerConfig but the CP "
                 f"process group has {self.cp_size} ranks; they must agree (RoPE positions depend on it)"
             )
-        for field, bad in (("window_size", config.window_size is not None),
-                           ("softmax_type", config.softmax_type != "vanilla"),
+        self.window_size = _window(config, self.layer_number)
+        for field, bad in (("softmax_type", config.softmax_type != "vanilla"),
                            ("qk_clip", getattr(config, "qk_clip", False)),
                            ("log_max_attention_logit", getattr(config, "log_max_attention_logit", False))):
             if bad:
                 raise ValueError(
                     f"TransformerConfig.{field} = {getattr(config, field)!r} is not supported by RingAttention "
-                    "(only full causal / unmasked softmax attention is)"
+                    "(only causal / unmasked softmax attention, optionally windowed, is)"
                 )
 
     @property
@@ -114,13 +122,10 @@ class RingAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        """``[sq, b, np, hn]`` x ``[sq, b, ng, hn]`` x2 -> ``[sq, b, np * hn]`` (sq = local tokens)."""
+        """``[sq, b, np, hn]`` x ``[sq, b, ng, hn]`` x2 -> ``[sq, b, np * hn]`` (sq = local tokens);
+        THD: ``[t, np, hn]`` x ``[t, ng, hn]`` x2 -> ``[t, np * hn]``."""
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by RingAttention; allowed: None")
-        if packed_seq_params is not None:
-            raise ValueError(
-                "packed_seq_params (THD packed sequences) are not supported by RingAttention; allowed: None"
-            )
         if self.training and self.attention_dropout > 0:
             raise ValueError(
                 f"attention_dropout = {self.attention_dropout} is not supported by RingAttention in training; "
@@ -128,6 +133,8 @@ class RingAttention(MegatronModule):
             )
         mask_type = self.attn_mask_type if attn_mask_type is None else _check_mask_type(attn_mask_type)
         causal = mask_type in _CAUSAL
+        if packed_seq_params is not None:
+            return self._forward_thd(query, key, value, attention_mask, packed_seq_params, causal)
         if query.dim() != 4:
             raise ValueError(f"query must be [sq, b, np, hn], got shape {tuple(query.shape)}")
         if attention_mask is not None:
@@ -135,9 +142,35 @@ class RingAttention(MegatronModule):
         out = ring_attention(
             query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.ring_group,
             causal=causal, softmax_scale=self.softmax_scale, sharding="zigzag", comm=self.cp_comm_type,
+            window_size=self._ring_window(causal),
         )
         sq, b, heads, dim = query.shape
         return out.transpose(0, 1).reshape(sq, b, heads * dim)
+
+    def _ring_window(self, causal: bool) -> tuple[int, int]:
+        """The ring's ``window_size``: unbounded without a window; a causal window looks back only."""
+        if self.window_size is None:
+            return (-1, -1)
+        return (self.window_size[0], 0) if causal else self.window_size
+
+    def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], params: Any, causal: bool) -> torch.Tensor:
+        """Packed documents (Note [THD layout under CP] in packed.py): ``[t, np, hn]`` -> ``[t, np * hn]``."""
+        layout = thd_layout(params, query.shape[0], self.cp_rank, self.cp_size, self.cp_group)
+        if query.dim() != 3:
+            raise ValueError(f"with packed_seq_params query must be [t, np, hn], got shape {tuple(query.shape)}")
+        if attention_mask is not None:
+            raise ValueError("attention_mask must be None with packed_seq_params (documents are separated by "
+                             f"cu_seqlens), got a {tuple(attention_mask.shape)} tensor")
+        real = None if layout.real is None else layout.real.to(query.device)
+        out = ring_attention(
+            query, key, value, self.cp_group, causal=causal, softmax_scale=self.softmax_scale, sharding="zigzag",
+            comm=self.cp_comm_type, window_size=self._ring_window(causal), cu_seqlens=layout.cu_seqlens,
+            key_padding_mask=None if causal else real,
+        )
+        if real is not None:
+            out = out * real[:, None, None].to(out.dtype)
+        return out.reshape(query.shape[0], -1)
 
     def _check_attention_mask(self, mask: torch.Tensor, sq_local: int, causal: bool) -> None:
         """Accept a mask only if it is the one implied by the mask type (True = masked out).
@@ -165,6 +198,20 @@ class RingAttention(MegatronModule):
                 f"attention_mask is not {kind}; RingAttention supports only attn_mask_type in "
                 f"{_mask_names(_SUPPORTED_MASKS)} without arbitrary masks (pass attention_mask=None)"
             )
+
+
+def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int, int]]:
+    """``config.window_size`` if this layer is windowed (``window_attn_skip_freq``), else None; checked."""
+    window = config.window_size
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
+        raise ValueError(f"TransformerConfig.window_size = {window!r} must be None or two ints >= -1 "
+                         "(left, right; -1 = unbounded)")
+    if not is_layer_window_attention(tuple(window), config.window_attn_skip_freq, layer_number):
+        return None
+    return int(window[0]), int(window[1])
 
 
 def _check_mask_type(mask_type: AttnMaskType) -> AttnMaskType:

@@ -5,7 +5,8 @@ Megatron-core assumes CUDA in a few places that a GPT forward/backward touches:
 * ``RotaryEmbedding.get_emb`` moves the RoPE frequencies to ``torch.cuda.current_device()``;
 * ``get_pos_emb_on_this_cp_rank`` builds its index with ``pin_memory=True`` and ``.cuda()``;
 * ``GlobalMemoryBuffer.get_tensor`` (DotProductAttention's score buffer) allocates on CUDA;
-* ``get_default_causal_mask`` (the torch softmax path) builds the mask on ``"cuda"``;
+* ``get_default_causal_mask`` and ``get_sliding_window_causal_mask`` (the torch softmax path)
+  build their masks on ``"cuda"``;
 * the CUDA RNG tracker (``get_cuda_rng_tracker().fork()`` around attention dropout) needs CUDA
   generator states.
 
@@ -62,6 +63,12 @@ def _default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """Megatron's ``get_sliding_window_causal_mask`` on CPU: ``[sq, skv]`` bool, True = masked."""
+    keep = torch.ones(sq, skv, dtype=torch.bool).triu(diagonal=skv - sq - window_size[0])
+    return ~keep.tril(diagonal=skv - sq + window_size[1])
+
+
 def apply_cpu_shims() -> None:
     """Patch megatron-core's CUDA-only calls listed in the module docstring (idempotent)."""
     global _APPLIED
@@ -77,6 +84,7 @@ def apply_cpu_shims() -> None:
         module.get_pos_emb_on_this_cp_rank = _get_pos_emb_on_this_cp_rank
     mcore_utils.GlobalMemoryBuffer.get_tensor = _get_tensor
     fused_softmax.get_default_causal_mask = _default_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
     # The inference tracker's fork() is a no-op context: no CUDA generator is touched.
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _APPLIED = True

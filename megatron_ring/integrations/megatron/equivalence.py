@@ -13,6 +13,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.integrations.megatron.batches import gather_logits, get_batch_on_this_cp_rank
+from megatron_ring.integrations.megatron.packed import get_thd_batch_on_this_cp_rank, pack_documents
 from megatron_ring.integrations.megatron.model import build_gpt_model, full_state_dict, global_name, \
     load_full_state_dict, shard_of, unwrap
 from megatron_ring.integrations.megatron.pipeline import stage_backward, stage_forward
@@ -89,6 +90,72 @@ def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int 
         _, logits = stage_forward(model, part["tokens"], part["position_ids"])
     if ps.is_pipeline_last_stage():
         result["logits_err"] = rel_max(gather_logits(logits.float()), ref_logits)
+    return result
+
+
+def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
+                                seed: int = 1234) -> dict[str, Any]:
+    """Same weights: ``cfg_data``'s model on one packed THD row of documents vs each document alone at cp = 1.
+
+    The reference runs every document as its own sequence through the unsharded local-attention
+    model (tp = pp = cp = 1, Megatron's ``DotProductAttention``) and sums token losses and
+    gradients. The configured model (pp = 1) gets all documents packed in one row, each padded to
+    a multiple of ``2 * cp`` (:func:`pack_documents`), split per document over the CP group
+    (:func:`get_thd_batch_on_this_cp_rank`) and ``packed_seq_params``. Returns relative errors of
+    loss, real-token logits and every parameter gradient (summed over CP ranks).
+    """
+    cfg = GPTConfig.parse(cfg_data)
+    if cfg.parallel.pp != 1:
+        raise ValueError(f"compare_packed_to_reference needs parallel.pp = 1, got {cfg.parallel.pp}")
+    world = dist.get_world_size()
+    ref_cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
+    vocab = cfg.model.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    docs = [{"tokens": torch.randint(0, vocab, (n,), generator=gen), "labels": torch.randint(0, vocab, (n,), generator=gen)}
+            for n in doc_lengths]
+    n_tokens = sum(doc_lengths)
+
+    init_megatron(ParallelLayout(dp=world), seed=seed)
+    ref = build_gpt_model(ref_cfg)
+    ref_logits, ref_loss = [], 0.0
+    for doc in docs:
+        tokens, labels, positions = doc["tokens"][None], doc["labels"][None], torch.arange(len(doc["tokens"]))[None]
+        doc_loss = ref(tokens, positions, None, labels=labels).float().sum() / n_tokens
+        doc_loss.backward()
+        ref_loss += float(doc_loss)
+        with torch.no_grad():
+            ref_logits.append(ref(tokens, positions, None)[0].float())
+    ref_grads = {name: p.grad.float().clone() for name, p in unwrap(ref).named_parameters()}
+    weights = full_state_dict(ref)
+    del ref
+
+    init_megatron(cfg.check_world_size(world), seed=seed)
+    cp_group = ps.get_context_parallel_group()
+    model = build_gpt_model(cfg)
+    load_full_state_dict(model, weights)
+    batch, params = pack_documents(docs, 2 * cfg.parallel.cp)
+    part = get_thd_batch_on_this_cp_rank(batch, params.cu_seqlens_q_padded)
+    loss_tok = model(part["tokens"], part["position_ids"], None, labels=part["labels"], packed_seq_params=params)
+    loss_sum = (loss_tok.float() * part["loss_mask"]).sum()
+    (loss_sum / n_tokens).backward()
+    result: dict[str, Any] = {"rank": dist.get_rank()}
+    total = loss_sum.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    result["loss_err"] = abs(float(total) / n_tokens - ref_loss) / abs(ref_loss)
+    worst, worst_name = 0.0, ""
+    for name, param in unwrap(model).named_parameters():
+        grad = param.grad.float().clone()
+        dist.all_reduce(grad, group=cp_group)
+        ref_grad = shard_of(param, ref_grads[global_name(model, name)])
+        err = rel_max(grad, ref_grad) if cfg.dtype == "fp32" else rel_l2(grad, ref_grad)
+        if err > worst:
+            worst, worst_name = err, name
+    result["grad_err"], result["grad_worst"] = worst, worst_name
+    with torch.no_grad():
+        logits = model(part["tokens"], part["position_ids"], None, packed_seq_params=params).float()
+    full = gather_logits(logits, cu_seqlens=params.cu_seqlens_q_padded)[0]
+    real = batch["loss_mask"][0].bool()
+    result["logits_err"] = rel_max(full[real], torch.cat(ref_logits))
     return result
 
 

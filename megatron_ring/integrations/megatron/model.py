@@ -57,6 +57,8 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         normalization=m.normalization,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
+        window_size=None if m.window_size is None else tuple(m.window_size),
+        window_attn_skip_freq=m.window_attn_skip_freq,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         context_parallel_size=p.cp,
