@@ -178,10 +178,15 @@ def test_packed_cp_context_is_differentiable():
     (lambda impl: tiny_model("llama", attn_implementation=impl, layer_types=["chunked_attention", "full_attention"]),
      r"config.layer_types contains \['chunked_attention'\]"),
 ], ids=["gemma2-softcap", "gemma3-bidirectional", "chunked-layers"])
-@pytest.mark.parametrize("entry", ["enable_ring_attention", "ring_forward", "ring_generate"])
+@pytest.mark.parametrize("entry", ["load", "enable_ring_attention", "ring_forward", "ring_generate"])
 def test_unsupported_attention_variants_are_refused(build, match, entry):
+    """Refused at load with "ring" (Note [Refusing at load]) and, loaded otherwise, at every entry point."""
+    if entry == "load":
+        with pytest.raises(ValueError, match=match):
+            build("ring")
+        return
     ids = _prompts()["plain"][0]
-    model = build("eager" if entry == "enable_ring_attention" else "ring")
+    model = build("eager")
     calls = {"enable_ring_attention": lambda: enable_ring_attention(model),
              "ring_forward": lambda: ring_forward(model, ids),
              "ring_generate": lambda: ring_generate(model, ids, max_new_tokens=2)}

@@ -51,11 +51,6 @@ from megatron_ring.attention.ring import ring_attention
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, CPContext, active
 
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-"""The ``config.layer_types`` entries the ring runs; every other (``linear_attention``, ``mamba``, ``conv``,
-``chunked_attention``, ...) is refused by :func:`check_model`."""
-
-
 def _big(scale: float, dtype: torch.dtype) -> float:
     """Padding bias: makes ``exp(scale * (score - big))`` exactly 0 without overflowing ``dtype``."""
     return min(1e4 / scale, torch.finfo(dtype).max / 8)
@@ -229,13 +224,6 @@ def check_model(model: PreTrainedModel, *, require_ring: bool = True) -> None:
                 "position id in each forward, and under the ring a rank sees only its own shard's positions; "
                 "allowed: rope types with fixed frequencies ('default', 'linear', 'llama3', 'yarn', ...)"
             )
-    recurrent = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
-    if recurrent:
-        raise ValueError(
-            f"{name} is not supported with ring attention: config.layer_types has {recurrent}, layers that carry "
-            "state along the sequence outside attention, which the ring does not pass between ranks; "
-            f"allowed: {sorted(ATTENTION_LAYER_TYPES)}"
-        )
     if getattr(config, "output_attentions", False):
         raise ValueError("config.output_attentions=True is not supported with ring attention; allowed: False")
     _check_attention_fields(config)
