@@ -11,7 +11,10 @@ Files:
 * ``allgather.py``          the all-gather variant on the same schedule;
 * ``auto_comm.py``          ``comm="auto"``: p2p or all_gather from a cost model;
 * ``decode.py``             ``decode_attention`` against a KV cache sharded over the CP group;
+* ``ops.py``, ``opaque.py`` both as torch.library custom ops, for torch.compile (registered on import);
 * ``checks.py``             validation at the boundary;
 * ``instrument.py``         ``ring_stats``: bytes sent, compute and exposed communication time;
 * ``reference.py``          float64 references for tests, benchmarks and the demo.
 """
+
+import megatron_ring.attention.ops  # noqa: E402,F401  (registers torch.ops.megatron_ring.*)

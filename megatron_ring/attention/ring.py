@@ -37,6 +37,7 @@ from megatron_ring.attention.checks import (check_choice, check_key_padding_mask
 from megatron_ring.attention.handshake import Field, agree, choice_field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.merge import merge_into
+from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.schedule import StepPlan, step_plan
 from megatron_ring.attention.sharding import SHARDINGS, check_divisible
 
@@ -262,6 +263,42 @@ def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return q + (k.sum() + v.sum()).to(q.dtype)  # sums over no element: 0
 
 
+@dataclass(frozen=True)
+class _Run:
+    """A call ready to run: its checked spec, the channel its K/V travel on and the gathered key masks."""
+
+    call: _Call
+    channel: P2PRing | GatheredKV
+    key_masks: torch.Tensor | None
+
+
+def _start(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, *, causal: bool,
+           softmax_scale: float | None, sharding: str, comm: str, backend: str,
+           key_padding_mask: torch.Tensor | None, check_consistency: bool) -> _Run | None:
+    """Checks and handshake of a ``ring_attention`` call (raising on every rank alike), then its
+    channel and gathered key masks; None for an empty batch (nothing moves)."""
+    rank, size = group_rank_size(group)
+    call: _Call | None = None
+    error: Exception | None = None
+    try:
+        call = _prepare(q, k, v, rank, size, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
+                        comm=comm, backend=backend, key_padding_mask=key_padding_mask)
+    except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
+        error = err
+    if check_consistency and size > 1:
+        agree("ring_attention", None if call is None else _fields(q, k, call, comm), group, size, q)
+    if call is None:
+        assert error is not None
+        raise error
+    if q.shape[0] == 0:
+        return None
+    channel = P2PRing(group, rank, size) if call.comm == "p2p" else GatheredKV(group, rank, size)
+    key_masks = None
+    if key_padding_mask is not None:
+        key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, size).bool()
+    return _Run(call, channel, key_masks)
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                    causal: bool = False, softmax_scale: float | None = None, sharding: str = "zigzag",
                    comm: str = "p2p", backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
@@ -296,24 +333,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
         empty batch (batch 0) gives an empty result; ``seq_local``, heads or ``head_dim`` of 0 are
         a ValueError.
     """
-    rank, size = group_rank_size(group)
-    call: _Call | None = None
-    error: Exception | None = None
-    try:
-        call = _prepare(q, k, v, rank, size, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
-                        comm=comm, backend=backend, key_padding_mask=key_padding_mask)
-    except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
-        error = err
-    if check_consistency and size > 1:
-        agree("ring_attention", None if call is None else _fields(q, k, call, comm), group, size, q)
-    if call is None:
-        assert error is not None
-        raise error
-    if q.shape[0] == 0:
+    options = dict(causal=causal, softmax_scale=softmax_scale, sharding=sharding, comm=comm, backend=backend,
+                   check_consistency=check_consistency)
+    if torch.compiler.is_compiling():  # one opaque custom op: Note [torch.compile] in ops.py
+        through_op = call_op("ring_attention", (q, k, v), group, {"key_padding_mask": key_padding_mask}, options)
+        if through_op is not None:
+            return through_op[0]
+    run = _start(q, k, v, group, key_padding_mask=key_padding_mask, **options)
+    if run is None:
         return _empty_batch(q, k, v)
-    channel = P2PRing(group, rank, size) if call.comm == "p2p" else GatheredKV(group, rank, size)
-    key_masks = None
-    if key_padding_mask is not None:
-        key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, size).bool()
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, call.spec, key_masks)
+    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), run.channel, run.call.spec,
+                               run.key_masks)
     return out.transpose(1, 2)
