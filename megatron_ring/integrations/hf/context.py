@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -34,7 +33,8 @@ class CPContext:
     total_len: int = 0
 
 
-_ACTIVE: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("megatron_ring_cp_context", default=None)
+_ACTIVE: list[CPContext] = []
+"""The open contexts, innermost last: a plain list, which torch.compile traces (a ContextVar breaks its graph)."""
 
 
 @contextlib.contextmanager
@@ -48,18 +48,18 @@ def cp_context(group: dist.ProcessGroup | None = None, *, total_len: int = 0) ->
     see the model: :func:`enable_ring_attention` checks that a model can run under the ring.
     """
     rank, size = group_rank_size(group)
-    token = _ACTIVE.set(CPContext(group, rank, size, total_len=total_len))
+    ctx = CPContext(group, rank, size, total_len=total_len)
+    _ACTIVE.append(ctx)
     try:
-        yield _ACTIVE.get()  # type: ignore[misc]
+        yield ctx
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.pop()  # contexts nest, so ours is the last
 
 
 def active() -> CPContext:
-    ctx = _ACTIVE.get()
-    if ctx is None:
+    if not _ACTIVE:
         raise RuntimeError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} needs a context-parallel context: call the model through "
             "megatron_ring.hf.ring_forward / ring_generate, or inside `with megatron_ring.hf.cp_context(group):`"
         )
-    return ctx
+    return _ACTIVE[-1]
