@@ -24,7 +24,7 @@ def _literal(value: object) -> bool:
     """Whether ``value`` survives ``repr`` + ``ast.literal_eval`` unchanged (tuples of literals too)."""
     if isinstance(value, tuple):
         return all(_literal(item) for item in value)
-    return isinstance(value, LITERALS)
+    return type(value) in LITERALS  # not a SymFloat/SymInt, which has no literal while dynamo traces
 
 
 def call_op(name: str, tensors: tuple[object, ...], group: object, extras: dict[str, object],

@@ -27,7 +27,7 @@ frequencies from the config at load and are exact at global positions.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -59,7 +59,10 @@ def _mask_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torc
             torch.cat([v, v.new_zeros(v.shape[:-1] + (extra,))], dim=-1))
 
 
-def _check_module_call(module: torch.nn.Module, seq_len: int, dropout: float, kwargs: dict[str, Any]) -> None:
+def _check_module_call(module: torch.nn.Module, seq_len: Callable[[], int], dropout: float,
+                       kwargs: dict[str, Any]) -> None:
+    """Reject what the ring does not compute; ``seq_len()`` is the global length, read only for a
+    sliding window (so that torch.compile guards on it only then)."""
     if kwargs.get("output_attentions"):
         raise ValueError("output_attentions=True is not supported with ring attention (weights are never materialised)")
     if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
@@ -70,9 +73,9 @@ def _check_module_call(module: torch.nn.Module, seq_len: int, dropout: float, kw
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}={kwargs[name]!r} is not supported with ring attention; allowed: None")
     window = kwargs.get("sliding_window")
-    if window is not None and seq_len > window:
+    if window is not None and seq_len() > window:
         raise ValueError(
-            f"sliding_window={window} is shorter than the sequence ({seq_len} tokens); ring attention is exact "
+            f"sliding_window={window} is shorter than the sequence ({seq_len()} tokens); ring attention is exact "
             "full causal attention, so it supports sliding windows only when the whole sequence fits in the window"
         )
 
@@ -89,7 +92,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     changes the shapes that the ranks exchange.
     """
     ctx = active()
-    _check_module_call(module, ctx.total_len or query.shape[2] * ctx.size, dropout, kwargs)
+    _check_module_call(module, lambda: ctx.total_len or query.shape[2] * ctx.size, dropout, kwargs)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if ctx.phase == "decode" and ctx.cache is None:

@@ -155,6 +155,7 @@ def ring_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
             model(input_ids=local_ids, attention_mask=None if bool(mask.all()) else local_mask,
                   position_ids=local_pos, cache=cache, use_cache=True, **extra)
         cache.forget_last()
+        cache.start_decode()
         ctx.phase, ctx.cache = "decode", cache
         out = model.generate(ids, attention_mask=mask, cache=cache, generation_config=config, **model_kwargs)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
