@@ -114,7 +114,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 def _backward(ctx: Any, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
     q, k, v, out, lse, *extras = ctx.saved_tensors
     dq, dk, dv = ring_attention_backward_op(dout, q, k, v, out, lse, extras, ctx.group, ctx.options)
-    return dq, dk, dv, [None] * len(extras), None, None
+    # the gradient of ``extras`` mirrors how autograd flattened it: a list when it holds a tensor, else one leaf
+    no_grads = [None] * len(extras) if any(e is not None for e in extras) else None
+    return dq, dk, dv, no_grads, None, None
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -17,12 +17,12 @@ def _breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def ring_compiled_vs_eager(backend: str, seq: int = 8) -> dict[str, float]:
-    """Max |compiled - eager| of this rank's output and q/k/v gradients (causal, GQA, key padding
-    mask), compiled with ``fullgraph=True``, and the graph breaks ``torch._dynamo.explain`` counts."""
+def ring_compiled_vs_eager(backend: str, padded: bool, seq: int = 8) -> dict[str, float]:
+    """Max |compiled - eager| of this rank's output and q/k/v gradients (causal, GQA, ``padded``: a key
+    padding mask), compiled with ``fullgraph=True``, and the graph breaks ``torch._dynamo.explain`` counts."""
     rank, size = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (t[:, rank * seq:(rank + 1) * seq] for t in _inputs(3, seq * size, 4, 2, 8, torch.float32))
-    mask = padding_mask(3, seq * size)[:, rank * seq:(rank + 1) * seq]
+    mask = padding_mask(3, seq * size)[:, rank * seq:(rank + 1) * seq] if padded else None
 
     def attend(q, k, v, mask):
         return ring_attention(q, k, v, causal=True, sharding="contiguous", key_padding_mask=mask) * 2
