@@ -42,17 +42,19 @@ def ring_compiled_vs_eager(backend: str, padded: bool, seq: int = 8) -> dict[str
 
 
 def decode_steps_compiled(steps: int = 5) -> dict[str, object]:
-    """A compiled decode step (append this step's K/V to a growing cache shard, then attend) over
-    ``steps`` steps: max |compiled - eager|, graphs compiled, graph breaks."""
+    """A compiled decode step (append this step's K/V to a growing cache shard, then attend over a
+    new process group) over ``steps`` steps: max |compiled - eager|, graphs compiled, graph breaks."""
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(1 + rank)  # each rank's own shard
     k_cache, v_cache = torch.randn(2, 3 + rank, 2, 8, generator=gen), torch.randn(2, 3 + rank, 2, 8, generator=gen)
     torch.manual_seed(7)  # the new tokens' q (identical on every rank) and K/V
     news = [(torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)) for _ in range(steps)]
 
+    group = dist.new_group(list(range(dist.get_world_size())))  # a group of its own: crosses into the op by name
+
     def step(q, k_cache, v_cache, k_new, v_new):
         k_cache, v_cache = torch.cat([k_cache, k_new], 1), torch.cat([v_cache, v_new], 1)
-        return decode_attention(q, k_cache, v_cache), k_cache, v_cache
+        return decode_attention(q, k_cache, v_cache, group), k_cache, v_cache
 
     torch._dynamo.reset()
     counters.clear()
