@@ -34,7 +34,8 @@ class CPContext:
 
 
 _ACTIVE: list[CPContext] = []
-"""The open contexts, innermost last: a plain list, which torch.compile traces (a ContextVar breaks its graph)."""
+"""The open contexts, innermost last: a plain list, which torch.compile traces (a ContextVar breaks its
+graph). One per process, so threads running models under different CP contexts at once would share it."""
 
 
 @contextlib.contextmanager
