@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or not DEEPSPEED.exists(),
                                      reason="deepspeed launcher not installed")
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
@@ -40,28 +42,41 @@ def free_port() -> int:
 
 
 def rank_pid(launcher_pid: int, script: str, local_rank: int) -> int | None:
+    """The pid of the rank running ``script`` with ``local_rank``: the deepspeed launcher passes it as
+    ``--local_rank=N``, torchrun as ``LOCAL_RANK`` in the environment."""
     import psutil
 
     for child in psutil.Process(launcher_pid).children(recursive=True):
         try:
-            cmdline = child.cmdline()
-        except psutil.NoSuchProcess:
+            cmdline, env = child.cmdline(), child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if f"--local_rank={local_rank}" in cmdline and any(arg.endswith(script) for arg in cmdline):
+        if not any(arg.endswith(script) for arg in cmdline) or "python" not in Path(cmdline[0]).name:
+            continue
+        if f"--local_rank={local_rank}" in cmdline or env.get("LOCAL_RANK") == str(local_rank):
             return child.pid
     return None
 
 
-def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int,
-                      running: Callable[[str], bool]) -> tuple[int, float, int, str]:
+def launcher_command(launcher: str, nprocs: int, script: str, config: Path) -> list[str]:
+    """The deepspeed launcher, or torchrun, whose agent hosts the rendezvous store (not rank 0)."""
+    port = str(free_port())
+    if launcher == "deepspeed":
+        head = [str(DEEPSPEED), "--num_gpus", str(nprocs), "--master_port", port]
+    else:
+        head = [str(TORCHRUN), "--nproc_per_node", str(nprocs), "--master_port", port]
+    return [*head, str(ROOT / "launch" / script), "--deepspeed_config", str(config)]
+
+
+def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int, running: Callable[[str], bool],
+                      launcher: str = "deepspeed") -> tuple[int, float, int, str]:
     """Launch ``script`` on ``nprocs`` local processes, SIGSTOP rank ``victim`` once ``running(output)``.
 
     Returns (launcher exit status, seconds from the stop to the launcher's return, victim pid,
     output). Whatever happens, nothing is left behind: the launcher's process group is killed and
     the victim gets SIGKILL then SIGCONT.
     """
-    cmd = [str(DEEPSPEED), "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(ROOT / "launch" / script),
-           "--deepspeed_config", str(config)]
+    cmd = launcher_command(launcher, nprocs, script, config)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -104,29 +119,35 @@ def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int,
     return code, elapsed, victim_pid, out
 
 
-def check_survivors(out: str, survivors: list[int], victim: int, victim_pid: int) -> None:
+def check_survivors(out: str, survivors: list[int], victim: int, victim_pid: int, store_host: bool) -> None:
     """One line per surviving rank, each with the same verdict: the stalled rank, killed (not "exited").
 
-    A stopped rank 0 takes the store with it: its verdict comes from each survivor's store guard,
-    without the store's agreement, and must be the same line on every survivor all the same.
+    A stopped rank 0 that hosts the store (``store_host``: the deepspeed launcher) takes the store with
+    it: its verdict comes from each survivor's store guard, without the store's agreement, and must be
+    the same on every survivor all the same. Under torchrun the agent hosts the store, which keeps
+    answering, and a stopped rank 0 is found by its heartbeat like any other rank; torchrun's agent
+    sends SIGTERM to the workers still running once one has exited, and a survivor it reaches first
+    says ``terminated by SIGTERM (after lost rank J (...))`` with the same verdict.
     """
     verdicts = set()
     for rank in survivors:
         lines = [ln for ln in out.splitlines() if f"[megatron_ring] rank {rank}:" in ln]
         assert len(lines) == 1, f"rank {rank} did not say exactly one line:\n{out[-3000:]}"
-        why = "hosts the rendezvous store; no answer for " if victim == 0 else "no heartbeat for "
+        why = "hosts the rendezvous store; no answer for " if store_host else "no heartbeat for "
         assert f"lost rank {victim} ({why}" in lines[0] \
             and f"s, stalled; killed pid {victim_pid})" in lines[0], lines[0]
-        verdicts.add(lines[0].split(": lost ", 1)[1])
+        verdicts.add(re.search(rf"lost rank {victim} \([^()]*\)", lines[0]).group())
     assert len(verdicts) == 1, verdicts
 
 
 @needs_deepspeed
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("victim", [2, 0], ids=["rank2", "rank0_store_host"])
-def test_stopped_rank_stops_inference(tmp_path: Path, victim: int) -> None:
+@pytest.mark.parametrize("launcher, victim", [("deepspeed", 2), ("deepspeed", 0), ("torchrun", 2), ("torchrun", 0)],
+                         ids=["rank2", "rank0_store_host", "torchrun-rank2", "torchrun-rank0"])
+def test_stopped_rank_stops_inference(tmp_path: Path, launcher: str, victim: int) -> None:
     """SIGSTOP rank ``victim`` of 4 while decoding: the launcher returns non-zero within peer_timeout_s + 15 s.
-    Rank 0 hosts the rendezvous store, which stops with it (Note [Lost ranks], the store guard)."""
+    Under the deepspeed launcher rank 0 hosts the rendezvous store, which stops with it (Note [Lost
+    ranks], the store guard); under torchrun the agent hosts it."""
     model = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 128, "vocab_size": 128}
     cfg = {"dtype": "fp32", "replace_with_kernel_inject": False,
@@ -136,10 +157,12 @@ def test_stopped_rank_stops_inference(tmp_path: Path, victim: int) -> None:
                              "peer_timeout_s": PEER_TIMEOUT_S, "output": str(tmp_path / "hung.json")}}
     config = tmp_path / "hung_config.json"
     config.write_text(json.dumps(cfg))
-    code, elapsed, victim_pid, out = stop_rank_mid_run("infer.py", config, 4, victim, lambda o: "request 1/3" in o)
+    code, elapsed, victim_pid, out = stop_rank_mid_run("infer.py", config, 4, victim, lambda o: "request 1/3" in o,
+                                                       launcher)
     assert code != 0, out[-3000:]
     assert elapsed < BOUND_S
-    check_survivors(out, [r for r in range(4) if r != victim], victim, victim_pid)
+    check_survivors(out, [r for r in range(4) if r != victim], victim, victim_pid,
+                    store_host=launcher == "deepspeed" and victim == 0)
     result = tmp_path / "hung.json"
     assert not result.exists() or json.loads(result.read_text())["metrics"], "a half-written result file"
     assert not list(tmp_path.glob(".*.tmp"))
@@ -176,7 +199,7 @@ def test_stopped_rank_stops_training(tmp_path: Path, victim: int) -> None:
     code, elapsed, victim_pid, out = stop_rank_mid_run("train.py", config, 2, victim, checkpointed)
     assert code != 0, out[-3000:]
     assert elapsed < BOUND_S
-    check_survivors(out, [1 - victim], victim, victim_pid)
+    check_survivors(out, [1 - victim], victim, victim_pid, store_host=victim == 0)
     tag = latest_checkpoint(tmp_path / "ckpt")
     assert tag is not None
     assert json.loads((tmp_path / "ckpt" / tag / COMPLETE).read_text())["step"] == int(tag[4:])

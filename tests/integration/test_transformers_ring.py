@@ -177,24 +177,43 @@ def test_rope_with_fixed_frequencies_matches_single_process(gloo_pool):
                 assert torch.equal(tokens, ref_tokens), f"rope {rope} {name} cp=2 rank {rank}: {tokens} != {ref_tokens}"
 
 
+def hybrid_lfm2(attn_implementation: str):
+    """LFM2: a convolution layer (state along the sequence, outside attention) before an attention layer."""
+    return _tiny_hf_model("Lfm2Config", attn_implementation, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"])
+
+
 @pytest.mark.parametrize("build, match", [
     (dynamic_llama, r"rope_type='dynamic' is not supported with ring attention"),
     (longrope_phi3, r"rope_type='longrope' is not supported with ring attention"),
     (bloom, r"BloomForCausalLM is not supported with ring attention: its attention does not .*AttentionInterface"),
     (falcon, r"FalconForCausalLM is not supported with ring attention: its attention does not .*AttentionInterface"),
-], ids=["dynamic-rope", "longrope", "bloom", "falcon"])
-@pytest.mark.parametrize("entry", ["enable_ring_attention", "ring_forward", "ring_generate"])
+    (hybrid_lfm2, r"Lfm2ForCausalLM is not supported with ring attention: config.layer_types has \['conv'\]"),
+], ids=["dynamic-rope", "longrope", "bloom", "falcon", "hybrid-conv"])
+@pytest.mark.parametrize("entry", ["load", "enable_ring_attention", "ring_forward", "ring_generate"])
 def test_silently_wrong_models_are_refused(build, match, entry):
-    """Refused before any collective, so on every rank alike; ring_forward / ring_generate get a "ring" model
-    where transformers loads one (Falcon fails at load with transformers' own KeyError 'ring')."""
+    """Refused at load with attn_implementation="ring" (Note [Refusing at load]), and, for a model loaded
+    with another implementation, by every entry point, before any collective, so on every rank alike."""
+    if entry == "load":
+        with pytest.raises(ValueError, match=match):
+            build("ring")
+        return
     ids = _prompts()["plain"][0]
-    ring_loadable = entry != "enable_ring_attention" and build is not falcon
-    model = build("ring" if ring_loadable else "eager")
+    model = build("eager")
     calls = {"enable_ring_attention": lambda: enable_ring_attention(model),
              "ring_forward": lambda: ring_forward(model, ids),
              "ring_generate": lambda: ring_generate(model, ids, max_new_tokens=NEW_TOKENS)}
     with pytest.raises(ValueError, match=match):
         calls[entry]()
+
+
+def test_supported_models_load_and_switch_to_ring():
+    """The load-time refusal leaves every other request alone: a Llama loads with "ring" and switches to sdpa."""
+    model = tiny_model("llama", attn_implementation="ring")
+    assert model.config._attn_implementation == "ring"
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    assert enable_ring_attention(model).config._attn_implementation == "ring"
 
 
 def test_autotp_tp2_x_cp2_matches_single_process(gloo_pool, references):

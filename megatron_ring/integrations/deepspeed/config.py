@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -151,32 +151,58 @@ def _check_optimizer(cfg: Any, problems: Problems) -> None:
         problems.add(f"optimizer.params.max_grad_norm = {params.pop('max_grad_norm')!r}: DeepSpeed refuses it; "
                      "use the top-level gradient_clipping")
     offload = cfg.zero_config.offload_optimizer
-    cls = _optimizer_class(name, params, cpu_offload=offload is not None and offload.device in ("cpu", "nvme"))
-    if cls is None:
+    cpu_offload = offload is not None and offload.device in ("cpu", "nvme")
+    if name == "muon":
+        _check_params(params, "deepspeed.runtime.zero.muon.muon_optimizer.MuonWithAuxAdam", _muon_params(), takes_any=False,
+                      engine_keys=ADAM_ENGINE_KEYS | {"foreach"}, problems=problems, show_defaults=False)
+        return
+    try:
+        cls = _optimizer_class(name, params, cpu_offload=cpu_offload)
+    except ImportError as err:
+        problems.add(f"optimizer.type = {name!r}: DeepSpeed builds it from a package that is not installed ({err})")
         return
     signature = inspect.signature(cls.__init__).parameters
-    takes_any = any(p.kind == p.VAR_KEYWORD for p in signature.values())
     defaults = {n: p.default for n, p in signature.items()
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("self", "params", "model_params")}
-    engine_keys = ADAM_ENGINE_KEYS if name in ("adam", "adamw") else frozenset()
+    _check_params(params, f"{cls.__module__}.{cls.__name__}", defaults,
+                  takes_any=any(p.kind == p.VAR_KEYWORD for p in signature.values()),
+                  engine_keys=ADAM_ENGINE_KEYS if name in ("adam", "adamw") else frozenset(), problems=problems)
+
+
+def _check_params(params: dict[str, Any], owner: str, defaults: dict[str, Any], *, takes_any: bool,
+                  engine_keys: frozenset[str], problems: Problems, show_defaults: bool = True) -> None:
+    """Each of ``params`` against the argument of that name (its default gives the kind), unknown names
+    with a did-you-mean unless ``takes_any``; ``engine_keys`` are the engine's own, not the optimizer's."""
     for key, value in params.items():
         if key in engine_keys:
             continue
         if key in defaults:
             if not _same_kind(value, defaults[key]):
-                problems.add(f"optimizer.params.{key} = {value!r}: {cls.__name__} takes {_kind(defaults[key])} "
-                             f"(default {defaults[key]!r})")
+                default = f" (default {defaults[key]!r})" if show_defaults else ""
+                problems.add(f"optimizer.params.{key} = {value!r}: {owner.rsplit('.', 1)[-1]} takes "
+                             f"{_kind(defaults[key])}{default}")
         elif not takes_any:
             names = sorted(set(defaults) | engine_keys)
             near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            problems.add(f"optimizer.params.{key}: unknown to {cls.__module__}.{cls.__name__}{hint}; "
-                         f"allowed: {', '.join(names)}")
+            problems.add(f"optimizer.params.{key}: unknown to {owner}{hint}; allowed: {', '.join(names)}")
 
 
-def _optimizer_class(name: str, params: dict[str, Any], *, cpu_offload: bool) -> Optional[type]:
-    """The class ``DeepSpeedEngine._configure_basic_optimizer`` builds for ``name`` and ``params``;
-    None for DeepSpeed's other fused kernels (lamb, lion, mu*, muon), whose params are not checked."""
+def _muon_params() -> dict[str, Any]:
+    """The ``optimizer.params`` DeepSpeed's engine reads for ``"muon"``, each with a value of its kind (not
+    its default): each half of a parameter group (Muon's, and the auxiliary Adam's) takes the keys the
+    engine lists for it, ``muon_lr`` / ``adam_lr`` override the shared ``lr``; the engine drops any other
+    key unread."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    kinds: dict[str, Any] = {"betas": (0.0, 0.0), "ns_method": None}
+    keys = {*DeepSpeedEngine._MUON_HALF_KEYS, *DeepSpeedEngine._ADAM_HALF_KEYS, "muon_lr", "adam_lr"}
+    return {key: kinds.get(key, 0.0) for key in sorted(keys)}
+
+
+def _optimizer_class(name: str, params: dict[str, Any], *, cpu_offload: bool) -> type:
+    """The class ``DeepSpeedEngine._configure_basic_optimizer`` builds for ``name`` and ``params``
+    (``"muon"`` aside: :func:`_muon_params`); ImportError when it comes from a package not installed."""
     if name in ("adam", "adamw"):
         if params.get("torch_adam", False):
             return torch.optim.AdamW if name == "adamw" or params.get("adam_w_mode", True) else torch.optim.Adam
@@ -187,9 +213,19 @@ def _optimizer_class(name: str, params: dict[str, Any], *, cpu_offload: bool) ->
         from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 
         return DeepSpeedCPUAdagrad if cpu_offload else torch.optim.Adagrad
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    if name == "lamb":
+        from deepspeed.ops.lamb import FusedLamb
 
-    return None if name in DEEPSPEED_OPTIMIZERS else getattr(torch.optim, name)
+        return FusedLamb
+    if name == "lion":
+        from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+        return DeepSpeedCPULion if cpu_offload else FusedLion
+    if name in ("muadam", "muadamw", "musgd"):
+        import mup
+
+        return {"muadam": mup.MuAdam, "muadamw": mup.MuAdamW, "musgd": mup.MuSGD}[name]
+    return getattr(torch.optim, name)
 
 
 def _same_kind(value: Any, default: Any) -> bool:

@@ -24,9 +24,22 @@ call does not stick (``dynamic`` resets to the original frequencies when a call'
 ``max_position_embeddings``; ``longrope`` re-decides on every call). So :func:`check_model` refuses
 these rope types; the others (``default``, ``linear``, ``llama3``, ``yarn``, ...) fix their
 frequencies from the config at load and are exact at global positions.
+
+Note [Refusing at load]
+~~~~~~~~~~~~~~~~~~~~~~~
+Once ``"ring"`` is registered, transformers accepts ``attn_implementation="ring"`` for every model
+class, also for those whose attention never calls ``AttentionInterface`` (Bloom would run its own
+attention on each rank's shard alone: wrong logits, no error; Falcon would fail later with a bare
+``KeyError: 'ring'``). transformers has no per-model hook at load. The one place that sees both the
+model class and the requested implementation is ``PreTrainedModel._check_and_adjust_attn_implementation``,
+which ``__init__`` (so ``from_pretrained`` and ``from_config``) and ``set_attn_implementation`` call,
+so :func:`register` wraps it: a ``"ring"`` request runs :func:`check_model` first and a model that
+cannot run the ring fails at load with the reason and its class name. Every other request goes
+through unchanged.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -36,6 +49,11 @@ from transformers.masking_utils import AttentionMaskInterface
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, active
+
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+"""The ``config.layer_types`` entries the ring runs; every other (``linear_attention``, ``mamba``, ``conv``,
+``chunked_attention``, ...) is refused by :func:`check_model`."""
 
 
 def _big(scale: float, dtype: torch.dtype) -> float:
@@ -127,9 +145,25 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
 
 
 def register() -> None:
-    """Register ``"ring"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
+    """Register ``"ring"`` with transformers' ``AttentionInterface`` and ``AttentionMaskInterface``, and
+    refuse it at load for models that cannot run it (Note [Refusing at load]); idempotent."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, ring_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ring_mask)
+    checker = PreTrainedModel._check_and_adjust_attn_implementation
+    if not getattr(checker, "_refuses_ring", False):
+        PreTrainedModel._check_and_adjust_attn_implementation = _refusing_ring(checker)
+
+
+def _refusing_ring(checker: Callable[..., str]) -> Callable[..., str]:
+    """``checker`` (transformers' check of a requested ``attn_implementation``), preceded for ``"ring"``
+    by :func:`check_model`."""
+    @functools.wraps(checker)
+    def check(self: PreTrainedModel, attn_implementation: Any, *args: Any, **kwargs: Any) -> str:
+        if attn_implementation == ATTN_IMPLEMENTATION:
+            check_model(self, require_ring=False)
+        return checker(self, attn_implementation, *args, **kwargs)
+    check._refuses_ring = True  # type: ignore[attr-defined]
+    return check
 
 
 register()
@@ -164,6 +198,13 @@ def check_model(model: PreTrainedModel, *, require_ring: bool = True) -> None:
                 "position id in each forward, and under the ring a rank sees only its own shard's positions; "
                 "allowed: rope types with fixed frequencies ('default', 'linear', 'llama3', 'yarn', ...)"
             )
+    recurrent = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES)
+    if recurrent:
+        raise ValueError(
+            f"{name} is not supported with ring attention: config.layer_types has {recurrent}, layers that carry "
+            "state along the sequence outside attention, which the ring does not pass between ranks; "
+            f"allowed: {sorted(ATTENTION_LAYER_TYPES)}"
+        )
     if getattr(config, "output_attentions", False):
         raise ValueError("config.output_attentions=True is not supported with ring attention; allowed: False")
     impl = config._attn_implementation
