@@ -35,6 +35,8 @@ BENCHES: dict[str, tuple[str, str, str]] = {
                   "ring (p2p) vs all-gather vs single process vs DeepSpeed Ulysses on gloo ranks"),
     "numerics": ("megatron_ring.perf.bench_numerics", "bench_numerics_main",
                  "relative error of ring attention against float64, by ring size and dtype"),
+    "compile": ("megatron_ring.perf.bench_compile", "bench_compile_main",
+                "an attention layer with the ring (prefill, training step, decode step), eager vs torch.compile"),
 }
 
 

@@ -12,7 +12,10 @@ Files:
 * ``alltoall.py``           ``comm="a2a"`` (Ulysses) and ``"a2a+p2p"`` (all-to-all x ring), ``CPGroups``;
 * ``auto_comm.py``          ``comm="auto"``: p2p, all_gather, a2a or a2a+p2p from a cost model;
 * ``decode.py``             ``decode_attention`` against a KV cache sharded over the CP group;
+* ``ops.py``, ``opaque.py`` both as torch.library custom ops, for torch.compile (registered on import);
 * ``checks.py``             validation at the boundary;
 * ``instrument.py``         ``ring_stats``: bytes sent, compute and exposed communication time;
 * ``reference.py``          float64 references for tests, benchmarks and the demo.
 """
+
+import megatron_ring.attention.ops  # noqa: E402,F401  (registers torch.ops.megatron_ring.*)

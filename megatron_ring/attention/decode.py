@@ -44,6 +44,7 @@ from megatron_ring.attention.block import block_forward, compute_dtype, resolve_
 from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens
 from megatron_ring.attention.handshake import Field, agree_place, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.merge import merge_stacked
+from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.window import NO_WINDOW, check_window, positions_visible
 
 
@@ -141,6 +142,14 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
         An empty batch gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError.
     """
+    if torch.compiler.is_compiling():  # one opaque custom op: Note [torch.compile] in ops.py
+        options = dict(softmax_scale=softmax_scale, backend=backend, window_size=window_size,
+                       check_consistency=check_consistency)
+        through_op = call_op("decode_attention", (q, k_local, v_local), group,
+                             {"key_padding_mask": key_padding_mask, "q_positions": q_positions,
+                              "k_positions": k_positions}, options)
+        if through_op is not None:
+            return through_op
     place = cp_place(group, "auto")
     prepared: tuple[float, str, tuple[int, int], torch.Tensor | None] | None = None
     error: Exception | None = None

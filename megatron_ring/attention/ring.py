@@ -38,6 +38,7 @@ from megatron_ring.attention.direct import DirectP2P
 from megatron_ring.attention.handshake import Field, agree_place, choice_field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.merge import merge_into
+from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.schedule import RankSchedule, StepPlan, step_plan
 from megatron_ring.attention.sharding import SHARDINGS, check_divisible
 from megatron_ring.attention.sparse_call import SparseCall, packed_as_batch, prepare_sparse, sparse_fields
@@ -298,9 +299,10 @@ def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return q + (k.sum() + v.sum()).to(q.dtype)  # sums over no element: 0
 
 
-def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, spec: _Spec, comm: str,
-          key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-    """The ring (``p2p`` or ``all_gather``) over ``group`` on checked BSHD inputs, rank and size from ``spec``."""
+def ring_channel(group: dist.ProcessGroup | None, spec: _Spec, comm: str,
+                 key_padding_mask: torch.Tensor | None) -> tuple[P2PRing | GatheredKV | DirectP2P, torch.Tensor | None]:
+    """The channel the K/V of a ``p2p`` / ``all_gather`` call travel on over ``group``, and the key masks
+    of the group's ranks (``[P, batch, seq_local]``, all-gathered), or None without a mask."""
     channel: P2PRing | GatheredKV | DirectP2P = GatheredKV(group, spec.rank, spec.size)
     if comm == "p2p":
         channel = (P2PRing(group, spec.rank, spec.size) if spec.schedule is None
@@ -308,8 +310,54 @@ def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.Process
     key_masks = None
     if key_padding_mask is not None:
         key_masks = all_gather_stacked(key_padding_mask.to(torch.uint8), group, spec.size).bool()
+    return channel, key_masks
+
+
+def _ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, spec: _Spec, comm: str,
+          key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """The ring (``p2p`` or ``all_gather``) over ``group`` on checked BSHD inputs, rank and size from ``spec``."""
+    channel, key_masks = ring_channel(group, spec, comm, key_padding_mask)
     out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel, spec, key_masks)
     return out.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A checked ``ring_attention`` call after its handshake: q/k/v and the key mask as a batch
+    (packed documents as a batch of one), the call and where this rank sits in the CP groups."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+    call: _Call
+    place: CPPlace
+
+
+def start(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | CPGroups | tuple | None, *,
+          causal: bool, softmax_scale: float | None, sharding: str, comm: str, backend: str,
+          key_padding_mask: torch.Tensor | None, window_size: object = (-1, -1),
+          cu_seqlens: torch.Tensor | None = None, check_consistency: bool) -> Run | None:
+    """Checks and handshake of a ``ring_attention`` call (raising on every rank alike); None for an
+    empty batch (nothing moves)."""
+    place = cp_place(group, comm)
+    call: _Call | None = None
+    error: Exception | None = None
+    try:
+        q, k, v, key_padding_mask = packed_as_batch(q, k, v, key_padding_mask, cu_seqlens)  # type: ignore[assignment]
+        call = _prepare(q, k, v, place, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
+                        comm=comm, backend=backend, key_padding_mask=key_padding_mask, window_size=window_size,
+                        cu_seqlens=cu_seqlens)
+    except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
+        error = err
+    if check_consistency and place.size > 1:
+        agree_place("ring_attention", None if call is None else _fields(q, k, call, comm), place, q)
+    if call is None:
+        assert error is not None
+        raise error
+    if q.shape[0] == 0:
+        return None
+    return Run(q, k, v, key_padding_mask, call, place)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -370,24 +418,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         empty batch (batch 0) gives an empty result; ``seq_local``, heads or ``head_dim`` of 0 are
         a ValueError.
     """
-    place = cp_place(group, comm)
-    call: _Call | None = None
-    error: Exception | None = None
-    try:
-        q, k, v, key_padding_mask = packed_as_batch(q, k, v, key_padding_mask, cu_seqlens)  # type: ignore[assignment]
-        call = _prepare(q, k, v, place, causal=causal, softmax_scale=softmax_scale, sharding=sharding,
-                        comm=comm, backend=backend, key_padding_mask=key_padding_mask, window_size=window_size,
-                        cu_seqlens=cu_seqlens)
-    except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
-        error = err
-    if check_consistency and place.size > 1:
-        agree_place("ring_attention", None if call is None else _fields(q, k, call, comm), place, q)
-    if call is None:
-        assert error is not None
-        raise error
-    if q.shape[0] == 0:
+    options = dict(causal=causal, softmax_scale=softmax_scale, sharding=sharding, comm=comm, backend=backend,
+                   window_size=window_size, check_consistency=check_consistency)
+    if torch.compiler.is_compiling() and comm in ("p2p", "all_gather") and cu_seqlens is None:
+        # one opaque custom op: Note [torch.compile] in ops.py
+        through_op = call_op("ring_attention", (q, k, v), group, {"key_padding_mask": key_padding_mask}, options)
+        if through_op is not None:
+            return through_op[0]
+    run = start(q, k, v, group, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, **options)
+    if run is None:
         return _empty_batch(q, k, v)
-    if call.comm in A2A_COMMS:
-        return a2a_attention(q, k, v, place, call.comm, call.spec, key_padding_mask, _ring)
-    out = _ring(q, k, v, place.flat, call.spec, call.comm, key_padding_mask)
+    if run.call.comm in A2A_COMMS:
+        return a2a_attention(run.q, run.k, run.v, run.place, run.call.comm, run.call.spec, run.key_padding_mask, _ring)
+    out = _ring(run.q, run.k, run.v, run.place.flat, run.call.spec, run.call.comm, run.key_padding_mask)
     return out if cu_seqlens is None else out.squeeze(0)

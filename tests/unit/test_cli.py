@@ -59,6 +59,7 @@ def test_plan_is_delegated(capsys):
     (["bench"], "megatron-ring bench", ["attention", "numerics"]),
     (["bench", "attention"], "megatron-ring bench attention", ["--L", "--P", "--impl"]),
     (["bench", "numerics"], "megatron-ring bench numerics", ["--L", "--P", "--dtype"]),
+    (["bench", "compile"], "megatron-ring bench compile", ["--mode", "--seq", "--repeats"]),
 ])
 def test_every_subcommand_help_shows_its_own_flags(argv, prog, flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -84,6 +85,7 @@ def test_every_subcommand_help_shows_its_own_flags(argv, prog, flags, capsys):
     (["infer", "--deepspeed_config", "x.json", "--bogus"], "unrecognized arguments: --bogus"),
     (["bench", "attention", "--bogus"], "unrecognized arguments: --bogus"),
     (["bench", "numerics", "--bogus"], "unrecognized arguments: --bogus"),
+    (["bench", "compile", "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_unknown_or_missing_subcommand_or_flag_exits_2(argv, message, capsys, no_launch):
     code, _, err = run(argv, capsys)
@@ -110,6 +112,10 @@ def test_unknown_or_missing_subcommand_or_flag_exits_2(argv, message, capsys, no
      "megatron-ring bench attention: error: L = 30 is not divisible by 2*P = 8"),
     (["bench", "numerics", "--L", "0"], "megatron-ring bench numerics: error: argument --L: expected an integer >= 1"),
     (["bench", "numerics", "--P", "1", "3", "--L", "16", "--out", "/dev/null"], "P = 3 gives 2*P = 6"),
+    (["bench", "compile", "--seq", "30", "--ranks", "4", "--out", "/dev/null"],
+     "megatron-ring bench compile: error: --seq 30 must be a multiple of 2 x ranks = 8 (zigzag sharding)"),
+    (["bench", "compile", "--hidden", "100", "--heads", "8", "--out", "/dev/null"],
+     "megatron-ring bench compile: error: --hidden 100 must divide by --heads 8"),
     (["plan", "--layers", "0"], "megatron-ring plan: error: argument --layers: expected an integer >= 1, got 0"),
     (["plan", "configs/deepspeed/paper_ring_cp16.json", "--tp", "0"], "argument --tp: expected an integer >= 1, got 0"),
     (["plan", "configs/deepspeed/paper_ring_cp16.json", "--hardware", "nope"],

@@ -133,3 +133,15 @@ class RingCache(Cache):
         """Forget the last token in every layer (the replay step of ``ring_generate`` re-adds it)."""
         for layer in self.layers:
             layer.forget_last()
+
+    def start_decode(self) -> None:
+        """Make every shard contiguous (as decode's appends leave it), give each layer its own
+        ``columns`` and mark the lengths dynamic: a compiled decode step then compiles twice (a step
+        that keeps the new token on this rank, one that does not) and never again as the shards grow."""
+        for layer in self.layers:
+            if layer.keys is None or layer.columns is None:
+                continue
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+            layer.columns = layer.columns.clone()  # prefill shares one tensor between layers
+            for tensor, dim in ((layer.keys, 2), (layer.values, 2), (layer.columns, 0)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)

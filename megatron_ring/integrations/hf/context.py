@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -36,7 +35,9 @@ class CPContext:
     cu_seqlens: torch.Tensor | None = None
 
 
-_ACTIVE: contextvars.ContextVar[CPContext | None] = contextvars.ContextVar("megatron_ring_cp_context", default=None)
+_ACTIVE: list[CPContext] = []
+"""The open contexts, innermost last: a plain list, which torch.compile traces (a ContextVar breaks its
+graph). One per process, so threads running models under different CP contexts at once would share it."""
 
 
 @contextlib.contextmanager
@@ -53,18 +54,18 @@ def cp_context(group: dist.ProcessGroup | None = None, *,
     not see the model: :func:`enable_ring_attention` checks that a model can run under the ring.
     """
     rank, size = group_rank_size(group)
-    token = _ACTIVE.set(CPContext(group, rank, size, cu_seqlens=cu_seqlens))
+    ctx = CPContext(group, rank, size, cu_seqlens=cu_seqlens)
+    _ACTIVE.append(ctx)
     try:
-        yield _ACTIVE.get()  # type: ignore[misc]
+        yield ctx
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.pop()  # contexts nest, so ours is the last
 
 
 def active() -> CPContext:
-    ctx = _ACTIVE.get()
-    if ctx is None:
+    if not _ACTIVE:
         raise RuntimeError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} needs a context-parallel context: call the model through "
             "megatron_ring.hf.ring_forward / ring_generate, or inside `with megatron_ring.hf.cp_context(group):`"
         )
-    return ctx
+    return _ACTIVE[-1]

@@ -162,6 +162,7 @@ def _prefill_cache(model: PreTrainedModel, ctx: CPContext, input_ids: torch.Tens
     cache.forget_last()
     if expand > 1:  # generate repeats input_ids and mask for beams / return sequences, not a cache it is given
         cache.batch_repeat_interleave(expand)
+    cache.start_decode()
     return cache
 
 
