@@ -20,7 +20,8 @@ class RingStats:
 
     ``steps`` counts communication rounds: P-1 per forward, 2P-1 per backward (P-1 K/V rotations
     and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
-    it is the equivalent ring volume.
+    it is the equivalent ring volume. With a window or packed documents (direct transfers,
+    direct.py) both count only the steps in which this rank sends, and what it sends.
     """
 
     calls: int = 0

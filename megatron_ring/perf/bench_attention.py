@@ -13,7 +13,8 @@ shared machine they all see the same load. Per point: median / min / max over ``
 slowest rank's wall time (ranks start together after a barrier); exposed communication = the ring's instrumented wait after compute
 (:func:`megatron_ring.attention.instrument.ring_stats`) / wall time (for all-gather, forward only:
 the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
-instrumentation; for Ulysses computed from the four all-to-alls); peak memory per rank.
+instrumentation; for Ulysses computed from the four all-to-alls; ``bytes_sent`` is rank 0's,
+``bytes_sent_max`` the largest over ranks, which differ under a window); peak memory per rank.
 
 Note [Ranks and the scheduler]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -306,6 +307,7 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) ->
         "P": ranks, "pool_P": size,
         "median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "times_s": wall,
         "exposed_fraction": exposed, "bytes_sent": sent or 0,
+        "bytes_sent_max": max((r["bytes_sent"] or 0 for r in active), default=0) if cfg["impl"] != "ulysses" else sent,
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in active),
     }
 

@@ -152,7 +152,8 @@ def bench_rows(points: Sequence[dict[str, Any]]) -> list[list[str]]:
              fmt_time(p["median_s"]),
              fmt_time(p["min_s"]), fmt_time(p["max_s"]), num(p.get("efficiency")), num(p.get("efficiency_per_core")),
              pct(p.get("exposed_fraction")), fmt_bytes(p["peak_mem_bytes"]),
-             "-" if p.get("bytes_sent") is None else fmt_bytes(p["bytes_sent"])] for p in points]
+             "-" if p.get("bytes_sent") is None else fmt_bytes(p.get("bytes_sent_max", p["bytes_sent"]))]
+            for p in points]
 
 
 IMPL_COLORS = {"single": "black", "ring_p2p": "tab:blue", "all_gather": "tab:orange", "ulysses": "tab:green"}
