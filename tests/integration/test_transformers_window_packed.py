@@ -150,6 +150,23 @@ def test_packed_rows_match_each_document_alone(gloo_pool, size):
                         assert err <= TOL, f"{case} {key} cp={size} rank {rank} doc {row}:{start}-{end}: {err:.2e}"
 
 
+def test_data_collator_with_flattening_batch_matches_each_document_alone():
+    """One process: the batch transformers' DataCollatorWithFlattening builds goes through ring_forward as is."""
+    from transformers import DataCollatorWithFlattening
+
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 256, (n,), generator=gen) for n in DOCS]
+    batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+    ring, eager = _model("gemma3", "ring"), _model("gemma3", "eager")
+    logits = ring_forward(ring, batch["input_ids"], position_ids=batch["position_ids"])
+    start = 0
+    with torch.no_grad():
+        for doc in docs:
+            err = rel_err(logits[0, start:start + len(doc)], eager(doc[None]).logits[0])
+            assert err <= TOL, (len(doc), err)
+            start += len(doc)
+
+
 def test_packed_cp_context_is_differentiable():
     """One process: a packed row through cp_context(cu_seqlens=) gives each document's own gradients."""
     from megatron_ring.attention.sharding import shard_sequence

@@ -21,6 +21,9 @@ log-sum-exp in one small collective. No K/V moves during decode::
 
     prompt 0..7, P = 2     rank 0 cache: 0 1 6 7 | 8 10 ..     rank 1 cache: 2 3 4 5 | 9 11 ..
 
+Each cache row remembers its token's global position, so a sliding window (``config.window_size``)
+applies in decode too: ``decode_attention(window_size=, q_positions=, k_positions=)``.
+
 Pipeline parallel: each stage runs its layers and sends the activations ``[s, b, h]`` to the next
 stage with send/recv; the last stage picks the greedy token and broadcasts it back along the PP
 group, so every rank returns the same ids.
@@ -79,9 +82,6 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
             problems.add(f"parallel.{axis} = {getattr(cfg.parallel, axis)} but megatron_ring.layout.{axis} = "
                          f"{getattr(layout, axis)}; they must be equal")
     problems.run(cfg.check_world_size, layout.world_size)
-    if cfg.model.window_size is not None:
-        problems.add(f"model.window_size = {cfg.model.window_size} is not supported by the Megatron inference runner "
-                     "(its KV-cache decode attends to every cached token); allowed: null")
     total = prompt_len + new_tokens - 1
     if total > cfg.model.seq_length:
         problems.add(f"megatron_ring.workload: prompt_len + new_tokens - 1 = {prompt_len} + {new_tokens} - 1 = "
@@ -106,9 +106,9 @@ class CachedCoreAttention(torch.nn.Module):
     """A layer's ``core_attention`` plus this rank's KV cache for it (Note [Sharded KV cache]).
 
     Cache: K and V ``[capacity, batch, ng, hn]`` (Megatron's layout; ng = this TP rank's K/V heads).
-    The runner sets :attr:`decoding`, :attr:`owner`, :attr:`check` and :attr:`rows` (the batch rows
-    of the running micro-batch) before each forward, and advances :attr:`length` after each decode
-    step. ``check``: whether ``decode_attention`` runs its cross-rank handshake; the runner asks for
+    The runner sets :attr:`decoding`, :attr:`owner`, :attr:`check`, :attr:`rows` (the batch rows
+    of the running micro-batch) and :attr:`positions` (the global positions of the call's tokens,
+    int64 ``[sq]``) before each forward, and advances :attr:`length` after each decode step. ``check``: whether ``decode_attention`` runs its cross-rank handshake; the runner asks for
     it on the first decode step of a request only, since later steps repeat the same shapes and the
     handshake would double the step's collectives.
     """
@@ -125,6 +125,8 @@ class CachedCoreAttention(torch.nn.Module):
         self.owner = False
         self.check = True
         self.rows = slice(None)
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)
+        self.k_positions = torch.zeros(capacity, dtype=torch.long, device=device)  # of the cache rows
 
     def _ensure(self, key: torch.Tensor) -> None:
         if self.k is None:
@@ -146,19 +148,24 @@ class CachedCoreAttention(torch.nn.Module):
             if sq > self.capacity:
                 raise ValueError(f"prompt shard of {sq} tokens exceeds the KV cache capacity {self.capacity}")
             self.k[:sq, rows], self.v[:sq, rows] = key, value
+            self.k_positions[:sq] = self.positions
             self.length = sq
             return self.inner(query, key, value, None, attn_mask_type=AttnMaskType.causal)
         if self.owner:
             if self.length >= self.capacity:
                 raise RuntimeError(f"KV cache full ({self.capacity} tokens per rank); more new tokens than built for")
             self.k[self.length, rows], self.v[self.length, rows] = key[0], value[0]
+            self.k_positions[self.length] = self.positions[0]
         end = self.length + int(self.owner)
         k, v = self.k[:end, rows], self.v[:end, rows]
         if isinstance(self.inner, RingAttention):
+            window = self.inner.ring_window(causal=True)
             out = decode_attention(query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.inner.cp_group,
-                                   softmax_scale=self.inner.softmax_scale, check_consistency=self.check)
+                                   softmax_scale=self.inner.softmax_scale, check_consistency=self.check,
+                                   window_size=window, q_positions=self.positions, k_positions=self.k_positions[:end])
             return out.transpose(0, 1).reshape(sq, b, -1)
-        # Megatron's DotProductAttention applies no mask to a single query (sq = 1).
+        # Megatron's DotProductAttention applies no causal mask to a single query (sq = 1); with a
+        # window its window mask keeps the last left + 1 cached keys, the newest token's window.
         return self.inner(query, k.contiguous(), v.contiguous(), None, attn_mask_type=AttnMaskType.no_mask)
 
 
@@ -233,7 +240,7 @@ class MegatronRunner:
         for start in range(0, b, step):
             rows = slice(start, start + step)
             for cache in self.caches:
-                cache.rows = rows
+                cache.rows, cache.positions = rows, positions
             outs.append(self._stage(ids[rows], positions))
         return torch.cat(outs, dim=1) if self.last else None
 

@@ -142,13 +142,14 @@ class RingAttention(MegatronModule):
         out = ring_attention(
             query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.ring_group,
             causal=causal, softmax_scale=self.softmax_scale, sharding="zigzag", comm=self.cp_comm_type,
-            window_size=self._ring_window(causal),
+            window_size=self.ring_window(causal),
         )
         sq, b, heads, dim = query.shape
         return out.transpose(0, 1).reshape(sq, b, heads * dim)
 
-    def _ring_window(self, causal: bool) -> tuple[int, int]:
-        """The ring's ``window_size``: unbounded without a window; a causal window looks back only."""
+    def ring_window(self, causal: bool) -> tuple[int, int]:
+        """This layer's ``window_size`` for the core: unbounded without a window; a causal window
+        looks back only."""
         if self.window_size is None:
             return (-1, -1)
         return (self.window_size[0], 0) if causal else self.window_size
@@ -165,7 +166,7 @@ class RingAttention(MegatronModule):
         real = None if layout.real is None else layout.real.to(query.device)
         out = ring_attention(
             query, key, value, self.cp_group, causal=causal, softmax_scale=self.softmax_scale, sharding="zigzag",
-            comm=self.cp_comm_type, window_size=self._ring_window(causal), cu_seqlens=layout.cu_seqlens,
+            comm=self.cp_comm_type, window_size=self.ring_window(causal), cu_seqlens=layout.cu_seqlens,
             key_padding_mask=None if causal else real,
         )
         if real is not None:
