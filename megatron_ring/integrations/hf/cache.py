@@ -52,14 +52,15 @@ class RingCacheLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         plan = self.owner.prefill_plan
         if plan is not None:
-            columns, global_len = plan
+            columns, padding, global_len = plan
             if self.seen:
                 raise ValueError(f"RingCache already holds {self.seen} tokens; a ring prefill needs an empty cache")
-            if key_states.shape[-2] != columns.numel():
-                raise ValueError(f"prefill K/V have {key_states.shape[-2]} local tokens, expected {columns.numel()}")
-            keep = columns.to(key_states.device) >= 0  # left padding of the prefill: attended, never stored
-            self.keys, self.values = key_states[..., keep, :], value_states[..., keep, :]
-            self.columns, self.seen = columns.to(key_states.device)[keep], global_len
+            if key_states.shape[-2] != columns.numel() + padding:
+                raise ValueError(f"prefill K/V have {key_states.shape[-2]} local tokens, expected "
+                                 f"{columns.numel() + padding}")
+            # left padding of the prefill: attended, never stored
+            self.keys, self.values = key_states[..., padding:, :], value_states[..., padding:, :]
+            self.columns, self.seen = columns.to(key_states.device), global_len
             return key_states, value_states
         if key_states.shape[-2] != 1:
             raise ValueError(
@@ -117,13 +118,20 @@ class RingCache(Cache):
     def __init__(self, num_layers: int, cp_rank: int, cp_size: int) -> None:
         super().__init__(layers=[RingCacheLayer(self) for _ in range(num_layers)])
         self.cp_rank, self.cp_size = cp_rank, cp_size
-        self.prefill_plan: tuple[torch.Tensor, int] | None = None
+        self.prefill_plan: tuple[torch.Tensor, int, int] | None = None
 
     @contextlib.contextmanager
     def prefill(self, columns: torch.Tensor, global_len: int) -> Iterator[None]:
         """Inside the block, ``update`` stores the local shard: ``columns`` are its global indices, negative
-        ones (left padding of the prefill) are dropped; the sequence then counts ``global_len`` tokens."""
-        self.prefill_plan = (columns, global_len)
+        ones (left padding of the prefill) are dropped; the sequence then counts ``global_len`` tokens.
+
+        The local indices increase (zigzag: chunk r, then chunk 2 cp - 1 - r), so the padding is a
+        prefix of the shard, counted here, outside the model's forward: ``update`` then drops it with a
+        slice, no data-dependent shape (a graph break under torch.compile)."""
+        padding = int((columns < 0).sum())
+        if not bool((columns[padding:] >= 0).all()):
+            raise ValueError("prefill columns must list the left padding (negative columns) first")
+        self.prefill_plan = (columns[padding:], padding, global_len)
         try:
             yield
         finally:
