@@ -150,7 +150,7 @@ def test_demo_forwards_its_flags_to_torchrun(monkeypatch: pytest.MonkeyPatch, ca
     assert main(["demo", "--nproc", "2", "--seq-len", "64", "--heads", "4", "--heads-kv", "4", "--head-dim", "8"]) == 0
     (cmd,) = launched
     assert cmd[:5] == ["/bin/torchrun", "--standalone", "--nproc_per_node=2", "-m", "megatron_ring.demo"]
-    assert cmd[5:] == ["--seq-len=64", "--heads=4", "--heads-kv=4", "--head-dim=8", "--dtype=float32"]
+    assert cmd[5:] == ["--seq-len=64", "--heads=4", "--heads-kv=4", "--head-dim=8", "--dtype=float32", "--comm=p2p"]
 
 
 def test_demo_main_checks_its_flags_before_any_process_group(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
