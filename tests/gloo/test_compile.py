@@ -1,4 +1,4 @@
-"""torch.compile on gloo at cp 2: ring_attention, decode_attention and a tiny transformers model.
+"""torch.compile on gloo at cp 2 (and 3): ring_attention, decode_attention and a tiny transformers model.
 
 Note [torch.compile] in megatron_ring/attention/ops.py. Compiling on CPU is slow, so these tests are
 few and small: one uses the default inductor backend, the others ``aot_eager`` / ``eager`` (the
@@ -11,11 +11,13 @@ from tests.gloo import compile_workers
 COMPILE_TIMEOUT_S = 480  # inductor on two busy CPU cores
 
 
-@pytest.mark.parametrize(("backend", "padded"), [("inductor", True), ("aot_eager", False)])
-def test_compiled_ring_attention_equals_eager(gloo_pool, backend, padded):
+@pytest.mark.parametrize(("size", "backend", "padded"), [(2, "inductor", True), (2, "aot_eager", False),
+                                                        (3, "aot_eager", True)])
+def test_compiled_ring_attention_equals_eager(gloo_pool, size, backend, padded):
     """fullgraph=True, no graph break; forward and q/k/v gradients as eager (causal, GQA, with and
-    without a key padding mask)."""
-    per_rank = gloo_pool(2).run(compile_workers.ring_compiled_vs_eager, backend, padded, timeout_s=COMPILE_TIMEOUT_S)
+    without a key padding mask; an odd ring too)."""
+    per_rank = gloo_pool(size).run(compile_workers.ring_compiled_vs_eager, backend, padded,
+                                   timeout_s=COMPILE_TIMEOUT_S)
     for rank, result in enumerate(per_rank):
         assert result.pop("graph_breaks") == 0
         for name, diff in result.items():
