@@ -8,3 +8,13 @@ python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${MEGATRON_RING_TORCH:-torch==2.13.0}"
 .venv/bin/pip install -q -e ".[all,test]"
+# DeepSpeed's CPU accelerator JIT-compiles its shared-memory communication op the first time
+# deepspeed.comm starts (a minute or more of C++); build it here, once, not inside a test's timeout.
+DS_ACCELERATOR=cpu .venv/bin/python - <<'PY' || echo "bootstrap: DeepSpeed's shm op did not build; the first DeepSpeed test will try again"
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    builder.load(verbose=False)
+PY
