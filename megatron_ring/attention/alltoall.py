@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import all_gather_stacked
+from megatron_ring.attention.block import block_backward, block_forward
 from megatron_ring.attention.checks import group_rank_size
 from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.sharding import local_positions
@@ -251,6 +252,33 @@ def _out_shape(ctx: Any, i: int) -> torch.Size:
     return torch.Size((b, s * a, h // a, d) if ctx.to_heads else (b, s // a, h * a, d))
 
 
+class _LocalAttention(torch.autograd.Function):
+    """``a2a`` after its all-to-all: the whole sequence as one block, BHSD views; no ring buffers or merge."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Any,  # type: ignore[override]
+                key_mask: torch.Tensor | None) -> torch.Tensor:
+        stats = active_stats()
+        start = now(q.device) if stats else 0.0
+        out, lse = block_forward(q, k, v, causal=spec.causal, scale=spec.scale, backend=spec.backend, key_mask=key_mask)
+        out = out.to(q.dtype)
+        if stats:
+            stats.calls += 1
+            stats.compute_s += now(q.device) - start
+            stats.total_s += now(q.device) - start
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.key_mask = spec, key_mask
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        spec = ctx.spec
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=spec.causal, scale=spec.scale,
+                                    backend=spec.backend, key_mask=ctx.key_mask)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
 RingFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "dist.ProcessGroup | None", Any, str,
                    "torch.Tensor | None"], torch.Tensor]
 """``ring(q, k, v, group, spec, comm, key_padding_mask)``: ring.py's ring over BSHD inputs."""
@@ -273,6 +301,10 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: CPPl
     if key_padding_mask is not None:
         masks = all_gather_stacked(key_padding_mask.to(torch.uint8), ga, a).transpose(0, 1)  # [b, A, s]
         ring_mask = masks[:, member, offset].bool()
-    out = ring(qh, kh, vh, gr, replace(spec, rank=rr, size=r, seq_local=a * s), "p2p", ring_mask)
+    if r == 1:  # global order: one causal (or full) block
+        out = _LocalAttention.apply(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), spec,
+                                    ring_mask).transpose(1, 2)
+    else:
+        out = ring(qh, kh, vh, gr, replace(spec, rank=rr, size=r, seq_local=a * s), "p2p", ring_mask)
     (result,) = _AllToAll.apply(exchange, False, out)
     return result
