@@ -56,7 +56,7 @@ def collectives_and_bytes(comm, a2a_size, heads_q, heads_kv, causal):
 
 def outcome(case):
     """This rank's ``(exception type, message)`` (or ``("ok", shape)``) for a bad call ``case``."""
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     q = torch.randn(1, 4, 4, 8)
     kwargs = dict(causal=True)
     group = None

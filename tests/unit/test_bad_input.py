@@ -200,3 +200,14 @@ def test_check_consistency_is_a_no_op_in_one_process():
     q, k, v = qkv()
     assert torch.equal(ring_attention(q, k, v, check_consistency=False), ring_attention(q, k, v))
     assert torch.equal(decode_attention(q[:, :1], k, v, check_consistency=False), decode_attention(q[:, :1], k, v))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["window", "cu_seqlens"])
+def test_all_to_all_refuses_windows_and_packed_documents(packed):
+    """(``a2a+p2p`` takes the same check, once given its two groups.)"""
+    q, k, v = qkv(seq=8)
+    kwargs = dict(cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32)) if packed else dict(window_size=(2, 0))
+    if packed:
+        q, k, v = q[0], k[0], v[0]
+    with pytest.raises(ValueError, match=r"comm='a2a' does not support window_size or cu_seqlens; allowed"):
+        ring_attention(q, k, v, causal=True, comm="a2a", **kwargs)
