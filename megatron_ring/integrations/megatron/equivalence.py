@@ -33,6 +33,20 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _worst_gradient(model: Any, cp_group: Any, ref_grads: dict[str, torch.Tensor], dtype: str) -> tuple[float, str]:
+    """The largest error of a parameter gradient summed over the CP group against the cp = 1 reference's
+    (max-abs relative in fp32, relative L2 otherwise), and that parameter's name."""
+    worst, worst_name = 0.0, ""
+    for name, param in unwrap(model).named_parameters():
+        grad = param.grad.float().clone()
+        dist.all_reduce(grad, group=cp_group)
+        ref_grad = shard_of(param, ref_grads[global_name(model, name)])
+        err = rel_max(grad, ref_grad) if dtype == "fp32" else rel_l2(grad, ref_grad)
+        if err > worst:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
 def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234) -> dict[str, Any]:
     """Same weights, same tokens: ``cfg_data``'s model vs the cp = 1 local-attention model.
 
@@ -77,15 +91,7 @@ def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int 
         result["ref_loss"] = ref_loss.item()
         result["loss_err"] = abs(result["loss"] - result["ref_loss"]) / abs(result["ref_loss"])
     stage_backward(inp, out, 1.0 / n_tokens)
-    worst, worst_name = 0.0, ""
-    for name, param in unwrap(model).named_parameters():
-        grad = param.grad.float().clone()
-        dist.all_reduce(grad, group=cp_group)
-        ref_grad = shard_of(param, ref_grads[global_name(model, name)])
-        err = rel_max(grad, ref_grad) if cfg.dtype == "fp32" else rel_l2(grad, ref_grad)
-        if err > worst:
-            worst, worst_name = err, name
-    result["grad_err"], result["grad_worst"] = worst, worst_name
+    result["grad_err"], result["grad_worst"] = _worst_gradient(model, cp_group, ref_grads, cfg.dtype)
     with torch.no_grad():
         _, logits = stage_forward(model, part["tokens"], part["position_ids"])
     if ps.is_pipeline_last_stage():
@@ -142,15 +148,7 @@ def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[
     total = loss_sum.detach().clone()
     dist.all_reduce(total, group=cp_group)
     result["loss_err"] = abs(float(total) / n_tokens - ref_loss) / abs(ref_loss)
-    worst, worst_name = 0.0, ""
-    for name, param in unwrap(model).named_parameters():
-        grad = param.grad.float().clone()
-        dist.all_reduce(grad, group=cp_group)
-        ref_grad = shard_of(param, ref_grads[global_name(model, name)])
-        err = rel_max(grad, ref_grad) if cfg.dtype == "fp32" else rel_l2(grad, ref_grad)
-        if err > worst:
-            worst, worst_name = err, name
-    result["grad_err"], result["grad_worst"] = worst, worst_name
+    result["grad_err"], result["grad_worst"] = _worst_gradient(model, cp_group, ref_grads, cfg.dtype)
     with torch.no_grad():
         logits = model(part["tokens"], part["position_ids"], None, packed_seq_params=params).float()
     full = gather_logits(logits, cu_seqlens=params.cu_seqlens_q_padded)[0]
