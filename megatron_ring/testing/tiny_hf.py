@@ -26,6 +26,18 @@ BOS_ID, EOS_ID, PAD_ID = 256, 257, 258
 VOCAB_SIZE = 260  # 256 bytes + 3 specials, rounded up to an even size
 
 
+def sample_prompts(seed: int = 1) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Random byte prompts of batch 2: ``plain`` (16 tokens, no mask: no padding at cp 2 or 4) and
+    ``padded`` (13 tokens, row 1 left-padded by 5 ``<pad>``, with its mask)."""
+    gen = torch.Generator().manual_seed(seed)
+    plain = torch.randint(0, 256, (2, 16), generator=gen)
+    padded = torch.randint(0, 256, (2, 13), generator=gen)
+    mask = torch.ones_like(padded)
+    mask[1, :5] = 0
+    padded[1, :5] = PAD_ID
+    return {"plain": (plain, None), "padded": (padded, mask)}
+
+
 def tiny_config(family: str = "llama", **overrides: Any):
     """A ``PretrainedConfig`` for a 2-layer model: hidden 64, 4 heads, 2 K/V heads, head_dim 16."""
     from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config

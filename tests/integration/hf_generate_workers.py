@@ -15,20 +15,15 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 
 from megatron_ring.hf import ring_generate
-from megatron_ring.testing.tiny_hf import byte_tokenizer, tiny_model
+from megatron_ring.testing.tiny_hf import byte_tokenizer, sample_prompts, tiny_model
 
 NEW_TOKENS = 4
 BANNED = 7  # a token id the custom logits processor forbids
 
 
 def prompts() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    gen = torch.Generator().manual_seed(1)
-    plain = torch.randint(0, 256, (2, 16), generator=gen)
-    padded = torch.randint(0, 256, (2, 13), generator=gen)
-    mask = torch.ones_like(padded)
-    mask[1, :5] = 0
-    padded[1, :5] = 258
-    return {"plain": (plain, None), "padded": (padded, mask), "one": (plain[:, :1], None)}
+    base = sample_prompts(seed=1)
+    return {**base, "one": (base["plain"][0][:, :1], None)}
 
 
 class BanToken(LogitsProcessor):

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
 from megatron_ring.attention.reference import rel_err  # noqa: E402
-from megatron_ring.testing.tiny_hf import BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, tiny_model  # noqa: E402
+from megatron_ring.testing.tiny_hf import BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, sample_prompts, tiny_model  # noqa: E402
 
 TOL = 1e-5
 NEW_TOKENS = 5
@@ -25,14 +25,7 @@ RUN_TIMEOUT_S = 600  # the first call on a pool imports transformers (and deepsp
 
 
 def _prompts() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """``plain``: length 16, no mask (no padding anywhere for cp 2/4); ``padded``: length 13, row 1 left-padded."""
-    gen = torch.Generator().manual_seed(1)
-    plain = torch.randint(0, 256, (2, 16), generator=gen)
-    padded = torch.randint(0, 256, (2, 13), generator=gen)
-    mask = torch.ones_like(padded)
-    mask[1, :5] = 0
-    padded[1, :5] = 258
-    return {"plain": (plain, None), "padded": (padded, mask)}
+    return sample_prompts(seed=1)
 
 
 def run_cases() -> dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]:

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from megatron_ring.attention.reference import rel_err  # noqa: E402
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
-from megatron_ring.testing.tiny_hf import tiny_model  # noqa: E402
+from megatron_ring.testing.tiny_hf import sample_prompts, tiny_model  # noqa: E402
 
 TOL = 1e-5
 NEW_TOKENS = 6
@@ -43,14 +43,7 @@ def _model(case: str, impl: str):
 
 
 def _prompts() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """``plain``: 16 tokens, no mask; ``padded``: 13 tokens, row 1 left-padded by 5."""
-    gen = torch.Generator().manual_seed(2)
-    plain = torch.randint(0, 256, (2, 16), generator=gen)
-    padded = torch.randint(0, 256, (2, 13), generator=gen)
-    mask = torch.ones_like(padded)
-    mask[1, :5] = 0
-    padded[1, :5] = 258
-    return {"plain": (plain, None), "padded": (padded, mask)}
+    return sample_prompts(seed=2)
 
 
 def _packed() -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
