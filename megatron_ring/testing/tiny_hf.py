@@ -9,7 +9,9 @@ unless ``attn_logit_softcapping=`` sets it::
     path = save_tiny_model("llama", "/tmp/tiny-llama")          # config + weights + tokenizer
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
 
-Needs ``transformers`` (and ``tokenizers``, which it depends on). Used by tests and the example.
+``sample_prompts`` and ``check_matches_eager`` give the tests their prompts and their comparison
+with the single-process eager model. Needs ``transformers`` (and ``tokenizers``, which it depends
+on). Used by tests and the example.
 """
 from __future__ import annotations
 
@@ -36,6 +38,25 @@ def sample_prompts(seed: int = 1) -> dict[str, tuple[torch.Tensor, torch.Tensor 
     mask[1, :5] = 0
     padded[1, :5] = PAD_ID
     return {"plain": (plain, None), "padded": (padded, mask)}
+
+
+def check_matches_eager(eager: Any, prompts: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+                        per_rank: list[dict[Any, tuple[torch.Tensor, torch.Tensor]]], key: Any, label: str, *,
+                        new_tokens: int, tol: float) -> None:
+    """Assert that every rank's ``(logits, greedy ids)`` for ``(key, prompt name)`` equal the single-process
+    ``eager`` model's: logits of the real (unpadded) tokens within relative error ``tol``, ids exactly."""
+    from megatron_ring.attention.reference import rel_err
+
+    for name, (ids, mask) in prompts.items():
+        with torch.no_grad():
+            ref_logits = eager(ids, attention_mask=mask).logits
+            ref_tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        for rank, results in enumerate(per_rank):
+            logits, tokens = results[key, name]
+            err = rel_err(logits[real], ref_logits[real])
+            assert err <= tol, f"{label} {name} rank {rank}: rel err {err:.2e}"
+            assert torch.equal(tokens, ref_tokens), f"{label} {name} rank {rank}: {tokens} != {ref_tokens}"
 
 
 def tiny_config(family: str = "llama", **overrides: Any):

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron_ring import decode_attention, ring_attention, shard_sequence
 from megatron_ring.attention.instrument import ring_stats
 from megatron_ring.attention.reference import attention_reference, rel_err
-from tests.gloo.workers import padding_mask
+from tests.gloo.workers import errors_vs_reference, padding_mask
 
 
 def _inputs(shape_q, shape_kv, dtype, seed=0):
@@ -49,12 +49,7 @@ def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, window, sharding
                              key_padding_mask=None if mask is None else shard(mask), window_size=window,
                              cu_seqlens=cu)
         out.backward(shard(dout))
-    assert out.dtype == dtype and out.shape == ql.shape
-    assert ql.grad.dtype == dtype and kl.grad.shape == kl.shape
-    return {
-        "out": rel_err(out, shard(ref)), "dq": rel_err(ql.grad, shard(qg.grad)),
-        "dk": rel_err(kl.grad, shard(kg.grad)), "dv": rel_err(vl.grad, shard(vg.grad)),
-    }, stats.bytes_sent
+    return errors_vs_reference(out, (ql, kl, vl), ref, (qg, kg, vg), shard, dtype), stats.bytes_sent
 
 
 def traffic(seq, window, sharding, causal=True, doc_lengths=None):

@@ -30,6 +30,20 @@ def padding_mask(batch, seq, seed=3):
     return mask
 
 
+def errors_vs_reference(out, local, ref, ref_inputs, shard, dtype):
+    """Check the dtypes and shapes of a ring call's output and gradients (``local``: its q, k, v leaves,
+    after the backward) and return their relative errors against the float64 ``ref`` and the gradients
+    of ``ref_inputs``, each sharded with ``shard``."""
+    ql, kl, vl = local
+    qg, kg, vg = ref_inputs
+    assert out.dtype == dtype and out.shape == ql.shape
+    assert ql.grad.dtype == dtype and kl.grad.shape == kl.shape
+    return {
+        "out": rel_err(out, shard(ref)), "dq": rel_err(ql.grad, shard(qg.grad)),
+        "dk": rel_err(kl.grad, shard(kg.grad)), "dv": rel_err(vl.grad, shard(vg.grad)),
+    }
+
+
 def cp_group(comm, a2a_size=None):
     """The ``group`` argument for ``comm`` over the world: None, or the hierarchical groups of
     ``ParallelLayout(cp=world, cp_a2a=a2a_size)`` (created once per pool, init_parallel caches them)."""
@@ -59,12 +73,7 @@ def ring_vs_reference(seq, heads_q, heads_kv, head_dim, causal, sharding, comm, 
     out = ring_attention(ql, kl, vl, cp_group(comm, a2a_size), causal=causal, sharding=sharding, comm=comm,
                          backend=backend, key_padding_mask=None if mask is None else shard(mask))
     out.backward(shard(dout))
-    assert out.dtype == dtype and out.shape == ql.shape
-    assert ql.grad.dtype == dtype and kl.grad.shape == kl.shape
-    return {
-        "out": rel_err(out, shard(ref)), "dq": rel_err(ql.grad, shard(qg.grad)),
-        "dk": rel_err(kl.grad, shard(kg.grad)), "dv": rel_err(vl.grad, shard(vg.grad)),
-    }
+    return errors_vs_reference(out, (ql, kl, vl), ref, (qg, kg, vg), shard, dtype)
 
 
 def ring_vs_reference_flash_attn_standin(*args, **kwargs):

@@ -17,7 +17,9 @@ pytest.importorskip("transformers")
 
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
 from megatron_ring.attention.reference import rel_err  # noqa: E402
-from megatron_ring.testing.tiny_hf import BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, sample_prompts, tiny_model  # noqa: E402
+from megatron_ring.testing.tiny_hf import (  # noqa: E402
+    BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, check_matches_eager, sample_prompts, tiny_model,
+)
 
 TOL = 1e-5
 NEW_TOKENS = 5
@@ -158,16 +160,7 @@ def test_rope_with_fixed_frequencies_matches_single_process(gloo_pool):
     per_rank = gloo_pool(2).run(run_rope_cases, timeout_s=RUN_TIMEOUT_S)
     for rope, overrides in FIXED_ROPE.items():
         eager = tiny_model("llama", attn_implementation="eager", **overrides)
-        for name, (ids, mask) in _prompts().items():
-            with torch.no_grad():
-                ref_logits = eager(ids, attention_mask=mask).logits
-                ref_tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-            real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-            for rank, results in enumerate(per_rank):
-                logits, tokens = results[rope, name]
-                err = rel_err(logits[real], ref_logits[real])
-                assert err <= TOL, f"rope {rope} {name} cp=2 rank {rank}: rel err {err:.2e}"
-                assert torch.equal(tokens, ref_tokens), f"rope {rope} {name} cp=2 rank {rank}: {tokens} != {ref_tokens}"
+        check_matches_eager(eager, _prompts(), per_rank, rope, f"rope {rope} cp=2", new_tokens=NEW_TOKENS, tol=TOL)
 
 
 def hybrid_lfm2(attn_implementation: str):

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from megatron_ring.attention.reference import rel_err  # noqa: E402
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
-from megatron_ring.testing.tiny_hf import sample_prompts, tiny_model  # noqa: E402
+from megatron_ring.testing.tiny_hf import check_matches_eager, sample_prompts, tiny_model  # noqa: E402
 
 TOL = 1e-5
 NEW_TOKENS = 6
@@ -97,18 +97,8 @@ def window_results(gloo_pool):
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("case", list(WINDOWED))
 def test_windowed_logits_and_generate_match_eager(window_results, size, case):
-    eager = _model(case, "eager")
-    per_rank = window_results(size)
-    for name, (ids, mask) in _prompts().items():
-        with torch.no_grad():
-            ref_logits = eager(ids, attention_mask=mask).logits
-            ref_tokens = eager.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-        real = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-        for rank, results in enumerate(per_rank):
-            logits, tokens = results[case, name]
-            err = rel_err(logits[real], ref_logits[real])
-            assert err <= TOL, f"{case} {name} cp={size} rank {rank}: rel err {err:.2e}"
-            assert torch.equal(tokens, ref_tokens), f"{case} {name} cp={size} rank {rank}: {tokens} != {ref_tokens}"
+    check_matches_eager(_model(case, "eager"), _prompts(), window_results(size), case, f"{case} cp={size}",
+                        new_tokens=NEW_TOKENS, tol=TOL)
 
 
 def test_windowed_models_differ_from_full_attention():
