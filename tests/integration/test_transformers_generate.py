@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_ring.hf import cp_context, ring_generate  # noqa: E402
+from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
 from megatron_ring.testing.tiny_hf import tiny_model  # noqa: E402
 from tests.integration.hf_generate_workers import (  # noqa: E402
     BANNED, CASES, NEW_TOKENS, generate, prompts, run_generation_cases, sampled_logits, streamed,
@@ -29,13 +30,7 @@ def eager():
 
 @pytest.fixture(scope="module")
 def ring_results(gloo_pool):
-    cache: dict[int, list] = {}
-
-    def get(size: int) -> list:
-        if size not in cache:
-            cache[size] = gloo_pool(size).run(run_generation_cases, timeout_s=RUN_TIMEOUT_S)
-        return cache[size]
-    return get
+    return runs_per_size(gloo_pool, run_generation_cases, RUN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("size", [2, 4])

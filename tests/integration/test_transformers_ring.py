@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
 from megatron_ring.attention.reference import rel_err  # noqa: E402
+from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
 from megatron_ring.testing.tiny_hf import (  # noqa: E402
     BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, check_matches_eager, sample_prompts, tiny_model,
 )
@@ -118,13 +119,7 @@ def falcon(attn_implementation: str):
 
 @pytest.fixture(scope="module")
 def cp_results(gloo_pool):
-    cache: dict[int, list] = {}
-
-    def get(size: int) -> list:
-        if size not in cache:
-            cache[size] = gloo_pool(size).run(run_cases, timeout_s=RUN_TIMEOUT_S)
-        return cache[size]
-    return get
+    return runs_per_size(gloo_pool, run_cases, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

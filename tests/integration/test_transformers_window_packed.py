@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from megatron_ring.attention.reference import rel_err  # noqa: E402
 from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
+from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
 from megatron_ring.testing.tiny_hf import check_matches_eager, sample_prompts, tiny_model  # noqa: E402
 
 TOL = 1e-5
@@ -85,13 +86,7 @@ def run_packed_cases() -> dict[tuple[str, str], torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def window_results(gloo_pool):
-    cache: dict[int, list] = {}
-
-    def get(size: int) -> list:
-        if size not in cache:
-            cache[size] = gloo_pool(size).run(run_window_cases, timeout_s=RUN_TIMEOUT_S)
-        return cache[size]
-    return get
+    return runs_per_size(gloo_pool, run_window_cases, RUN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
