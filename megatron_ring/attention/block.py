@@ -298,7 +298,9 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             )
         if fold:
             return _unfold_queries(dq, heads_q).to(ct), dk.to(ct), dv.to(ct)
-        return dq.to(ct), dk.to(ct).reshape(b, hkv, groups, sk, d).sum(2), dv.to(ct).reshape(b, hkv, groups, sk, d).sum(2)
+        if groups > 1:
+            dk, dv = dk.reshape(b, hkv, groups, sk, d).sum(2), dv.reshape(b, hkv, groups, sk, d).sum(2)
+        return dq.to(ct), dk.to(ct), dv.to(ct)
     hkv = k.shape[1]
     scores = _math_scores(q, k, causal, scale, key_mask, visible)
     probs = torch.exp(scores - _grouped(_without_neginf(lse).to(ct).unsqueeze(-1), hkv))

@@ -40,8 +40,10 @@ On CUDA it is ``torch.cuda.max_memory_allocated`` minus the allocation before th
 Variants (``--window``, ``--docs``): with ``--window W`` every ring implementation (single,
 ring_p2p, all_gather) also runs with ``window_size=(W, 0)`` (causal; ``(W, W)`` otherwise), and
 with ``--docs N`` as N equal documents of L/N tokens, once packed (one call with ``cu_seqlens``)
-and once one by one (N calls, timed together); a point's ``variant`` names it ("" = plain). All
-variants of a point are interleaved like the implementations.
+and once one by one (N calls, timed together); with ``--a2a-contiguous`` ``a2a`` also runs on
+contiguous shards, the layout DeepSpeed-Ulysses is given (plain ``a2a`` gets zigzag shards, as
+the ring, and puts the tokens in order after its all-to-all). A point's ``variant`` names it
+("" = plain). All variants of a point are interleaved like the implementations.
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ from megatron_ring.runtime.args import non_negative_int, positive_float, positiv
 IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "a2a", "a2a+p2p", "ulysses")
 RING_IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather")
 """The implementations that take a window and packed documents (the variants)."""
+VARIANT_IMPLS: dict[str, tuple[str, ...]] = {"window": RING_IMPLS, "packed": RING_IMPLS, "separate": RING_IMPLS,
+                                             "contiguous": ("a2a",)}
 _COMM_OF = {"single": "p2p", "ring_p2p": "p2p", "all_gather": "all_gather", "a2a": "a2a", "a2a+p2p": "a2a+p2p"}
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -158,9 +162,11 @@ def _make_attention(cfg: dict[str, Any]) -> Callable[..., torch.Tensor]:
         window = _window_size(cfg)
         cu = _cu_seqlens(cfg) if cfg.get("variant") == "packed" else None
 
+        sharding = _sharding(cfg)
+
         def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ring_attention(q, k, v, group, causal=causal, comm=comm, backend=backend, window_size=window,
-                                  cu_seqlens=cu)
+                                  cu_seqlens=cu, sharding=sharding)
         if cfg.get("variant") == "separate":  # [docs, batch, seq_local, heads, dim]: one call per document
             return lambda q, k, v: torch.stack([ring(q[i], k[i], v[i]) for i in range(q.shape[0])])
         return ring
@@ -183,6 +189,11 @@ def _make_attention(cfg: dict[str, Any]) -> Callable[..., torch.Tensor]:
     return ulysses
 
 
+def _sharding(cfg: dict[str, Any]) -> str:
+    """How a point's inputs are sharded: contiguous for Ulysses and the ``contiguous`` variant, else zigzag."""
+    return "contiguous" if cfg["impl"] == "ulysses" or cfg.get("variant") == "contiguous" else "zigzag"
+
+
 def _inputs(cfg: dict[str, Any], rank: int, size: int, device: torch.device) -> list[torch.Tensor]:
     """This rank's q, k, v (and dout): one global tensor per name from a fixed seed, then sharded.
 
@@ -193,7 +204,7 @@ def _inputs(cfg: dict[str, Any], rank: int, size: int, device: torch.device) -> 
     gen = torch.Generator().manual_seed(cfg["seed"])
     b, seq, h, hkv, d = cfg["batch"], cfg["L"], cfg["heads"], cfg["heads_kv"], cfg["head_dim"]
     shapes = [(b, seq, h, d), (b, seq, hkv, d), (b, seq, hkv, d), (b, seq, h, d)]
-    sharding = "contiguous" if cfg["impl"] == "ulysses" else "zigzag"
+    sharding = _sharding(cfg)
     sharded = size > 1 and cfg["impl"] != "single"
     out = []
     for shape in shapes:
@@ -412,11 +423,11 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
               backend: str, seed: int = 0, timeout_s: float = 600.0, a2a_size: int = 2,
               progress: Callable[[str], None] = print,
               pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True,
-              window: str | int | None = None, docs: int = 0) -> list[dict[str, Any]]:
+              window: str | int | None = None, docs: int = 0, a2a_contiguous: bool = False) -> list[dict[str, Any]]:
     """Run every (P, impl, mode, causal, L) point, the implementations of a point interleaved.
 
     ``window`` (tokens, or ``"L/k"``) and ``docs`` add the variants of the module docstring to the
-    ring implementations.
+    ring implementations, ``a2a_contiguous`` the contiguous one to ``a2a``.
 
     The single-process baseline runs on rank 0 of each P-rank pool (the others idle), with that
     pool's threads per rank, so it is timed under the same load as the points it is compared to.
@@ -469,12 +480,14 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
                 for causal in causals:
                     for seq in lengths:
                         variants = [("", 0)] + ([("window", windows[seq])] if windows[seq] else []) + (
-                            [("packed", 0), ("separate", 0)] if docs else [])
+                            [("packed", 0), ("separate", 0)] if docs else []) + (
+                            [("contiguous", 0)] if a2a_contiguous else [])
                         cfgs = [dict(impl=impl, mode=mode, causal=causal, L=seq, batch=batch, heads=heads,
                                      heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
                                      backend=backend, seed=seed, device="cpu", own_session=own_sessions,
                                      variant=variant, window=w, docs=docs, a2a_size=a2a_size)
-                                for impl in p_impls for variant, w in variants if not variant or impl in RING_IMPLS]
+                                for impl in p_impls for variant, w in variants
+                                if not variant or impl in VARIANT_IMPLS[variant]]
                         per_rank = pool.run(bench_worker, cfgs, repeats, warmup)
                         for i, cfg in enumerate(cfgs):
                             point = summarize(cfg, [r[i] for r in per_rank], p)
@@ -534,6 +547,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also run the ring with a sliding window of W tokens (an int, or L/k), see the docstring")
     ap.add_argument("--docs", type=non_negative_int, default=0,
                     help="also run N equal documents, packed (cu_seqlens) and one by one")
+    ap.add_argument("--a2a-contiguous", action="store_true",
+                    help="also run a2a on contiguous shards (the layout Ulysses is given), see the docstring")
     ap.add_argument("--out", default="results/bench_attention.json", help="JSON output")
     ap.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
     ap.add_argument("--no-plots", action="store_true")
@@ -551,7 +566,7 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
                            batch=args.batch, heads=args.heads, heads_kv=args.heads_kv or args.heads,
                            head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
                            backend=args.backend, timeout_s=args.timeout, window=args.window, docs=args.docs,
-                           a2a_size=args.a2a_size)
+                           a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous)
     except ValueError as err:
         return usage_error(parser.prog, err)
     plain = args.window is None and not args.docs  # the plots compare implementations, not variants
@@ -579,6 +594,6 @@ def write_outputs(points: list[dict[str, Any]], machine: dict[str, Any], *, out:
                        bytes_rows(points, a2a_size))
     print(f"wrote {out}")
     if plots is not None:
-        for path in report.plot_attention(points, plots):
+        for path in report.plot_attention([p for p in points if not p.get("variant")], plots):
             print(f"wrote {path}")
     return result

@@ -33,6 +33,21 @@ def test_a2a_matches_float64_reference(gloo_pool, size, causal, sharding, dtype,
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("heads", ["mha", "gqa3"])
+def test_a2a_batch_of_one(gloo_pool, size, sharding, heads):
+    """Batch 1 with contiguous shards sends and receives views, not copies (Note [All-to-all between
+    sequence and heads]); zigzag and the hybrid's ring still copy."""
+    heads_q, heads_kv = HEADS[heads]
+    for comm, a2a_size in [("a2a", None)] + [("a2a+p2p", a) for a in A2A_SIZES[size]]:
+        per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, heads_q, heads_kv, 8, True, sharding,
+                                       comm, torch.float32, "sdpa", batch=1, a2a_size=a2a_size)
+        for rank, errs in enumerate(per_rank):
+            for name, err in errs.items():
+                assert err <= TOL[torch.float32], f"{comm} a2a={a2a_size} rank {rank} {name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("comm", ["a2a", "a2a+p2p"])
 def test_a2a_key_padding_mask(gloo_pool, size, causal, comm):
@@ -55,7 +70,7 @@ def test_cp_groups_serve_every_comm(gloo_pool, comm):
 @pytest.mark.parametrize("comm,a2a_size,heads_kv", [("a2a", 4, 4), ("a2a", 4, 1), ("a2a+p2p", 2, 2),
                                                      ("a2a+p2p", 2, 1), ("a2a+p2p", 1, 2)])
 def test_collectives_and_bytes(gloo_pool, comm, a2a_size, heads_kv):
-    """One all-to-all each way per pass (q, k, v packed; dq, dk, dv packed); the ring of a2a+p2p
+    """One all-to-all each way per pass under zigzag (q, k, v packed; dq, dk, dv packed); the ring of a2a+p2p
     rotates R - 1 times; bytes sent equal alltoall.a2a_bytes."""
     for result in gloo_pool(4).run(a2a_workers.collectives_and_bytes, comm, a2a_size, 4, heads_kv, True):
         ring = 4 // a2a_size

@@ -27,12 +27,14 @@ def test_bench_attention_runs_the_all_to_all_comms(tmp_path: Path, gloo_pool: An
     points = run_sweep(lengths=[32], ranks=[4], impls=["ring_p2p", "a2a", "a2a+p2p", "ulysses"], modes=["fwd_bwd"],
                        causals=[True], batch=1, heads=4, heads_kv=2, head_dim=8, dtype="fp32", repeats=1, warmup=1,
                        backend="auto", progress=_quiet, pools=lambda size, threads: gloo_pool(size),
-                       own_sessions=False, a2a_size=2)
-    assert {p["impl"] for p in points} == {"ring_p2p", "a2a", "a2a+p2p"}  # ulysses: heads_kv 2 % P 4
+                       own_sessions=False, a2a_size=2, a2a_contiguous=True)
+    assert {(p["impl"], p["variant"]) for p in points} == {  # ulysses: heads_kv 2 % P 4
+        ("ring_p2p", ""), ("a2a", ""), ("a2a", "contiguous"), ("a2a+p2p", "")}
     data = write_outputs(points, machine_description(), out=tmp_path / "b.json", argv=None, plots=None)
     table = {(r["comm"], r["P"]) for r in data["bytes_per_rank_per_layer"]}
     assert table == {(c, "4") for c in ("p2p", "all_gather", "a2a", "a2a+p2p", "ulysses")}
-    measured = {p["impl"]: p["bytes_sent"] for p in points}
+    measured = {p["impl"]: p["bytes_sent"] for p in points if not p["variant"]}
+    assert [p["bytes_sent"] for p in points if p["variant"]] == [measured["a2a"]]
     from megatron_ring.perf.bench_attention import comm_bytes
 
     formula = comm_bytes(L=32, P=4, batch=1, heads=4, heads_kv=2, head_dim=8, dtype="fp32", a2a_size=2)

@@ -88,3 +88,20 @@ def test_zigzag_causal_work_is_equal_on_every_rank_at_every_step(cp):
         assert len(set(work[:, step].tolist())) == 1, work
     _, contiguous = _visible(cp, 4 * cp, True, "contiguous")
     assert contiguous[0, 1:].sum() == 0 and contiguous[-1, 1:].min() > 0
+
+
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("a2a_size,ring_size", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (2, 3)])
+def test_a2a_runs_put_the_received_shards_in_ring_order(sharding, a2a_size, ring_size):
+    from megatron_ring.attention.alltoall import _runs
+
+    seq_local, size = 6, a2a_size * ring_size
+    total = seq_local * size
+    for ring_rank in range(ring_size):
+        received = [local_positions(total, ring_rank * a2a_size + i, size, sharding) for i in range(a2a_size)]
+        runs = _runs(seq_local, a2a_size, ring_size, ring_rank, sharding)
+        assert [run.start for run in runs] == [0] + list(torch.tensor([r.length for r in runs]).cumsum(0)[:-1])
+        tokens = torch.cat([received[r.member][r.offset:r.offset + r.length] for r in runs])
+        assert torch.equal(tokens, local_positions(total, ring_rank, ring_size, sharding))
+    if ring_size == 1:  # zigzag: each member's two chunks, the last member's merged; contiguous: one each
+        assert len(runs) == (2 * a2a_size - 1 if sharding == "zigzag" else a2a_size)
