@@ -26,8 +26,8 @@ gradients. q, k and v travel in one all-to-all (their head groups packed side by
 dq, dk and dv in backward, except where each is already its own send buffer (below).
 
 Copies per tensor and direction (Note [Heads-first after the all-to-all]): toward heads, one to
-pack the send buffer and one to put the received tokens in order (:func:`_runs`) and, with no
-ring after it, heads-first; back toward the sequence, one to pack (none with contiguous sharding,
+pack the send buffer and one to put the received tokens in order (:func:`_runs`) and
+heads-first; back toward the sequence, one to pack (none with contiguous sharding,
 no ring and ``b == 1``: the output already is its send buffer) and one to interleave the heads.
 
 Note [Heads-first after the all-to-all]
@@ -37,8 +37,9 @@ and ``b == 1`` that costs no copy after the all-to-all). Here q, k, v and dout a
 after it anyway, to put zigzag tokens in order, and that copy writes them heads-first
 (``[b, h/A, L, d]`` storage): the CPU flash kernel reads each head's rows at unit stride, which
 measured 2-3 % faster forward and backward at L = 16k on this machine than the ``[b, L, h/A, d]``
-storage it is given otherwise. So the copy is kept for contiguous shards too. Before a ring
-(``a2a+p2p``) the tensors stay ``[b, L, h/A, d]``: the ring sends K/V as they are stored.
+storage it is given otherwise. So the copy is kept for contiguous shards too. The ring of
+``a2a+p2p`` runs heads-first as well (Note [Heads-first blocks] in ring.py), so it takes them as
+they are.
 
 GQA: the a2a group needs ``heads_q % A == 0``. K/V heads are split A ways too; with
 ``heads_kv % A != 0`` each K/V head is repeated, before the all-to-all, to ``h' = lcm(heads_kv, A)``
@@ -211,8 +212,8 @@ def _runs(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, shardin
 class _Exchange:
     """The two all-to-alls of one a2a group; tensors are ``[batch, seq, heads, head_dim]``."""
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int, runs: tuple[Run, ...], heads_first: bool) -> None:
-        self.group, self.size, self.runs, self.heads_first = group, size, runs, heads_first
+    def __init__(self, group: dist.ProcessGroup | None, size: int, runs: tuple[Run, ...]) -> None:
+        self.group, self.size, self.runs = group, size, runs
 
     def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -234,8 +235,8 @@ class _Exchange:
         return self.runs == tuple(Run(j * seq_local, j, 0, seq_local) for j in range(self.size))
 
     def to_heads(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``[b, s, h, d]`` each -> ``[b, A*s, h/A, d]`` in the order of :func:`_runs`; stored heads-first
-        (a transposed ``[b, h/A, A*s, d]``) when ``heads_first``."""
+        """``[b, s, h, d]`` each -> ``[b, A*s, h/A, d]`` in the order of :func:`_runs`, stored heads-first
+        (views of ``[b, h/A, A*s, d]``)."""
         a = self.size
         b, s, _, d = xs[0].shape
         widths = [x.shape[2] // a for x in xs]
@@ -247,9 +248,7 @@ class _Exchange:
         recv = self._all_to_all(send)  # [A, b, s, heads, d]: member j's tokens of this rank's head group
         outs, off = [], 0
         for w in widths:
-            shape = (b, w, a * s, d) if self.heads_first else (b, a * s, w, d)
-            out = torch.empty(shape, dtype=recv.dtype, device=recv.device)
-            out = out.transpose(1, 2) if self.heads_first else out
+            out = torch.empty(b, w, a * s, d, dtype=recv.dtype, device=recv.device).transpose(1, 2)
             for run in self.runs:
                 out[:, run.start:run.start + run.length].copy_(
                     recv[run.member, :, run.offset:run.offset + run.length, off:off + w])
@@ -349,7 +348,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: CPPl
     repeat = kv_heads_sent(q.shape[2], heads_kv, a) // heads_kv
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-    exchange = _Exchange(ga, a, _runs(s, a, r, rr, spec.sharding), heads_first=r == 1)
+    exchange = _Exchange(ga, a, _runs(s, a, r, rr, spec.sharding))
     qh, kh, vh = _AllToAll.apply(exchange, True, q, k, v)
     ring_mask = None
     if key_padding_mask is not None:

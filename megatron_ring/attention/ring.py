@@ -12,13 +12,23 @@ computing on the current block, and waits only after the compute: the transfer h
 attention math when compute >= communication (L/P above the crossover). Step 0 sends the
 caller's own K/V; two receive buffers (one for P = 2), allocated once per call, alternate after
 that. The buffer being received into was last read at step t-1, whose communication has
-completed, so there is no hazard. Only the ``heads_kv`` heads travel, in the caller's layout and
-dtype (bf16 for bf16 models) in forward; the backward's dK/dV accumulator travels in fp32, twice
-the bytes of bf16 K/V.
+completed, so there is no hazard. Only the ``heads_kv`` heads travel, heads-first (Note
+[Heads-first blocks]) in the caller's dtype (bf16 for bf16 models) in forward; the backward's
+dK/dV accumulator travels in fp32, twice the bytes of bf16 K/V.
 
 Backward runs a second ring: K/V rotate as in forward, and a gradient accumulator (fp32) travels
 one step behind them, collecting every rank's dK/dV contribution for that block; a final
 transfer carries it home to the block's owner.
+
+Note [Heads-first blocks]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+The caller's ``[b, s, h, d]`` tensors put a token's heads side by side, so one head's rows are
+``h * d`` elements apart. The block kernels read a head's rows block by block, and on CPU they run
+8-10 % faster (forward and backward, h = 8, a 4096 x 2048 block, this machine) when those rows are
+adjacent. So q, k, v and dout are copied once per call into ``[b, h, s, d]`` storage, K/V blocks
+travel so, and every block kernel of the call reads them there; the output and dq are written
+into ``[b, s, h, d]`` storage, as the caller's layout, and need no copy back. The copies cost
+about 1 % of a block's time per tensor at that size.
 """
 from __future__ import annotations
 
@@ -84,12 +94,11 @@ class P2PRing:
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(src, k_src, v_src)`` for t = 0..P-1, each ``[batch, heads_kv, seq_local, head_dim]``.
 
-        ``k``/``v`` are BHSD views of the caller's ``[batch, seq_local, heads_kv, head_dim]`` tensors,
-        which travel in that layout: the first send reads the caller's memory (no copy when it is
-        contiguous) and at most two receive buffers are allocated (one when P = 2). The next block's
-        transfer is in flight while the caller computes on the yielded one.
+        ``k``/``v`` travel heads-first (Note [Heads-first blocks]): the first send reads ``k``/``v``
+        (no copy when they are contiguous) and at most two receive buffers are allocated (one when
+        P = 2). The next block's transfer is in flight while the caller computes on the yielded one.
         """
-        cur = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+        cur = (k.contiguous(), v.contiguous())
         spare: list[tuple[torch.Tensor, torch.Tensor]] = []
         for step in range(self.size):
             works: list[dist.Work] = []
@@ -98,7 +107,7 @@ class P2PRing:
                     spare.append((torch.empty_like(cur[0]), torch.empty_like(cur[1])))
                 nxt = spare[step % len(spare)]
                 works = self._exchange(cur, nxt, _KV_TAG)
-            yield (self.rank - step) % self.size, cur[0].transpose(1, 2), cur[1].transpose(1, 2)
+            yield (self.rank - step) % self.size, cur[0], cur[1]
             self._wait(works, k.device)
             if works:
                 cur = nxt
@@ -166,13 +175,15 @@ def _visible(plan: StepPlan, device: torch.device) -> torch.Tensor | None:
 
 
 class _RingAttention(torch.autograd.Function):
-    """Autograd wrapper; tensors are ``[batch, heads, seq_local, head_dim]`` (views of BSHD input)."""
+    """Autograd wrapper; tensors are ``[batch, heads, seq_local, head_dim]`` (views of BSHD input),
+    run heads-first (Note [Heads-first blocks])."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: P2PRing | GatheredKV | DirectP2P,
                 spec: _Spec, key_masks: torch.Tensor | None) -> torch.Tensor:
         stats = active_stats()
         t0 = now(q.device) if stats else 0.0
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, s, d = q.shape
         ct = compute_dtype(q.dtype)
         out = _alloc_bshd(b, hq, s, d, ct, q.device)
@@ -201,6 +212,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
         comm: P2PRing | GatheredKV | DirectP2P = ctx.comm
         spec: _Spec = ctx.spec
         stats = active_stats()
