@@ -1,8 +1,10 @@
 """The all-gather baseline: every rank gathers every K/V shard (``comm="all_gather"``).
 
 Kept for comparison with the ring (the seeds' criticism: O(L) memory per rank, all data moved at
-once, no overlap) and for Megatron's ``cp_comm_type="all_gather"``. It feeds the same per-step
-schedule as the ring, so both paths compute identical blocks in the same order.
+once) and for Megatron's ``cp_comm_type="all_gather"``. It feeds the same per-step schedule as the
+ring, so both paths compute identical blocks in the same order. The one overlap it has, as in
+Transformer Engine's all-gather CP: the rank's own block is computed while the gather is in
+flight (forward and backward).
 """
 from __future__ import annotations
 
@@ -11,17 +13,27 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ring.attention.instrument import active_stats, now
 from megatron_ring.attention.schedule import StepPlan
+
+
+def start_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None,
+                         size: int) -> tuple[torch.Tensor, dist.Work | None]:
+    """Start gathering every rank's ``x`` in rank order into ``[size, *x.shape]``; returns the
+    buffer and the work to wait on before reading it (None when there is nothing to wait for)."""
+    if size == 1:
+        return x.unsqueeze(0), None
+    flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
+    return flat.view(size, *x.shape), gather(flat, x.contiguous(), group=group, async_op=True)
 
 
 def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
     """Every rank's ``x`` stacked in rank order: ``[size, *x.shape]`` (one all-gather)."""
-    if size == 1:
-        return x.unsqueeze(0)
-    flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
-    gather(flat, x.contiguous(), group=group)
-    return flat.view(size, *x.shape)
+    gathered, work = start_gather_stacked(x, group, size)
+    if work is not None:
+        work.wait()
+    return gathered
 
 
 class GatheredKV:
@@ -40,12 +52,20 @@ class GatheredKV:
         return traffic
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Yield ``(src, k_src, v_src)`` in ring order, each ``[batch, heads_kv, seq_local, head_dim]``."""
+        """Yield ``(src, k_src, v_src)`` in ring order, each ``[batch, heads_kv, seq_local, head_dim]``:
+        this rank's own block while the gather is in flight, then the gathered ones."""
         kv = torch.stack((k, v))
-        gathered = all_gather_stacked(kv, self.group, self.size)
+        gathered, work = start_gather_stacked(kv, self.group, self.size)
         self._sent_steps += self.size - 1
         self._sent_bytes += kv.numel() * kv.element_size() * (self.size - 1)
-        for step in range(self.size):
+        yield self.rank, k, v
+        if work is not None:
+            stats = active_stats()
+            start = now(k.device) if stats else 0.0
+            work.wait()
+            if stats:
+                stats.wait_s += now(k.device) - start
+        for step in range(1, self.size):
             src = (self.rank - step) % self.size
             yield src, gathered[src, 0], gathered[src, 1]
 
