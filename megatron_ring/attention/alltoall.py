@@ -35,9 +35,10 @@ Note [Heads-first after the all-to-all]
 DeepSpeed-Ulysses hands its kernel ``[b, L, h/A, d]`` tensors as received (with contiguous shards
 and ``b == 1`` that costs no copy after the all-to-all). Here q, k, v and dout are copied once
 after it anyway, to put zigzag tokens in order, and that copy writes them heads-first
-(``[b, h/A, L, d]`` storage): the CPU flash kernel reads each head's rows at unit stride, which
-measured 2-3 % faster forward and backward at L = 16k on this machine than the ``[b, L, h/A, d]``
-storage it is given otherwise. So the copy is kept for contiguous shards too. The ring of
+(``[b, h/A, L, d]`` storage): the CPU flash kernel then reads each head's rows at unit stride and
+took 0.90-1.00x the time of the ``[b, L, h/A, d]`` storage it is given otherwise (L = 16k, 2 or
+4 heads, ``python -m megatron_ring.perf.bench_block --layouts``). So the copy is kept for
+contiguous shards too. The ring of
 ``a2a+p2p`` runs heads-first as well (Note [Heads-first blocks] in ring.py), so it takes them as
 they are.
 

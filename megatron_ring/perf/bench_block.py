@@ -6,6 +6,10 @@ checks ``block_forward``/``block_backward`` of every usable backend (``math``, `
 reference (fp16/bf16/fp32 as the backend allows, causal and not, GQA), the single-rank
 ``ring_attention`` and ``decode_attention`` paths, then times forward and forward+backward of each
 backend and of plain ``torch.nn.functional.scaled_dot_product_attention`` at a few lengths.
+
+``--layouts`` instead times the ``sdpa`` block kernel on the same block with q, k, v and dout in
+heads-first ``[b, h, s, d]`` storage and as views of ``[b, s, h, d]`` storage (the measurement
+behind Note [Heads-first blocks] in attention/ring.py).
 """
 from __future__ import annotations
 
@@ -127,13 +131,59 @@ def time_backends(device: torch.device, lengths: list[int], repeats: int) -> lis
     return rows
 
 
+LAYOUT_BLOCKS: tuple[tuple[int, int, int, bool], ...] = ((4096, 4096, 8, True), (4096, 2048, 8, False),
+                                                        (16384, 16384, 2, True), (16384, 16384, 4, True))
+"""``(q rows, k rows, heads, causal)``: a ring's diagonal and off-diagonal zigzag blocks at L = 16k,
+P = 4, 8 heads, and the whole sequence on 8 / 4 and 8 / 2 heads after an all-to-all (P = 4, 2)."""
+
+
+def time_layouts(device: torch.device, repeats: int,
+                 blocks: tuple[tuple[int, int, int, bool], ...] = LAYOUT_BLOCKS) -> list[dict]:
+    """Forward and forward+backward of the ``sdpa`` block kernel per block (default
+    :data:`LAYOUT_BLOCKS`), head_dim 64, fp32 (bf16 on CUDA), in each storage; the ratio is
+    heads-first / seq-first."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for q_len, k_len, heads, causal in blocks:
+        times = {}
+        for heads_first in (True, False):
+            gen = torch.Generator(device="cpu").manual_seed(0)
+
+            def make(n: int, heads_first: bool = heads_first) -> torch.Tensor:
+                x = torch.randn(1, n, heads, 64, generator=gen).to(device, dtype)
+                return x.transpose(1, 2).contiguous() if heads_first else x.transpose(1, 2)
+            q, do, k, v = make(q_len), make(q_len), make(k_len), make(k_len)
+
+            def fwd() -> tuple[torch.Tensor, torch.Tensor]:
+                return block_forward(q, k, v, causal=causal, scale=0.125, backend="sdpa")
+
+            def fwd_bwd() -> None:
+                out, lse = fwd()
+                block_backward(do, q, k, v, out, lse, causal=causal, scale=0.125, backend="sdpa")
+            times[heads_first] = (_time(fwd, device, repeats), _time(fwd_bwd, device, repeats))
+        rows.append({"q": q_len, "k": k_len, "heads": heads, "causal": causal,
+                     "fwd_ms_heads_first": 1e3 * times[True][0], "fwd_ms_seq_first": 1e3 * times[False][0],
+                     "fwd_bwd_ms_heads_first": 1e3 * times[True][1], "fwd_bwd_ms_seq_first": 1e3 * times[False][1],
+                     "fwd_ratio": times[True][0] / times[False][0], "fwd_bwd_ratio": times[True][1] / times[False][1]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("results/bench_block.json"))
+    parser.add_argument("--layouts", action="store_true", help="only time heads-first vs seq-first storage")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.layouts:
+        torch.set_num_threads(1)  # as one rank of the gloo benchmarks
+        rows = time_layouts(device, args.repeats)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"device": str(device), "torch": torch.__version__, "layouts": rows}, indent=1))
+        for row in rows:
+            print("layout " + " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        return 0
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "exactness": check_exactness(device), "entry_points": check_entry_points(device),
