@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.instrument import active_stats, now
+from megatron_ring.attention.instrument import wait_all
 from megatron_ring.attention.schedule import StepPlan
 
 
@@ -62,14 +62,6 @@ class GatheredKV:
         self._sent_steps = self._sent_bytes = 0
         return traffic
 
-    def _wait(self, works: Sequence[dist.Work], device: torch.device) -> None:
-        stats = active_stats()
-        start = now(device) if stats else 0.0
-        for work in works:
-            work.wait()
-        if stats:
-            stats.wait_s += now(device) - start
-
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(src, k_src, v_src)``, each ``[batch, heads_kv, seq_local, head_dim]``: this rank's own
         block while the gather is in flight, then the others in rank order."""
@@ -78,7 +70,7 @@ class GatheredKV:
         self._sent_steps += self.size - 1
         self._sent_bytes += kv.numel() * kv.element_size() * (self.size - 1)
         yield self.rank, k, v
-        self._wait([work] if work is not None else [], k.device)
+        wait_all([work] if work is not None else [], k.device)
         for src in range(self.size):
             if src != self.rank:
                 yield src, gathered[src, 0], gathered[src, 1]
@@ -106,7 +98,7 @@ class GatheredKV:
         grads, self._grads = self._grads, None
         if self.size == 1:
             return grads[0]
-        self._wait(self._reduces, grads.device)
+        wait_all(self._reduces, grads.device)
         self._sent_steps += self.size
         self._sent_bytes += grads[0].numel() * grads.element_size() * self.size
         return grads[self.rank]

@@ -34,7 +34,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.instrument import active_stats, now
+from megatron_ring.attention.instrument import wait_all
 from megatron_ring.attention.schedule import RankSchedule, StepPlan
 
 _KV_TAG, _GRAD_TAG = 2, 3
@@ -65,14 +65,6 @@ class DirectP2P:
             self._sent_bytes += sum(t.numel() * t.element_size() for _, t in sends)
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def _wait(self, works: list[dist.Work], device: torch.device) -> None:
-        stats = active_stats()
-        start = now(device) if stats and works else 0.0
-        for work in works:
-            work.wait()
-        if stats and works:
-            stats.wait_s += now(device) - start
-
     def take_traffic(self) -> tuple[int, int]:
         """``(steps, bytes)`` this rank sent since the last call."""
         traffic = (self._sent_steps, self._sent_bytes)
@@ -101,14 +93,14 @@ class DirectP2P:
         if self.schedule.recv_rows[0] is not None:
             yield self.rank, k, v
         for i, t in enumerate(self._steps):
-            self._wait(works, k.device)
+            wait_all(works, k.device)
             works = post(i + 1) if i + 1 < len(self._steps) else []
             if self.schedule.recv_rows[t] is not None:
                 kb, vb = buffers[i % 2]
                 yield (self.rank - t) % self.size, kb.permute(1, 2, 0, 3), vb.permute(1, 2, 0, 3)
             if self._grads is not None:
                 self._exchange_grads(t)
-        self._wait(works, k.device)
+        wait_all(works, k.device)
 
     def start_grads(self, kv_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
         """Start a backward pass; ``kv_shape`` is ``[2, batch, heads_kv, seq_local, head_dim]``."""
@@ -138,7 +130,7 @@ class DirectP2P:
     def _land_grads(self) -> None:
         """Wait for the previous gradient exchange and add what came home."""
         assert self._grads is not None
-        self._wait(self._grad_work, self._grads.device)
+        wait_all(self._grad_work, self._grads.device)
         if self._grad_in is not None:
             rows, buf = self._grad_in
             self._grads[:, :, :, rows] += buf

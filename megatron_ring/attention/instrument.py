@@ -9,9 +9,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -60,3 +61,15 @@ def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def wait_all(works: Sequence[dist.Work], device: torch.device) -> None:
+    """Wait for ``works``, adding the time to the active :class:`RingStats` ``wait_s``."""
+    if not works:
+        return
+    stats = active_stats()
+    start = now(device) if stats else 0.0
+    for work in works:
+        work.wait()
+    if stats:
+        stats.wait_s += now(device) - start

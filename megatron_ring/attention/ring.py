@@ -47,7 +47,7 @@ from megatron_ring.attention.block import block_backward, block_forward, compute
 from megatron_ring.attention.checks import check_choice, check_key_padding_mask, check_qkv, check_tokens
 from megatron_ring.attention.direct import DirectP2P
 from megatron_ring.attention.handshake import Field, agree_place, choice_field, flag_field, scale_field, tensor_fields
-from megatron_ring.attention.instrument import active_stats, now
+from megatron_ring.attention.instrument import active_stats, now, wait_all
 from megatron_ring.attention.merge import merge_into
 from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.schedule import RankSchedule, StepPlan, step_plan
@@ -84,14 +84,6 @@ class P2PRing:
         self._sent_steps = self._sent_bytes = 0
         return traffic
 
-    def _wait(self, works: list[dist.Work], device: torch.device) -> None:
-        stats = active_stats()
-        start = now(device) if stats else 0.0
-        for work in works:
-            work.wait()
-        if stats:
-            stats.wait_s += now(device) - start
-
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(src, k_src, v_src)`` for t = 0..P-1, each ``[batch, heads_kv, seq_local, head_dim]``.
 
@@ -109,7 +101,7 @@ class P2PRing:
                 nxt = spare[step % len(spare)]
                 works = self._exchange(cur, nxt, _KV_TAG)
             yield (self.rank - step) % self.size, cur[0], cur[1]
-            self._wait(works, k.device)
+            wait_all(works, k.device)
             if works:
                 cur = nxt
 
@@ -122,7 +114,7 @@ class P2PRing:
         ``src`` and pass it on."""
         assert self._grad_bufs is not None
         step = self._grad_step
-        self._wait(self._grad_work, self._grad_bufs.device)
+        wait_all(self._grad_work, self._grad_bufs.device)
         acc = self._grad_bufs[step % 2]
         for plan, dk, dv in grads:
             acc[0][:, :, plan.k] += dk
@@ -134,7 +126,7 @@ class P2PRing:
     def finish_grads(self) -> torch.Tensor:
         """This rank's own ``[2, batch, heads_kv, seq_local, head_dim]`` gradient, once home."""
         assert self._grad_bufs is not None
-        self._wait(self._grad_work, self._grad_bufs.device)
+        wait_all(self._grad_work, self._grad_bufs.device)
         grads = self._grad_bufs[self._grad_step % 2] if self.size > 1 else self._grad_bufs[0]
         self._grad_bufs, self._grad_work = None, []
         return grads
