@@ -10,7 +10,7 @@ unless ``attn_logit_softcapping=`` sets it::
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
 
 ``sample_prompts`` and ``check_matches_eager`` give the tests their prompts and their comparison
-with the single-process eager model. Needs ``transformers`` (and ``tokenizers``, which it depends
+with the single-process eager model; ``check_refused`` their check that a model is refused. Needs ``transformers`` (and ``tokenizers``, which it depends
 on). Used by tests and the example.
 """
 from __future__ import annotations
@@ -57,6 +57,26 @@ def check_matches_eager(eager: Any, prompts: dict[str, tuple[torch.Tensor, torch
             err = rel_err(logits[real], ref_logits[real])
             assert err <= tol, f"{label} {name} rank {rank}: rel err {err:.2e}"
             assert torch.equal(tokens, ref_tokens), f"{label} {name} rank {rank}: {tokens} != {ref_tokens}"
+
+
+def check_refused(build: Any, match: str, entry: str, ids: torch.Tensor, new_tokens: int) -> None:
+    """``build(attn_implementation)`` makes a model the ring must refuse with an error matching
+    ``match``: at load with ``"ring"`` when ``entry == "load"``, else (loaded with ``"eager"``) at
+    ``entry``, one of ``enable_ring_attention``, ``ring_forward``, ``ring_generate`` (on ``ids``)."""
+    import pytest
+
+    from megatron_ring.hf import enable_ring_attention, ring_forward, ring_generate
+
+    if entry == "load":
+        with pytest.raises(ValueError, match=match):
+            build("ring")
+        return
+    model = build("eager")
+    calls = {"enable_ring_attention": lambda: enable_ring_attention(model),
+             "ring_forward": lambda: ring_forward(model, ids),
+             "ring_generate": lambda: ring_generate(model, ids, max_new_tokens=new_tokens)}
+    with pytest.raises(ValueError, match=match):
+        calls[entry]()
 
 
 def tiny_config(family: str = "llama", **overrides: Any):

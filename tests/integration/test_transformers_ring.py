@@ -19,7 +19,7 @@ from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ri
 from megatron_ring.attention.reference import rel_err  # noqa: E402
 from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
 from megatron_ring.testing.tiny_hf import (  # noqa: E402
-    BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, check_matches_eager, sample_prompts, tiny_model,
+    BOS_ID, EOS_ID, FAMILIES, PAD_ID, VOCAB_SIZE, check_matches_eager, check_refused, sample_prompts, tiny_model,
 )
 
 TOL = 1e-5
@@ -175,17 +175,7 @@ def hybrid_lfm2(attn_implementation: str):
 def test_silently_wrong_models_are_refused(build, match, entry):
     """Refused at load with attn_implementation="ring" (Note [Refusing at load]), and, for a model loaded
     with another implementation, by every entry point, before any collective, so on every rank alike."""
-    if entry == "load":
-        with pytest.raises(ValueError, match=match):
-            build("ring")
-        return
-    ids = _prompts()["plain"][0]
-    model = build("eager")
-    calls = {"enable_ring_attention": lambda: enable_ring_attention(model),
-             "ring_forward": lambda: ring_forward(model, ids),
-             "ring_generate": lambda: ring_generate(model, ids, max_new_tokens=NEW_TOKENS)}
-    with pytest.raises(ValueError, match=match):
-        calls[entry]()
+    check_refused(build, match, entry, _prompts()["plain"][0], NEW_TOKENS)
 
 
 def test_supported_models_load_and_switch_to_ring():

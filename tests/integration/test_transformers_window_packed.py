@@ -19,9 +19,9 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_ring.attention.reference import rel_err  # noqa: E402
-from megatron_ring.hf import cp_context, enable_ring_attention, ring_forward, ring_generate  # noqa: E402
+from megatron_ring.hf import cp_context, ring_forward, ring_generate  # noqa: E402
 from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
-from megatron_ring.testing.tiny_hf import check_matches_eager, sample_prompts, tiny_model  # noqa: E402
+from megatron_ring.testing.tiny_hf import check_matches_eager, check_refused, sample_prompts, tiny_model  # noqa: E402
 
 TOL = 1e-5
 NEW_TOKENS = 6
@@ -176,17 +176,7 @@ def test_packed_cp_context_is_differentiable():
 @pytest.mark.parametrize("entry", ["load", "enable_ring_attention", "ring_forward", "ring_generate"])
 def test_unsupported_attention_variants_are_refused(build, match, entry):
     """Refused at load with "ring" (Note [Refusing at load]) and, loaded otherwise, at every entry point."""
-    if entry == "load":
-        with pytest.raises(ValueError, match=match):
-            build("ring")
-        return
-    ids = _prompts()["plain"][0]
-    model = build("eager")
-    calls = {"enable_ring_attention": lambda: enable_ring_attention(model),
-             "ring_forward": lambda: ring_forward(model, ids),
-             "ring_generate": lambda: ring_generate(model, ids, max_new_tokens=2)}
-    with pytest.raises(ValueError, match=match):
-        calls[entry]()
+    check_refused(build, match, entry, _prompts()["plain"][0], 2)
 
 
 def test_packed_rows_with_padding_are_refused():
