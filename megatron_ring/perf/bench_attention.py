@@ -8,8 +8,10 @@ group) with the same threads, i.e. one rank's share of the machine: efficiency
 the ranks share cores and the best possible efficiency is ``cores / P``;
 ``eff/core = T_single / (min(P, cores) * T)`` corrects for that.
 
-The implementations of one point are interleaved (repeat r runs each once, in turn), so on a
-shared machine they all see the same load. Per point: median / min / max over ``repeats`` of the
+The implementations of one point are interleaved (repeat r runs each once, in turn, starting
+with the r-th: the order rotates, so none always runs right after the same other), so on a
+shared machine they all see the same load. (With a fixed order, the all-gather measured 1.21x
+of the fastest when it ran right after the ring, 1.09x when it ran first.) Per point: median / min / max over ``repeats`` of the
 slowest rank's wall time (ranks start together after a barrier); exposed communication = the ring's instrumented wait after compute
 (:func:`megatron_ring.attention.instrument.ring_stats`) / wall time (for all-gather, forward only:
 the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
@@ -271,8 +273,9 @@ class _Case:
 def bench_worker(cfgs: list[dict[str, Any]], repeats: int, warmup: int) -> list[dict[str, Any]]:
     """Time several implementations of one point on this rank, interleaved.
 
-    Repeat r runs every implementation once (after a barrier each), so all of them see the same
-    machine load; returns per implementation the times, instrumentation and peak memory.
+    Repeat r runs every implementation once (after a barrier each), starting with the r-th, so all
+    of them see the same machine load and every position in the order; returns per implementation
+    the times, instrumentation and peak memory.
     """
     _track_mmap()
     if cfgs and cfgs[0].get("own_session"):
@@ -282,8 +285,8 @@ def bench_worker(cfgs: list[dict[str, Any]], repeats: int, warmup: int) -> list[
     for case in cases:
         for _ in range(warmup):
             case.call()
-    for _ in range(repeats):
-        for case in cases:
+    for r in range(repeats):
+        for case in cases[r % len(cases):] + cases[:r % len(cases)]:
             dist.barrier()
             case.timed()
     results = []
