@@ -27,8 +27,8 @@ dq, dk and dv in backward, except where each is already its own send buffer (bel
 
 Copies per tensor and direction (Note [Heads-first after the all-to-all]): toward heads, one to
 pack the send buffer and one to put the received tokens in order (:func:`_runs`) and
-heads-first; back toward the sequence, one to pack (none with contiguous sharding,
-no ring and ``b == 1``: the output already is its send buffer) and one to interleave the heads.
+heads-first; back toward the sequence, one to pack (none with contiguous sharding, no ring and
+``b == 1``: the output already is its send buffer) and one to interleave the heads.
 
 Note [Heads-first after the all-to-all]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -38,9 +38,8 @@ after it anyway, to put zigzag tokens in order, and that copy writes them heads-
 (``[b, h/A, L, d]`` storage): the CPU flash kernel then reads each head's rows at unit stride and
 took 0.90-1.00x the time of the ``[b, L, h/A, d]`` storage it is given otherwise (L = 16k, 2 or
 4 heads, ``python -m megatron_ring.perf.bench_block --layouts``). So the copy is kept for
-contiguous shards too. The ring of
-``a2a+p2p`` runs heads-first as well (Note [Heads-first blocks] in ring.py), so it takes them as
-they are.
+contiguous shards too. The ring of ``a2a+p2p`` runs heads-first as well (Note [Heads-first
+blocks] in ring.py), so it takes them as they are.
 
 GQA: the a2a group needs ``heads_q % A == 0``. K/V heads are split A ways too; with
 ``heads_kv % A != 0`` each K/V head is repeated, before the all-to-all, to ``h' = lcm(heads_kv, A)``
