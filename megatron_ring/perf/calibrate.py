@@ -114,7 +114,7 @@ def compute_worker(sizes: dict[str, Any]) -> dict[str, Any]:
 
 def comm_worker(sizes: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
     """Times of p2p (ranks 0 and 1, one way), all-reduce and all-gather per message size, this rank."""
-    from megatron_ring.attention.allgather import all_gather_stacked
+    from megatron_ring.attention.allgather import start_gather_blocks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     reps, warm = sizes["repeats"], sizes["warmup"]
@@ -133,7 +133,7 @@ def comm_worker(sizes: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
         calls = sizes["calls"]
         out["p2p"][nbytes] = [t / 2 for t in _times(ping_pong, reps, warm, calls)] if rank < 2 else []
         out["all_reduce"][nbytes] = _times(lambda: dist.all_reduce(buf), reps, warm, calls)
-        out["all_gather"][nbytes] = _times(lambda: all_gather_stacked(buf, None, world), reps, warm, calls)
+        out["all_gather"][nbytes] = _times(lambda: start_gather_blocks((buf,), None, rank, world).wait(), reps, warm, calls)
     return out
 
 

@@ -22,9 +22,12 @@ def test_p2p_forward_issues_p_minus_1_rotations_and_no_all_gather(gloo_pool, siz
 
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 def test_all_gather_path_gathers_once(gloo_pool, check):
+    """On gloo the K/V gather is one batch of pairwise transfers (Note [Pairwise gather on gloo]);
+    the handshake keeps its all-gather collective."""
     worker = workers.count_collectives if check else workers.count_collectives_unchecked
-    forward, _ = gloo_pool(3).run(worker, "all_gather", True)[0]
-    assert forward == {"p2p_batches": 0, "all_gather": 1 + int(check)}
+    forward, backward = gloo_pool(3).run(worker, "all_gather", True)[0]
+    assert forward == {"p2p_batches": 1, "all_gather": int(check)}
+    assert backward == {"p2p_batches": 1, "all_gather": 0}  # K/V gathered again; gradients go by reduce
 
 
 def test_ranks_disagreeing_on_shapes_fail_instead_of_hanging():
@@ -46,3 +49,13 @@ def test_auto_comm_is_exact(gloo_pool, size):
 def test_indivisible_global_length_is_rejected_on_every_rank(gloo_pool):
     for message in gloo_pool(2).run(workers.odd_local_length_error):
         assert message is not None and "global sequence length (seq_local 3 x cp 2) 6 is not divisible by 2*cp = 4" in message
+
+
+def test_pairwise_gather_stacks_blocks_in_group_order(gloo_pool):
+    """Note [Pairwise gather on gloo]: peers are addressed by global rank, blocks land in group order,
+    and each source's block has its own receives to wait on (none for the rank's own)."""
+    for rank, results in enumerate(gloo_pool(4).run(workers.gather_blocks_in_strided_groups)):
+        (pair_ok, pair_arrivals), (world_ok, world_arrivals) = results
+        assert pair_ok and world_ok
+        assert pair_arrivals == ([0, 2] if rank < 2 else [2, 0])
+        assert world_arrivals == [0 if src == rank else 2 for src in range(4)]

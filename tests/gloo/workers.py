@@ -309,3 +309,21 @@ def different_entry_points():
     if dist.get_rank() == 0:
         return _outcome(ring_attention, q, q, q)
     return _outcome(decode_attention, q[:, :1], q, q)
+
+
+def gather_blocks_in_strided_groups():
+    """:func:`start_gather_blocks` of two tensors over groups [0, 2] and [1, 3] (local rank != global
+    rank), and over the world: ``(blocks are every member's tensors in group order, arrivals per source)``."""
+    from megatron_ring.attention.allgather import start_gather_blocks
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    block = lambda r: torch.arange(6.0).view(2, 3) + 100 * r  # noqa: E731
+    results = []
+    for group, members in ((groups[rank % 2], [rank % 2, rank % 2 + 2]), (None, [0, 1, 2, 3])):
+        gather = start_gather_blocks((block(rank), -block(rank)), group, members.index(rank), len(members))
+        blocks = gather.wait()
+        expected = [(block(m), -block(m)) for m in members]
+        results.append((all(torch.equal(a, b) for got, want in zip(blocks, expected) for a, b in zip(got, want)),
+                        [len(works) for works in gather.arrivals]))
+    return results
