@@ -1,5 +1,6 @@
 """Two "nodes" on localhost: two launcher invocations (node ranks 0 and 1) of one job with
-``comm="a2a+p2p"``, the all-to-all inside each node and the ring across them (docs/multinode.md).
+``comm="a2a+p2p"``, the all-to-all inside each node and the ring across them (docs/multinode.md):
+torchrun with a fixed node rank, and the deepspeed launcher with a two-host hostfile (``--no_ssh``).
 
 Each launcher runs in its own process group with a hard timeout; on a hang both are killed.
 """
@@ -59,3 +60,19 @@ def test_torchrun_two_nodes_on_localhost() -> None:
                  "127.0.0.1", "--master-port", port, "-m", "megatron_ring.demo", *DEMO] for node in (0, 1)]
     outs = _run_nodes(commands, _env())
     _check_demo_output(outs[0])  # the global rank 0 prints the table
+
+
+def test_deepspeed_launcher_two_nodes_from_a_hostfile(tmp_path: Path) -> None:
+    """The hostfile names two hosts of 2 slots; each invocation is told its ``--node_rank`` and runs
+    its host's ranks without ssh (DeepSpeed sets ``CROSS_RANK`` and ``LOCAL_SIZE`` for the demo)."""
+    deepspeed = shutil.which("deepspeed", path=os.path.dirname(sys.executable)) or shutil.which("deepspeed")
+    if deepspeed is None:
+        pytest.skip("the deepspeed launcher is not installed")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    port = str(free_port())
+    commands = [[deepspeed, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+                 "127.0.0.1", "--master_port", port, "--no_local_rank", "launch/ring_demo.py", *DEMO]
+                for node in (0, 1)]
+    outs = _run_nodes(commands, _env())
+    _check_demo_output(outs[0])
