@@ -16,15 +16,17 @@ this machine four reductions also took 0.8x the time of one all-reduce of the sa
 
 Note [Pairwise gather on gloo]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-On gloo, ``all_gather_into_tensor`` of 16 MB per rank at P = 4 took 1.8x the time of the same
-exchange done as P-1 pairwise ``isend``/``irecv`` (0.155 s vs 0.085 s on this 2-core machine, the
-same bytes), and the CPU it took came out of the kernels it was meant to hide behind. So on gloo
-groups K and V are sent pairwise, as two tensors (no stacking copy, and no copy of the rank's own
-block), and each source's block is computed on as soon as its own receives complete rather than
-after the whole gather. Other backends keep one collective (NCCL's all-gather is its fastest
-path). Small gathers (handshake rows, masks, decode partials) keep the collective on every
-backend: at 4 KB the two took the same time. The gradients' ``reduce`` stays too: on gloo it
-took the same time as sending the pieces pairwise and summing them at the owner.
+On gloo, ``all_gather_into_tensor`` of 16 MiB per rank took 2.3x the time of the same exchange
+done as P-1 pairwise ``isend``/``irecv`` at P = 4 (148 vs 63 ms on this 2-core machine, the same
+bytes) and 3.5x at P = 2 (``python -m megatron_ring.perf.bench_gather``), and the CPU it took came
+out of the kernels it was meant to hide behind. So on gloo groups K and V are sent pairwise, as
+two tensors (no stacking copy, and no copy of the rank's own block), and each source's block is
+computed on as soon as its own receives complete rather than after the whole gather. Other
+backends keep one collective (NCCL's all-gather is its fastest path). The gradients' ``reduce``
+stays: P reductions took 1.3x the pairwise gather of the same size at P = 4, and sending the
+pieces pairwise to their owners instead measured the same within the noise in the attention
+benchmark. Small gathers (handshake rows, masks, decode partials) still use the collective,
+though pairwise was 1.2-1.5x faster there too (4 KiB-256 KiB).
 """
 from __future__ import annotations
 
