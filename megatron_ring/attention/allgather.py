@@ -65,7 +65,7 @@ def start_gather_blocks(parts: tuple[torch.Tensor, ...], group: dist.ProcessGrou
     parts = tuple(t.contiguous() for t in parts)
     if size == 1:
         return Gather([parts], [[]], [])
-    if dist.get_backend(group) != "gloo":
+    if not _sends_pairwise(group):
         stacked, work = _start_all_gather(torch.stack(parts), group, size)
         return Gather([tuple(block.unbind(0)) for block in stacked.unbind(0)], [[work]] * size, [])
     blocks = [parts if src == rank else tuple(torch.empty_like(t) for t in parts) for src in range(size)]
@@ -78,6 +78,11 @@ def start_gather_blocks(parts: tuple[torch.Tensor, ...], group: dist.ProcessGrou
     n = len(parts)
     arrivals = [works[peers.index(src) * n:(peers.index(src) + 1) * n] if src != rank else [] for src in range(size)]
     return Gather(blocks, arrivals, works[len(peers) * n:])
+
+
+def _sends_pairwise(group: dist.ProcessGroup | None) -> bool:
+    """Whether :func:`start_gather_blocks` sends pairwise over ``group`` (Note [Pairwise gather on gloo])."""
+    return dist.get_backend(group) == "gloo"
 
 
 def _start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> tuple[torch.Tensor, dist.Work]:

@@ -27,6 +27,17 @@ def test_ring_matches_float64_reference(gloo_pool, size, causal, sharding, comm,
                 assert err <= TOL[dtype], f"{backend} rank {rank} {name}: rel err {err:.2e} > {TOL[dtype]:.0e}"
 
 
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", ["mha", "mqa"])
+def test_all_gather_by_collective_matches_float64_reference(gloo_pool, size, causal, heads):
+    """The all-gather collective path (other backends than gloo) computes the same as the pairwise one."""
+    heads_q, heads_kv = HEADS[heads]
+    per_rank = gloo_pool(size).run(workers.ring_vs_reference_gathering_by_collective, 4 * size, heads_q, heads_kv,
+                                   5, causal, "zigzag", "all_gather", torch.float32, "sdpa")
+    assert max(max(e.values()) for e in per_rank) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("head_dim", [8, 64])
 def test_even_head_dims_and_longer_sequences(gloo_pool, size, head_dim):

@@ -327,3 +327,16 @@ def gather_blocks_in_strided_groups():
         results.append((all(torch.equal(a, b) for got, want in zip(blocks, expected) for a, b in zip(got, want)),
                         [len(works) for works in gather.arrivals]))
     return results
+
+
+def ring_vs_reference_gathering_by_collective(*args, **kwargs):
+    """:func:`ring_vs_reference` with ``comm="all_gather"`` sending K/V by the all-gather collective,
+    the path of backends other than gloo (Note [Pairwise gather on gloo])."""
+    from megatron_ring.attention import allgather
+
+    saved = allgather._sends_pairwise
+    allgather._sends_pairwise = lambda group: False
+    try:
+        return ring_vs_reference(*args, **kwargs)
+    finally:
+        allgather._sends_pairwise = saved
