@@ -24,8 +24,8 @@ two tensors (no stacking copy, and no copy of the rank's own block), and each so
 computed on as soon as its own receives complete rather than after the whole gather. Other
 backends keep one collective (NCCL's all-gather is its fastest path). The gradients' ``reduce``
 stays: P reductions took 1.3x the pairwise gather of the same size at P = 4, and sending the
-pieces pairwise to their owners instead measured the same within the noise in the attention
-benchmark. Small gathers (handshake rows, masks, decode partials) still use the collective,
+pieces pairwise to their owners instead timed the same within the noise (the attention call at
+L = 16k, P = 4, forward and backward). Small gathers (handshake rows, masks, decode partials) still use the collective,
 though pairwise was 1.2-1.5x faster there too (4 KiB-256 KiB).
 """
 from __future__ import annotations
@@ -152,8 +152,8 @@ class GatheredKV:
         self._grads[src] = block
         while self.size > 1 and len(self._reduces) in self._grads:
             owner = len(self._reduces)
-            dst = dist.get_global_rank(self.group, owner) if self.group is not None else owner
-            self._reduces.append(dist.reduce(self._grads[owner], dst, group=self.group, async_op=True))
+            self._reduces.append(dist.reduce(self._grads[owner], _global(self.group, owner), group=self.group,
+                                             async_op=True))
 
     def finish_grads(self) -> torch.Tensor:
         """This rank's ``[2, batch, heads_kv, seq_local, head_dim]`` K/V gradient, summed over ranks."""
