@@ -205,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()  # the op saves views
         comm: P2PRing | GatheredKV | DirectP2P = ctx.comm
         spec: _Spec = ctx.spec
         stats = active_stats()

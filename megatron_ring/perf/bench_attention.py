@@ -12,7 +12,8 @@ The implementations of one point are interleaved (repeat r runs each once, in tu
 with the r-th: the order rotates, so none always runs right after the same other), so on a
 shared machine they all see the same load. (With a fixed order, the all-gather measured 1.21x
 of the fastest when it ran right after the ring, 1.09x when it ran first.) Per point: median /
-min / max over ``repeats`` of the slowest rank's wall time (ranks start together after a barrier); exposed communication = the ring's instrumented wait after compute
+min / max over ``repeats`` of the slowest rank's wall time (ranks start together after a
+barrier); exposed communication = the ring's instrumented wait after compute
 (:func:`megatron_ring.attention.instrument.ring_stats`) / wall time (for all-gather, forward only:
 the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
 instrumentation; for Ulysses computed from the four all-to-alls; ``bytes_sent`` is rank 0's,

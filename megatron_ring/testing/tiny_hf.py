@@ -10,8 +10,8 @@ unless ``attn_logit_softcapping=`` sets it::
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
 
 ``sample_prompts`` and ``check_matches_eager`` give the tests their prompts and their comparison
-with the single-process eager model; ``check_refused`` their check that a model is refused. Needs ``transformers`` (and ``tokenizers``, which it depends
-on). Used by tests and the example.
+with the single-process eager model; ``check_refused`` their check that a model is refused. Needs
+``transformers`` (and ``tokenizers``, which it depends on). Used by tests and the example.
 """
 from __future__ import annotations
 
