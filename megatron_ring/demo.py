@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_ring.attention.comms import COMMS
 from megatron_ring.attention.instrument import ring_stats
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import shard_sequence
@@ -24,7 +25,6 @@ from megatron_ring.attention.reference import attention_reference, rel_err
 from megatron_ring.runtime.args import positive_int, usage_error
 
 
-COMMS: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def _node() -> str:

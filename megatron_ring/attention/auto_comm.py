@@ -54,11 +54,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Sequence
 
-Comm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]
-ALL_COMMS: tuple[str, ...] = ("p2p", "a2a+p2p", "a2a", "all_gather")
-"""Every comm, in the order ties are broken."""
+from megatron_ring.attention.comms import TIE_ORDER, Comm
+
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -223,7 +222,7 @@ def _a2a_time(t_comp: float, a2a: int, ring: int, unit_bytes: float, heads_q: in
 
 
 def choose_comm(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
-                causal: bool, element_size: int, costs: CommCosts, candidates: Sequence[str] = ALL_COMMS,
+                causal: bool, element_size: int, costs: CommCosts, candidates: Sequence[str] = TIE_ORDER,
                 a2a_size: int | None = None) -> CommChoice:
     """Pick the fastest of ``candidates`` for one call by the rule of the module Note (``a2a+p2p`` only
     counts with ``a2a_size`` or ``costs.ranks_per_node``)."""
@@ -236,7 +235,7 @@ def choose_comm(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads
 
     if cp_size == 1:
         return pick("p2p", "cp_size == 1: no communication")
-    allowed = [c for c in ALL_COMMS if c in candidates and not (c == "a2a+p2p" and a2a_size is None
+    allowed = [c for c in TIE_ORDER if c in candidates and not (c == "a2a+p2p" and a2a_size is None
                                                                  and costs.ranks_per_node is None)]
     note = ""
     gathered_bytes = 2.0 * batch * seq_local * cp_size * heads_kv * head_dim * element_size

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -63,22 +62,6 @@ def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
     return value  # type: ignore[return-value]
-
-
-def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(rank, size) of this process in ``group``; (0, 1) when torch.distributed is not initialised.
-
-    ValueError, before any collective, when this process is not a member of ``group``.
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised")
-        return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group "
-                         "(torch.distributed.get_rank(group) is -1); call it only on the group's members")
-    return rank, dist.get_world_size(group)
 
 
 def check_cu_seqlens(cu_seqlens: object, total_tokens: int) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import all_gather_stacked
-from megatron_ring.attention.alltoall import CPGroups, CPPlace, cp_place
+from megatron_ring.attention.comms import CPGroups, CPPlace, cp_place
 from megatron_ring.attention.block import block_forward, compute_dtype, resolve_backend
 from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens
 from megatron_ring.attention.handshake import Field, agree_place, flag_field, scale_field, tensor_fields

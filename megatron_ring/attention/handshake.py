@@ -41,7 +41,7 @@ from megatron_ring.attention.allgather import all_gather_stacked
 from megatron_ring.attention.checks import DTYPES
 
 if TYPE_CHECKING:
-    from megatron_ring.attention.alltoall import CPPlace
+    from megatron_ring.attention.comms import CPPlace
 
 WIDTH = 24
 """Int64s per rank in the handshake: entry point, valid flag, up to 22 fields, zero padding."""

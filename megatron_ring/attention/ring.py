@@ -41,9 +41,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.allgather import GatheredKV, all_gather_stacked
-from megatron_ring.attention.alltoall import A2A_COMMS, CPGroups, CPPlace, a2a_attention, check_a2a_heads, cp_place
+from megatron_ring.attention.alltoall import a2a_attention, check_a2a_heads
 from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, resolve_backend
+from megatron_ring.attention.comms import A2A_COMMS, COMM_CHOICES, CPGroups, CPPlace, cp_place
 from megatron_ring.attention.checks import check_choice, check_key_padding_mask, check_qkv, check_tokens
 from megatron_ring.attention.direct import DirectP2P
 from megatron_ring.attention.handshake import Field, agree_place, choice_field, flag_field, scale_field, tensor_fields
@@ -54,7 +55,6 @@ from megatron_ring.attention.schedule import RankSchedule, StepPlan, step_plan
 from megatron_ring.attention.sharding import SHARDINGS, check_divisible
 from megatron_ring.attention.sparse_call import SparseCall, packed_as_batch, prepare_sparse, sparse_fields
 
-COMMS: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
@@ -259,7 +259,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: CPPlace, 
     check_tokens(q, "seq_local", "ring_attention", "at least one token per rank")
     check_key_padding_mask(key_padding_mask, k)
     check_choice("sharding", sharding, SHARDINGS)
-    check_choice("comm", comm, COMMS)
+    check_choice("comm", comm, COMM_CHOICES)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
@@ -293,7 +293,7 @@ def _fields(q: torch.Tensor, k: torch.Tensor, call: _Call, comm: str) -> list[Fi
     """What every rank must agree on (Note [Cross-rank handshake]); ``comm`` as requested."""
     spec = call.spec
     return [*tensor_fields(q, k, "seq_local"), flag_field("causal", spec.causal),
-            choice_field("sharding", spec.sharding, SHARDINGS), choice_field("comm", comm, COMMS),
+            choice_field("sharding", spec.sharding, SHARDINGS), choice_field("comm", comm, COMM_CHOICES),
             scale_field(spec.scale), flag_field("key_padding_mask", call.masked, ("None", "a mask")),
             *sparse_fields(call.sparse)]
 

@@ -25,13 +25,14 @@ from typing import Any, Literal, Optional, get_args
 
 from pydantic import Field
 
+from megatron_ring.attention.comms import Comm
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
 
 Dtype = Literal["fp32", "bf16", "fp16"]
-CpCommType = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]
-"""Megatron's ``cp_comm_type`` names (attention/ring.py's ``comm``)."""
+CpCommType = Comm
+"""Megatron's ``cp_comm_type`` names (the core's ``comm``, attention/comms.py)."""
 DTYPES: tuple[str, ...] = get_args(Dtype)
 """The compute dtypes a model config may name (its ``dtype`` key)."""
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_ring.attention.alltoall import CPGroups
+from megatron_ring.attention.comms import CPGroups
 from megatron_ring.parallel.layout import AXES, HIERARCHICAL_LEVELS, ParallelLayout
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)

@@ -292,7 +292,7 @@ def per_layer_comm_types() -> dict[str, Any]:
     over Megatron's hierarchical groups."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_ring.attention.alltoall import CPGroups
+    from megatron_ring.attention.comms import CPGroups
     from megatron_ring.megatron import RingAttention
 
     init_megatron(ParallelLayout(cp=4, cp_a2a=2))

@@ -28,12 +28,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_ring.attention.alltoall import CPGroups
+from megatron_ring.attention.comms import COMMS, CPGroups
 from megatron_ring.attention.ring import ring_attention
 from megatron_ring.attention.sharding import local_positions
 from megatron_ring.integrations.megatron.packed import thd_layout
 
-CP_COMM_TYPES: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p")
+CP_COMM_TYPES: tuple[str, ...] = COMMS
 """Megatron ``cp_comm_type`` values RingAttention implements: all of them (``comm`` of ring_attention)."""
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.causal_bottom_right)
