@@ -20,22 +20,22 @@ from megatron_ring.parallel.layout import AXES, HIERARCHICAL_LEVELS, ParallelLay
 
 # name -> (module, function, help): each takes its own argv (--help included) and returns an exit code
 DELEGATED: dict[str, tuple[str, str, str]] = {
-    "plan": ("megatron_ring.perf.plan_cli", "plan_main", "analytical model of a config on a hardware profile"),
-    "calibrate": ("megatron_ring.perf.calibrate", "calibrate_main",
+    "plan": ("megatron_ring.perf.planner.plan_cli", "plan_main", "analytical model of a config on a hardware profile"),
+    "calibrate": ("megatron_ring.perf.planner.calibrate", "calibrate_main",
                   "measure this machine (CPU ranks, gloo) and write a hardware profile for the planner"),
     "compare": ("megatron_ring.inference.compare", "compare_main",
                 "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
-    "sweep": ("megatron_ring.perf.sweep", "sweep_main",
+    "sweep": ("megatron_ring.perf.sweep.cli", "sweep_main",
               "baseline vs ring of a pair over prompt lengths (and batches), repeated: sweep.json and plots"),
     "infer": ("megatron_ring.inference.main", "infer_main",
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
 }
 BENCHES: dict[str, tuple[str, str, str]] = {
-    "attention": ("megatron_ring.perf.bench_attention", "bench_attention_main",
+    "attention": ("megatron_ring.perf.bench.attention", "bench_attention_main",
                   "ring (p2p) vs all-gather vs single process vs DeepSpeed Ulysses on gloo ranks"),
-    "numerics": ("megatron_ring.perf.bench_numerics", "bench_numerics_main",
+    "numerics": ("megatron_ring.perf.bench.numerics", "bench_numerics_main",
                  "relative error of ring attention against float64, by ring size and dtype"),
-    "compile": ("megatron_ring.perf.bench_compile", "bench_compile_main",
+    "compile": ("megatron_ring.perf.bench.compile", "bench_compile_main",
                 "an attention layer with the ring (prefill, training step, decode step), eager vs torch.compile"),
 }
 
