@@ -1,6 +1,7 @@
 """The comm="auto" rule on the pure cost model (no torch.distributed)."""
 from __future__ import annotations
 
+import configparser
 import json
 from pathlib import Path
 
@@ -85,6 +86,15 @@ def test_defaults_are_read_from_the_shipped_profiles(tmp_path: Path, monkeypatch
                                       device_type="cpu") == "p2p"
     finally:
         auto_comm.default_costs.cache_clear()
+
+
+def test_the_profiles_are_package_data() -> None:
+    """A non-editable install ships megatron_ring/profiles/*.json (setup.cfg's package_data)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    globs = [g.strip() for g in cfg["options.package_data"]["megatron_ring"].split(",")]
+    profiles = set(auto_comm.PROFILE_DIR.glob("*.json"))
+    assert profiles and profiles <= {p for g in globs for p in auto_comm.PROFILE_DIR.parent.glob(g)}
 
 
 def test_defaults_equal_the_planners_costs_of_the_same_profiles() -> None:
