@@ -47,7 +47,7 @@ from typing import Any, Callable
 from megatron_ring.attention.comms import A2A_COMMS
 from megatron_ring.perf.bench import attention_report
 from megatron_ring.perf.bench.attention_worker import IMPLS, MODES, VARIANT_IMPLS, bench_worker, ulysses_available
-from megatron_ring.perf.bench.harness import DTYPES, borrow_pool, machine_description, slowest
+from megatron_ring.perf.bench.harness import CAUSAL, DTYPES, borrow_pool, machine_description, slowest
 from megatron_ring.perf.report import print_table
 from megatron_ring.runtime.args import non_negative_int, positive_float, positive_int, usage_error
 
@@ -107,12 +107,13 @@ def add_efficiency(points: list[dict[str, Any]], cores: int) -> None:
         p["efficiency_per_core"] = base / (min(p["P"], cores) * p["median_s"])
 
 
-def run_attention_bench(*, lengths: list[int], ranks: list[int], impls: list[str], modes: list[str], causals: list[bool],
-              batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str, repeats: int, warmup: int,
-              backend: str, seed: int = 0, timeout_s: float = 600.0, a2a_size: int = 2,
-              progress: Callable[[str], None] = print,
-              pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True,
-              window: str | int | None = None, docs: int = 0, a2a_contiguous: bool = False) -> list[dict[str, Any]]:
+def run_attention_bench(*, lengths: list[int], ranks: list[int], impls: list[str], modes: list[str],
+                        causals: list[bool], batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str,
+                        repeats: int, warmup: int, backend: str, seed: int = 0, timeout_s: float = 600.0,
+                        a2a_size: int = 2, progress: Callable[[str], None] = print,
+                        pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True,
+                        window: str | int | None = None, docs: int = 0,
+                        a2a_contiguous: bool = False) -> list[dict[str, Any]]:
     """Run every (P, impl, mode, causal, L) point, the implementations of a point interleaved.
 
     ``window`` (tokens, or ``"L/k"``) and ``docs`` add the variants of the module docstring to the
@@ -208,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--P", dest="ranks", type=positive_int, nargs="+", default=[2, 4], help="ring sizes (processes)")
     ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    ap.add_argument("--causal", choices=list(CAUSAL), default="both")
     ap.add_argument("--batch", type=positive_int, default=1)
     ap.add_argument("--heads", type=positive_int, default=8)
     ap.add_argument("--heads-kv", type=non_negative_int, default=0, help="K/V heads (default 0 = heads)")
@@ -236,25 +237,26 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench attention``: run the sweep, write JSON, print the table, draw the plots."""
     parser = _parser()
     args = parser.parse_args(argv)
-    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    causals = CAUSAL[args.causal]
     machine_before = machine_description()
     try:
-        points = run_attention_bench(lengths=args.lengths, ranks=args.ranks, impls=args.impl, modes=args.mode, causals=causals,
-                           batch=args.batch, heads=args.heads, heads_kv=args.heads_kv or args.heads,
-                           head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
-                           backend=args.backend, timeout_s=args.timeout, window=args.window, docs=args.docs,
-                           a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous)
+        points = run_attention_bench(lengths=args.lengths, ranks=args.ranks, impls=args.impl, modes=args.mode,
+                                     causals=causals, batch=args.batch, heads=args.heads,
+                                     heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                                     repeats=args.repeats, warmup=args.warmup, backend=args.backend,
+                                     timeout_s=args.timeout, window=args.window, docs=args.docs,
+                                     a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous)
     except ValueError as err:
         return usage_error(parser.prog, err)
     plain = args.window is None and not args.docs  # the plots compare implementations, not variants
     write_attention_bench(points, machine_before, out=Path(args.out), argv=argv,
-                  plots=None if args.no_plots or not plain else Path(args.plots) if args.plots
-                  else Path(args.out).parent / "plots", a2a_size=args.a2a_size)
+                          plots=None if args.no_plots or not plain else Path(args.plots) if args.plots
+                          else Path(args.out).parent / "plots", a2a_size=args.a2a_size)
     return 0
 
 
-def write_attention_bench(points: list[dict[str, Any]], machine: dict[str, Any], *, out: Path, argv: list[str] | None,
-                  plots: Path | None, a2a_size: int = 2) -> dict[str, Any]:
+def write_attention_bench(points: list[dict[str, Any]], machine: dict[str, Any], *, out: Path,
+                          argv: list[str] | None, plots: Path | None, a2a_size: int = 2) -> dict[str, Any]:
     """Write the JSON, print the table, draw the plots (``plots=None``: none); returns the JSON object."""
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine, "loadavg_after": list(os.getloadavg()), "argv": argv or [], "points": points,
@@ -263,8 +265,8 @@ def write_attention_bench(points: list[dict[str, Any]], machine: dict[str, Any],
     out.write_text(json.dumps(result, indent=2))
     first = points[0] if points else {}
     print_table(f"attention bench ({machine['cpu']}, {machine['cores']} cores, {first.get('dtype')}, batch "
-                       f"{first.get('batch')}, heads {first.get('heads')}/{first.get('heads_kv')}, head_dim "
-                       f"{first.get('head_dim')})", attention_report.BENCH_COLUMNS, attention_report.bench_rows(points))
+                f"{first.get('batch')}, heads {first.get('heads')}/{first.get('heads_kv')}, head_dim "
+                f"{first.get('head_dim')})", attention_report.BENCH_COLUMNS, attention_report.bench_rows(points))
     print_table("bytes sent per rank per layer (formulas)", attention_report.BYTES_COLUMNS,
                 attention_report.bytes_rows(points, a2a_size))
     print(f"wrote {out}")

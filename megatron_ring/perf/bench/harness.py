@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtypes the benchmarks take, by the names their flags and JSON use."""
+CAUSAL: dict[str, list[bool]] = {"yes": [True], "no": [False], "both": [True, False]}
+"""``--causal``: the masks a benchmark runs."""
 _M_MMAP_THRESHOLD = -3
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.perf.bench.harness import DTYPES, borrow_pool
+from megatron_ring.perf.bench.harness import CAUSAL, DTYPES, borrow_pool
 from megatron_ring.perf.report import markdown_table, print_table
 from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
 
@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--P", dest="ranks", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
                     help="ring sizes (processes)")
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    ap.add_argument("--causal", choices=list(CAUSAL), default="both")
     ap.add_argument("--L", dest="seq", type=positive_int, default=512,
                     help="global sequence length, divisible by 2*max(P)")
     ap.add_argument("--batch", type=positive_int, default=2)
@@ -155,7 +155,7 @@ def bench_numerics_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench numerics``: run, write JSON (and Markdown), print the table."""
     parser = _parser()
     args = parser.parse_args(argv)
-    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    causals = CAUSAL[args.causal]
     try:
         points = run_numerics(ranks=args.ranks, dtypes=args.dtype, causals=causals, seq=args.seq, batch=args.batch,
                               heads=args.heads, heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim,

@@ -207,7 +207,8 @@ def summarize(compute: list[dict[str, Any]], comm: list[dict[str, Any]], overhea
     fits = {}
     for kind, scale in factors.items():
         sizes = sorted(comm[0][kind])
-        fits[kind] = fit_line([scale(n) for n in sizes], [harness.slowest_median([r[kind][n] for r in comm]) for n in sizes])
+        fits[kind] = fit_line([scale(n) for n in sizes],
+                              [harness.slowest_median([r[kind][n] for r in comm]) for n in sizes])
     fields: dict[str, Any] = {
         "peak_flops": {name: rate / threads for name, rate in matmul.items()},
         "matmul_efficiency": 1.0, "attention_efficiency": min(1.0, ratio), "hbm_bytes_per_s": copy,

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     """Print the table; with ``--out PREFIX`` write ``PREFIX.md`` and ``PREFIX.json``."""
     from megatron_ring.runtime.reporting import write_json_atomic
 
-    ap = argparse.ArgumentParser(prog="python -m megatron_ring.perf.planner.paper_scale", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_ring.perf.planner.paper_scale",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default=BASELINE)
     ap.add_argument("--ring", default=RING)
     ap.add_argument("--hardware", nargs="+", default=list(PROFILES))
