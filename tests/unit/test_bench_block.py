@@ -1,4 +1,4 @@
-"""bench_block on CPU: every backend exact against float64, the JSON written."""
+"""``python -m megatron_ring.perf.bench.block`` on CPU: every backend exact against float64, the JSON written."""
 import json
 
 from megatron_ring.perf.bench.block import main
