@@ -253,7 +253,7 @@ class _Case:
             torch.cuda.synchronize(self.device)
 
     def timed(self) -> None:
-        from megatron_ring.attention.instrument import ring_stats
+        from megatron_ring.attention.transport import ring_stats
 
         with ring_stats() as stats:
             t0 = time.perf_counter()

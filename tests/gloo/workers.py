@@ -314,7 +314,7 @@ def different_entry_points():
 def gather_blocks_in_strided_groups():
     """:func:`start_gather_blocks` of two tensors over groups [0, 2] and [1, 3] (local rank != global
     rank), and over the world: ``(blocks are every member's tensors in group order, arrivals per source)``."""
-    from megatron_ring.attention.allgather import start_gather_blocks
+    from megatron_ring.attention.gather import start_gather_blocks
 
     rank = dist.get_rank()
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -332,11 +332,11 @@ def gather_blocks_in_strided_groups():
 def ring_vs_reference_gathering_by_collective(*args, **kwargs):
     """:func:`ring_vs_reference` with ``comm="all_gather"`` sending K/V by the all-gather collective,
     the path of backends other than gloo (Note [Pairwise gather on gloo])."""
-    from megatron_ring.attention import allgather
+    from megatron_ring.attention import gather
 
-    saved = allgather._sends_pairwise
-    allgather._sends_pairwise = lambda group: False
+    saved = gather._sends_pairwise
+    gather._sends_pairwise = lambda group: False
     try:
         return ring_vs_reference(*args, **kwargs)
     finally:
-        allgather._sends_pairwise = saved
+        gather._sends_pairwise = saved
