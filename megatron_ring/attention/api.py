@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_ring.attention.alltoall import a2a_attention
 from megatron_ring.attention.call import prepare_ring
-from megatron_ring.attention.comms import A2A_COMMS, CPGroups
+from megatron_ring.attention.comms import A2A_COMMS, RING_COMMS, CPGroups
 from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.ring import run_ring
 
@@ -81,7 +81,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     options = dict(causal=causal, softmax_scale=softmax_scale, sharding=sharding, comm=comm, backend=backend,
                    window_size=window_size, check_consistency=check_consistency)
-    if torch.compiler.is_compiling() and comm in ("p2p", "all_gather") and cu_seqlens is None:
+    if torch.compiler.is_compiling() and comm in RING_COMMS and cu_seqlens is None:
         # one opaque custom op: Note [torch.compile] in ops.py
         through_op = call_op("ring_attention", (q, k, v), group, {"key_padding_mask": key_padding_mask}, options)
         if through_op is not None:

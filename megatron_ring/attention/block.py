@@ -100,7 +100,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
             return "sdpa" if _sdpa_takes_a_mask(device) else "math"
     if backend == "auto":
         # flash_attn_problem is None only on CUDA, so the capability query is safe.
-        if flash_attn_problem(device, dtype, head_dim) is None and _cuda_kernel(device) == "flash":
+        if device.type == "cuda" and flash_attn_problem(device, dtype, head_dim) is None \
+                and _cuda_kernel(device) == "flash":
             return "flash_attn"
         return "sdpa" if _sdpa_takes(device, dtype, head_dim) else "math"
     if backend == "flash_attn":
