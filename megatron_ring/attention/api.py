@@ -67,8 +67,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             (Note [Packed documents (varlen)]). No query sees a key of another document. Its values
             are read on the host once per call.
         check_consistency: first check, with one small all-gather, that every rank passed the same
-            shapes, dtype, device type, causal, sharding, comm, scale, mask presence, window and
-            document boundaries, and raise
+            shapes, dtype, device type, causal, sharding, comm, scale, mask presence, whether
+            gradients are needed, window and document boundaries, and raise
             ValueError on every rank naming what differs (or which rank rejected its inputs):
             Note [Cross-rank handshake] in handshake.py. Must be the same on every rank; with
             False, a rank whose input differs or is rejected aborts or hangs the others.
