@@ -9,7 +9,7 @@ Integrations (``megatron_ring.megatron``, ``megatron_ring.hf``, DeepSpeed launch
 only on demand, so ``import megatron_ring`` needs torch alone.
 """
 from megatron_ring.attention.decode import decode_attention
-from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.sharding import shard_sequence, unshard_sequence
 from megatron_ring.parallel.groups import init_parallel
 from megatron_ring.parallel.layout import ParallelLayout

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.comms import COMMS
-from megatron_ring.attention.instrument import ring_stats
-from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.transport import ring_stats
+from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.sharding import shard_sequence
 from megatron_ring.attention.reference import attention_reference, rel_err
 from megatron_ring.runtime.args import positive_int, usage_error

@@ -1,24 +1,28 @@
 """The attention core, pure torch: sharding, block kernels, log-sum-exp merge, the ring, decode.
 
-Files:
+Files (the reading path of one call is in api.py):
 
+* ``api.py``                ``ring_attention``: checks, handshake, then the ring or the all-to-all;
+* ``call.py``               the checks at the boundary, the ``RingCall`` record, the prepare step
+                            both entry points share;
+* ``comms.py``              the comm names and the CP groups they run over (``CPGroups``, ``CPPlace``);
+* ``handshake.py``          cross-rank agreement on a call's arguments;
 * ``sharding.py``           zigzag / contiguous shards of a sequence and their global positions;
 * ``schedule.py``           which queries meet which keys at each ring step, also under a window or
-                            packed documents (pure);
-* ``window.py``             ``window_size``: checks, the band of allowed distances, masks (pure);
-* ``sparse_call.py``        ``ring_attention``'s ``window_size`` and ``cu_seqlens``: checks, schedule, handshake;
-* ``block.py``              one block's attention and its backward (math, torch's fused kernels, flash-attn);
-* ``flash_attn_backend.py`` the flash-attn package's kernels behind ``backend="flash_attn"``;
-* ``merge.py``              the fp32 log-sum-exp merge of partial results;
-* ``ring.py``               ``ring_attention``: the p2p ring and its autograd function;
+                            packed documents: one ``Schedule`` per call (pure);
+* ``window.py``             ``window_size``: the band of allowed distances, masks (pure);
+* ``ring.py``               the ring's forward and backward loops and their autograd Function;
+* ``transport.py``          the K/V transport protocol, posting, timed waits, ``ring_stats``;
+* ``relay.py``              the relay ring (``comm="p2p"``);
 * ``direct.py``             window / packed-document transfers: owner to user, only the rows read;
-* ``allgather.py``          the all-gather variant on the same schedule;
-* ``alltoall.py``           ``comm="a2a"`` (Ulysses) and ``"a2a+p2p"`` (all-to-all x ring), ``CPGroups``;
+* ``gather.py``             ``comm="all_gather"``;
+* ``alltoall.py``           ``comm="a2a"`` (Ulysses) and ``"a2a+p2p"`` (all-to-all x ring);
 * ``auto_comm.py``          ``comm="auto"``: p2p, all_gather, a2a or a2a+p2p from a cost model;
+* ``block.py``              one block's attention and its backward (math, torch's fused kernels,
+                            flash-attn), and the fp32 log-sum-exp merge;
+* ``flash_attn_backend.py`` the flash-attn package's kernels behind ``backend="flash_attn"``;
 * ``decode.py``             ``decode_attention`` against a KV cache sharded over the CP group;
 * ``ops.py``, ``opaque.py`` both as torch.library custom ops, for torch.compile (registered on import);
-* ``checks.py``             validation at the boundary;
-* ``instrument.py``         ``ring_stats``: bytes sent, compute and exposed communication time;
 * ``reference.py``          float64 references for tests, benchmarks and the demo.
 """
 

@@ -18,15 +18,15 @@ output back to the rank that holds it::
   a2a group ``c // A`` (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``.
   After the all-to-all, the A shards of an a2a group are exactly the shard of ring rank
   ``c // A`` in the same sharding over R ranks (zigzag: the first chunks in member order, then the
-  second chunks in reverse order), and the existing p2p ring runs over the ring group on H/A
-  heads: ``_RingAttention`` unchanged.
+  second chunks in reverse order), and the p2p ring (ring.py's :func:`run_ring`) runs over the ring
+  group on H/A heads, unchanged.
 
 The whole thing is differentiable: the backward of an all-to-all is the inverse all-to-all of the
 gradients. q, k and v travel in one all-to-all (their head groups packed side by side), and so do
 dq, dk and dv in backward, except where each is already its own send buffer (below).
 
 Copies per tensor and direction (Note [Heads-first after the all-to-all]): toward heads, one to
-pack the send buffer and one to put the received tokens in order (:func:`_runs`) and
+pack the send buffer and one to put the received tokens in order (:func:`_spans`) and
 heads-first; back toward the sequence, one to pack (none with contiguous sharding, no ring and
 ``b == 1``: the output already is its send buffer) and one to interleave the heads.
 
@@ -62,31 +62,24 @@ token), puts them in the same order as the keys, and the ring takes them from th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.allgather import all_gather_stacked
 from megatron_ring.attention.block import block_backward, block_forward
+from megatron_ring.attention.call import RingCall
 from megatron_ring.attention.comms import CPPlace
-from megatron_ring.attention.instrument import active_stats, now
+from megatron_ring.attention.ring import run_ring
+from megatron_ring.attention.schedule import schedule_for
 from megatron_ring.attention.sharding import local_positions
+from megatron_ring.attention.transport import active_stats, count_sent, gather_stacked, now
 
 def kv_heads_sent(heads_q: int, heads_kv: int, a2a_size: int) -> int:
     """``h' = lcm(heads_kv, a2a_size)``: the K/V heads the all-to-all carries (Note [All-to-all between sequence and heads])."""
     return heads_kv * a2a_size // math.gcd(heads_kv, a2a_size)
-
-
-def check_a2a_heads(heads_q: int, a2a_size: int, comm: str) -> None:
-    """ValueError naming ``heads_q`` unless the query heads split evenly over the a2a group."""
-    if heads_q % a2a_size:
-        what = "cp size" if comm == "a2a" else "a2a group size"
-        raise ValueError(f"heads_q ({heads_q}) must be divisible by the {what} ({a2a_size}) for comm={comm!r}: "
-                         f"the all-to-all gives each rank heads_q / {a2a_size} query heads; use comm='p2p' or "
-                         "a smaller all-to-all group")
 
 
 def a2a_bytes(*, seq_local: int, batch: int, heads_q: int, heads_kv: int, head_dim: int, element_size: int,
@@ -101,9 +94,10 @@ def a2a_bytes(*, seq_local: int, batch: int, heads_q: int, heads_kv: int, head_d
     return a2a + ring
 
 
-class Run(NamedTuple):
-    """``length`` consecutive tokens: position ``start`` of the reordered sequence onward comes from
-    position ``offset`` onward of a2a member ``member``'s shard."""
+class Span(NamedTuple):
+    """``length`` consecutive tokens of the reordered sequence, from position ``start`` on, taken from
+    position ``offset`` on of a2a member ``member``'s shard (a copy, not a document: sharding.py's
+    ``Segment`` is a run of one document's positions)."""
 
     start: int
     member: int
@@ -112,11 +106,11 @@ class Run(NamedTuple):
 
 
 @lru_cache(maxsize=64)
-def _runs(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, sharding: str) -> tuple[Run, ...]:
+def _spans(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, sharding: str) -> tuple[Span, ...]:
     """Where the tokens of ring rank ``ring_rank``'s shard (over ``ring_size`` in ``sharding``) are among
     the a2a group's received shards, as the fewest runs of consecutive tokens, in token order.
 
-    Zigzag over ``ring_size = 1`` gives ``2 * a2a_size - 1`` runs (the last member's two chunks are
+    Zigzag over ``ring_size = 1`` gives ``2 * a2a_size - 1`` spans (the last member's two chunks are
     adjacent); contiguous gives ``a2a_size`` runs of ``seq_local``. Copying runs is a few strided
     memcpys, 1.3-1.7x faster on CPU than a gather or scatter by a per-token index.
     """
@@ -125,21 +119,21 @@ def _runs(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, shardin
     where = torch.empty(total, dtype=torch.int64)
     where[received] = torch.arange(received.numel())
     found = where[local_positions(total, ring_rank, ring_size, sharding)].tolist()
-    runs: list[Run] = []
+    runs: list[Span] = []
     for n, at in enumerate(found):
         member, offset = divmod(at, seq_local)
         last = runs[-1] if runs else None
         if last is not None and last.member == member and last.offset + last.length == offset:
             runs[-1] = last._replace(length=last.length + 1)
         else:
-            runs.append(Run(n, member, offset, 1))
+            runs.append(Span(n, member, offset, 1))
     return tuple(runs)
 
 
 class _Exchange:
     """The two all-to-alls of one a2a group; tensors are ``[batch, seq, heads, head_dim]``."""
 
-    def __init__(self, group: dist.ProcessGroup | None, size: int, runs: tuple[Run, ...]) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, size: int, runs: tuple[Span, ...]) -> None:
         self.group, self.size, self.runs = group, size, runs
 
     def _all_to_all(self, send: torch.Tensor) -> torch.Tensor:
@@ -149,20 +143,19 @@ class _Exchange:
         start = now(send.device) if stats else 0.0
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
+        count_sent(1, send.numel() * send.element_size() * (self.size - 1) // self.size)
         if stats:
             elapsed = now(send.device) - start
-            stats.steps += 1
-            stats.bytes_sent += send.numel() * send.element_size() * (self.size - 1) // self.size
             stats.wait_s += elapsed
             stats.total_s += elapsed
         return recv
 
     def _in_order(self, seq_local: int) -> bool:
         """Whether the received shards already are the sequence in order (contiguous sharding, no ring)."""
-        return self.runs == tuple(Run(j * seq_local, j, 0, seq_local) for j in range(self.size))
+        return self.runs == tuple(Span(j * seq_local, j, 0, seq_local) for j in range(self.size))
 
     def to_heads(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``[b, s, h, d]`` each -> ``[b, A*s, h/A, d]`` in the order of :func:`_runs`, stored heads-first
+        """``[b, s, h, d]`` each -> ``[b, A*s, h/A, d]`` in the order of :func:`_spans`, stored heads-first
         (views of ``[b, h/A, A*s, d]``)."""
         a = self.size
         b, s, _, d = xs[0].shape
@@ -237,55 +230,53 @@ class _LocalAttention(torch.autograd.Function):
     """``a2a`` after its all-to-all: the whole sequence as one block, BHSD views; no ring buffers or merge."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Any,  # type: ignore[override]
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,  # type: ignore[override]
                 key_mask: torch.Tensor | None) -> torch.Tensor:
         stats = active_stats()
         start = now(q.device) if stats else 0.0
-        out, lse = block_forward(q, k, v, causal=spec.causal, scale=spec.scale, backend=spec.backend, key_mask=key_mask)
+        out, lse = block_forward(q, k, v, causal=call.causal, scale=call.scale, backend=call.backend, key_mask=key_mask)
         out = out.to(q.dtype)
         if stats:
             stats.calls += 1
             stats.compute_s += now(q.device) - start
             stats.total_s += now(q.device) - start
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.key_mask = spec, key_mask
+        ctx.call, ctx.key_mask = call, key_mask
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        spec = ctx.spec
-        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=spec.causal, scale=spec.scale,
-                                    backend=spec.backend, key_mask=ctx.key_mask)
+        call: RingCall = ctx.call
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=call.causal, scale=call.scale,
+                                    backend=call.backend, key_mask=ctx.key_mask)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-RingFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "dist.ProcessGroup | None", Any, str,
-                   "torch.Tensor | None"], torch.Tensor]
-"""``ring(q, k, v, group, spec, comm, key_padding_mask)``: ring.py's ring over BSHD inputs."""
-
-
-def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, place: CPPlace, comm: str, spec: Any,
-                  key_padding_mask: torch.Tensor | None, ring: RingFn) -> torch.Tensor:
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
+                  key_padding_mask: torch.Tensor | None) -> torch.Tensor:
     """``comm="a2a"`` or ``"a2a+p2p"`` on checked inputs: q ``[b, s, heads_q, d]``, k/v ``[b, s, heads_kv, d]``
-    -> ``[b, s, heads_q, d]``. ``spec`` is the call's ring spec over the whole CP group; ``ring``
-    runs the p2p ring over the ring group on the head-sharded tensors."""
-    (ga, _, a), (gr, rr, r) = place.levels(comm)
+    -> ``[b, s, heads_q, d]``; the ring of ``a2a+p2p`` runs over the ring group on the head-sharded
+    tensors (Note [All-to-all between sequence and heads])."""
+    (ga, _, a), (gr, rr, r) = call.place.levels(call.comm)
     s, heads_kv = q.shape[1], k.shape[2]
     repeat = kv_heads_sent(q.shape[2], heads_kv, a) // heads_kv
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
-    exchange = _Exchange(ga, a, _runs(s, a, r, rr, spec.sharding))
+    exchange = _Exchange(ga, a, _spans(s, a, r, rr, call.sharding))
     qh, kh, vh = _AllToAll.apply(exchange, True, q, k, v)
     ring_mask = None
     if key_padding_mask is not None:
-        masks = all_gather_stacked(key_padding_mask.to(torch.uint8), ga, a).transpose(0, 1)  # [b, A, s]
-        ring_mask = torch.cat([masks[:, run.member, run.offset:run.offset + run.length] for run in exchange.runs],
+        masks = gather_stacked(key_padding_mask.to(torch.uint8), ga, a).transpose(0, 1)  # [b, A, s]
+        ring_mask = torch.cat([masks[:, span.member, span.offset:span.offset + span.length] for span in exchange.runs],
                               dim=1).bool()
     if r == 1:  # global order: one causal (or full) block
-        out = _LocalAttention.apply(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), spec,
+        out = _LocalAttention.apply(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), call,
                                     ring_mask).transpose(1, 2)
     else:
-        out = ring(qh, kh, vh, gr, replace(spec, rank=rr, size=r, seq_local=a * s), "p2p", ring_mask)
+        ring = replace(call, comm="p2p", place=CPPlace(rr, r, gr, True, None),
+                       schedule=schedule_for(rr, r, a * s, None, causal=call.causal, sharding=call.sharding,
+                                             window=(-1, -1)))
+        out = run_ring(qh, kh, vh, ring, ring_mask)
     (result,) = _AllToAll.apply(exchange, False, out)
     return result

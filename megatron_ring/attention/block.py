@@ -1,4 +1,5 @@
-"""Attention of one local query block against one key/value block, returning the log-sum-exp.
+"""Attention of one local query block against one key/value block, returning the log-sum-exp,
+and the fp32 log-sum-exp merge of such partial results.
 
 Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q``
 heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in
@@ -44,6 +45,19 @@ window's band, or decode's positions) hides pairs the same way and combines with
 ``math`` and the CPU ``sdpa`` kernel (an additive bias) take masks; ``resolve_backend`` with
 ``masked=True`` picks or checks accordingly. With a ``visible`` mask the GQA fold still applies
 (the mask is repeated over the folded query heads).
+
+Note [Log-sum-exp merge]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Attention of a query over keys split into blocks A and B is recoverable from the per-block
+results. With ``lse_X = log sum_{j in X} exp(s_j)`` and ``o_X = softmax_X(s) @ V_X``::
+
+    lse = logaddexp(lse_A, lse_B)
+    o   = o_A * exp(lse_A - lse) + o_B * exp(lse_B - lse)
+
+The weights are in (0, 1], so the merge never overflows. We keep ``o`` and ``lse`` in fp32 whatever
+the input dtype: a bf16 accumulator would lose ~3 significant digits per ring step. A block in
+which a query sees no key has ``lse = -inf``; ``-inf - -inf`` is NaN, so the weights are computed
+with the -inf rows forced to weight 0 instead.
 """
 from __future__ import annotations
 
@@ -86,7 +100,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
             return "sdpa" if _sdpa_takes_a_mask(device) else "math"
     if backend == "auto":
         # flash_attn_problem is None only on CUDA, so the capability query is safe.
-        if flash_attn_problem(device, dtype, head_dim) is None and _cuda_kernel(device) == "flash":
+        if device.type == "cuda" and flash_attn_problem(device, dtype, head_dim) is None \
+                and _cuda_kernel(device) == "flash":
             return "flash_attn"
         return "sdpa" if _sdpa_takes(device, dtype, head_dim) else "math"
     if backend == "flash_attn":
@@ -312,3 +327,38 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq = torch.matmul(dscores, k.to(ct).unsqueeze(2)).reshape(q.shape)
     dk = torch.matmul(dscores.transpose(-1, -2), _grouped(q.to(ct), hkv)).sum(2)
     return dq, dk, dv
+
+
+def merge_weights(lse: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
+    """``exp(lse - lse_total)``, 0 where ``lse_total`` is -inf (no key seen anywhere)."""
+    safe_total = torch.where(torch.isneginf(lse_total), torch.zeros_like(lse_total), lse_total)
+    return torch.exp(lse - safe_total)
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Merge one block's result into the running accumulators, in place.
+
+    out, block_out: ``[batch, heads, q, head_dim]`` (``out`` fp32, fp64 for fp64 inputs); lse,
+    block_lse: ``[batch, heads, q]`` (``lse`` in ``out``'s dtype). ``out``/``lse`` may be views
+    (slices along q).
+    """
+    block_lse = block_lse.to(lse.dtype)
+    new_lse = torch.logaddexp(lse, block_lse)
+    keep = merge_weights(lse, new_lse).unsqueeze(-1)
+    take = merge_weights(block_lse, new_lse).unsqueeze(-1)
+    out.mul_(keep).addcmul_(block_out, take)  # fused: no block-sized temporary, any block_out dtype
+    lse.copy_(new_lse)
+
+
+def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge P partial results stacked on dim 0.
+
+    outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]`` -> (out, lse) in fp32
+    (fp64 for fp64 inputs), computed in a fixed order so every rank that merges the same inputs
+    gets bitwise the same result.
+    """
+    ct = torch.promote_types(lses.dtype, torch.float32)
+    lses = lses.to(ct)
+    total = torch.logsumexp(lses, dim=0)
+    weights = merge_weights(lses, total.unsqueeze(0)).unsqueeze(-1)
+    return (outs.to(ct) * weights).sum(dim=0), total

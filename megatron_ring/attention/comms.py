@@ -21,14 +21,14 @@ import torch.distributed as dist
 
 Comm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]
 """A concrete comm (what ``"auto"`` resolves to)."""
-CommChoice = Literal["p2p", "all_gather", "a2a", "a2a+p2p", "auto"]
-"""What a caller may pass as ``comm``."""
 COMMS: tuple[Comm, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """Every concrete comm, in the order tables and configs list them."""
 COMM_CHOICES: tuple[str, ...] = (*COMMS, "auto")
 """Every value of ``comm``."""
 TIE_ORDER: tuple[Comm, ...] = ("p2p", "a2a+p2p", "a2a", "all_gather")
 """The order ``"auto"`` breaks ties of predicted time in."""
+RING_COMMS: tuple[Comm, ...] = ("p2p", "all_gather")
+"""Comms that run the ring's loops (ring.py) over the flat group: a transport brings every K/V block."""
 A2A_COMMS: tuple[Comm, ...] = ("a2a", "a2a+p2p")
 """Comms that trade sequence for heads with an all-to-all (alltoall.py)."""
 FLAT_COMMS: tuple[Comm, ...] = ("p2p", "all_gather", "a2a")

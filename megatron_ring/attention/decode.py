@@ -32,20 +32,21 @@ is associative, and the result is identical on every rank.
 """
 from __future__ import annotations
 
-import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.allgather import all_gather_stacked
+from megatron_ring.attention.block import block_forward, compute_dtype, merge_stacked, resolve_backend
+from megatron_ring.attention.call import (
+    check_key_padding_mask, check_qkv, check_scale, check_tokens, check_window, prepare,
+)
 from megatron_ring.attention.comms import CPGroups, CPPlace, cp_place
-from megatron_ring.attention.block import block_forward, compute_dtype, resolve_backend
-from megatron_ring.attention.checks import check_key_padding_mask, check_qkv, check_tokens
-from megatron_ring.attention.handshake import Field, agree_place, flag_field, scale_field, tensor_fields
-from megatron_ring.attention.merge import merge_stacked
+from megatron_ring.attention.handshake import Field, field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.opaque import call_op
-from megatron_ring.attention.window import NO_WINDOW, check_window, positions_visible
+from megatron_ring.attention.transport import gather_stacked
+from megatron_ring.attention.window import NO_WINDOW, positions_visible
 
 
 def _check_positions(name: str, positions: object, length: int, what: str) -> torch.Tensor:
@@ -59,12 +60,22 @@ def _check_positions(name: str, positions: object, length: int, what: str) -> to
     return positions.to(torch.int64)
 
 
-def _prepare(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, softmax_scale: float | None,
-             backend: str, key_padding_mask: torch.Tensor | None, window_size: object = NO_WINDOW,
-             q_positions: object = None,
-             k_positions: object = None) -> tuple[float, str, tuple[int, int], torch.Tensor | None]:
-    """Every local check of a call, before any collective; returns ``(scale, kernel, window,
-    visible)``, ``visible`` the bool ``[q_len, s_local]`` window mask (None without a window).
+@dataclass(frozen=True)
+class DecodeCall:
+    """A checked ``decode_attention`` call: the softmax scale, the block kernel and, with a window,
+    the bool ``[q_len, s_local]`` mask of the cached keys each query sees."""
+
+    scale: float
+    backend: str
+    visible: torch.Tensor | None
+
+
+def decode_call(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, softmax_scale: float | None,
+                backend: str, key_padding_mask: torch.Tensor | None, window_size: object,
+                q_positions: object, k_positions: object) -> tuple[DecodeCall, list[Field]]:
+    """Every local check of a call, its record and its handshake fields: what every rank must agree
+    on (Note [Cross-rank handshake]); not the shard length ``s_local`` nor ``k_positions`` (both
+    differ between ranks).
 
     The kernel is resolved on every rank, even one with an empty shard, so that a rank that cannot
     run it raises with the others (through the handshake) instead of leaving them in the all-gather.
@@ -72,29 +83,21 @@ def _prepare(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, s
     check_qkv(q, k_local, v_local, same_seq=False)
     check_tokens(q, "q_len", "decode_attention", "at least one query token")
     check_key_padding_mask(key_padding_mask, k_local)
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = check_scale(softmax_scale, q.shape[-1])
     window = check_window(window_size)
-    visible = None
+    visible, positions = None, 0
     if window != NO_WINDOW:
         q_pos = _check_positions("q_positions", q_positions, q.shape[1], "q_len")
         k_pos = _check_positions("k_positions", k_positions, k_local.shape[1], "s_local")
         visible = positions_visible(q_pos.to(q.device), k_pos.to(q.device), window)
-    kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1],
-                             masked=key_padding_mask is not None or visible is not None)
-    return scale, kernel, window, visible
-
-
-def _fields(q: torch.Tensor, k_local: torch.Tensor, scale: float, masked: bool, window: tuple[int, int],
-            q_positions: torch.Tensor | None) -> list[Field]:
-    """What every rank must agree on (Note [Cross-rank handshake]); not the shard length ``s_local``
-    nor ``k_positions`` (both differ between ranks)."""
-    positions = 0 if window == NO_WINDOW or q_positions is None else zlib.crc32(str(q_positions.tolist()).encode())
-    return [*tensor_fields(q, k_local, "q_len"), scale_field(scale),
-            flag_field("key_padding_mask", masked, ("None", "a mask")),
-            Field("window_size[0]", window[0]), Field("window_size[1]", window[1]),
-            Field("q_positions", positions, lambda code: "unused" if code == 0 else f"values with crc32 {code:#010x}")]
+        positions = zlib.crc32(str(q_pos.tolist()).encode())
+    masked = key_padding_mask is not None
+    kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked or visible is not None)
+    fields = [*tensor_fields(q, k_local, "q_len"), scale_field(scale),
+              flag_field("key_padding_mask", masked, ("None", "a mask")),
+              field("window_size[0]", window[0]), field("window_size[1]", window[1]),
+              field("q_positions", positions, lambda code: "unused" if code == 0 else f"values with crc32 {code:#010x}")]
+    return DecodeCall(scale, kernel, visible), fields
 
 
 def _gather_merge(part: torch.Tensor, place: CPPlace) -> torch.Tensor:
@@ -102,7 +105,7 @@ def _gather_merge(part: torch.Tensor, place: CPPlace) -> torch.Tensor:
     d = part.shape[-1] - 1
     levels = [(place.flat, place.size)] if place.has_flat else [(g, n) for g, _, n in place.hier or ()]
     for group, size in levels:
-        parts = all_gather_stacked(part, group, size)
+        parts = gather_stacked(part, group, size)
         out, lse = merge_stacked(parts[..., :d], parts[..., d])
         part = torch.cat((out, lse.unsqueeze(-1)), dim=-1)
     return part[..., :d]
@@ -151,22 +154,9 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
         if through_op is not None:
             return through_op
     place = cp_place(group, "auto")
-    prepared: tuple[float, str, tuple[int, int], torch.Tensor | None] | None = None
-    error: Exception | None = None
-    try:
-        prepared = _prepare(q, k_local, v_local, softmax_scale=softmax_scale, backend=backend,
-                            key_padding_mask=key_padding_mask, window_size=window_size, q_positions=q_positions,
-                            k_positions=k_positions)
-    except Exception as err:  # raised below, once the other ranks know (they must not wait for this one)
-        error = err
-    if check_consistency and place.size > 1:
-        fields = None if prepared is None else _fields(q, k_local, prepared[0], key_padding_mask is not None,
-                                                       prepared[2], q_positions)
-        agree_place("decode_attention", fields, place, q)
-    if prepared is None:
-        assert error is not None
-        raise error
-    scale, kernel, _, visible = prepared
+    call = prepare("decode_attention", place, check_consistency, q, lambda: decode_call(
+        q, k_local, v_local, softmax_scale=softmax_scale, backend=backend, key_padding_mask=key_padding_mask,
+        window_size=window_size, q_positions=q_positions, k_positions=k_positions))
     if q.shape[0] == 0:
         return torch.empty_like(q)
     with torch.no_grad():
@@ -178,8 +168,8 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             part[..., :d] = 0
             part[..., d] = float("-inf")
         else:
-            out, lse = block_forward(qh, kh, vh, causal=False, scale=scale, key_mask=key_padding_mask,
-                                     backend=kernel, visible=visible)
+            out, lse = block_forward(qh, kh, vh, causal=False, scale=call.scale, key_mask=key_padding_mask,
+                                     backend=call.backend, visible=call.visible)
             part[..., :d] = out
             part[..., d] = lse
         return _gather_merge(part, place).to(q.dtype).transpose(1, 2)

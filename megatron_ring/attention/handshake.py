@@ -25,20 +25,21 @@ its ranks agree (a decode loop after its first step, a training step after the f
 ``check_consistency=False``; it must then do so on every rank of the group, as the check itself
 is a collective.
 
+``ring_attention`` also sends whether its output needs gradients (grad mode on and q, k or v
+requiring them): a rank that differs would skip the backward ring the others wait in.
+
 Not compared: the block ``backend`` (each rank's kernel computes its own blocks, no collective
 depends on it) and, in decode, the cache shard length ``s_local`` (which legitimately differs).
 """
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.allgather import all_gather_stacked
-from megatron_ring.attention.checks import DTYPES
+from megatron_ring.attention.transport import gather_stacked
 
 if TYPE_CHECKING:
     from megatron_ring.attention.comms import CPPlace
@@ -46,40 +47,42 @@ if TYPE_CHECKING:
 WIDTH = 24
 """Int64s per rank in the handshake: entry point, valid flag, up to 22 fields, zero padding."""
 ENTRIES: tuple[str, ...] = ("ring_attention", "decode_attention")
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The dtypes both entry points take."""
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "mps", "hpu", "meta", "other")
 
 
-@dataclass(frozen=True)
-class Field:
-    """One compared argument: its name in error messages, its int64 code and how to show a code."""
+Field = tuple[str, int, Callable[[int], str]]
+"""One compared argument: its name in error messages, its int64 code and how to show a code."""
 
-    name: str
-    code: int
-    show: Callable[[int], str] = str
+
+def field(name: str, code: int, show: Callable[[int], str] = str) -> Field:
+    """A compared argument whose code is ``code`` (shown as the number unless ``show`` says otherwise)."""
+    return name, code, show
 
 
 def choice_field(name: str, value: object, allowed: Sequence[object]) -> Field:
     """An argument that is one of ``allowed`` (already validated), sent as its index."""
-    return Field(name, list(allowed).index(value), lambda code: repr(allowed[code]))
+    return name, list(allowed).index(value), lambda code: repr(allowed[code])
 
 
 def flag_field(name: str, value: bool, shown: tuple[str, str] = ("False", "True")) -> Field:
     """A two-valued argument; ``shown`` names its values (False, True) in messages."""
-    return Field(name, int(value), lambda code: shown[code])
+    return name, int(value), lambda code: shown[code]
 
 
 def scale_field(scale: float) -> Field:
     """``softmax_scale`` (the resolved float) sent as its exact float64 bits."""
-    return Field("softmax_scale", struct.unpack("<q", struct.pack("<d", scale))[0],
-                 lambda code: repr(struct.unpack("<d", struct.pack("<q", code))[0]))
+    return ("softmax_scale", struct.unpack("<q", struct.pack("<d", scale))[0],
+            lambda code: repr(struct.unpack("<d", struct.pack("<q", code))[0]))
 
 
 def tensor_fields(q: torch.Tensor, k: torch.Tensor, seq_name: str) -> list[Field]:
     """Shape, dtype and device fields of q ``[batch, seq, heads_q, head_dim]`` and k ``[.., heads_kv, ..]``."""
     device = q.device.type if q.device.type in DEVICE_TYPES else "other"
     return [
-        Field("batch", q.shape[0]), Field(seq_name, q.shape[1]), Field("heads_q", q.shape[2]),
-        Field("heads_kv", k.shape[2]), Field("head_dim", q.shape[3]),
+        field("batch", q.shape[0]), field(seq_name, q.shape[1]), field("heads_q", q.shape[2]),
+        field("heads_kv", k.shape[2]), field("head_dim", q.shape[3]),
         choice_field("dtype", q.dtype, DTYPES),
         choice_field("device", device, DEVICE_TYPES),
     ]
@@ -119,7 +122,7 @@ def _problem(entry: str, fields: Sequence[Field], table: list[list[int]]) -> str
     if invalid:
         return (f"the inputs were rejected on {_ranks(invalid)} (see the error raised there); {entry} raises on "
                 "every rank so that none waits in a collective")
-    found = [_differs(f.name, [row[2 + i] for row in table], f.show) for i, f in enumerate(fields)]
+    found = [_differs(name, [row[2 + i] for row in table], show) for i, (name, _, show) in enumerate(fields)]
     differing = [text for text in found if text is not None]
     if not differing:
         return None
@@ -134,11 +137,11 @@ def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup |
     ``fields`` is None when this rank's own checks failed: it then only tells the others (and
     returns, to raise its own error). ``hint`` is the caller's q, for the device of NCCL groups.
     """
-    codes = [] if fields is None else [f.code for f in fields]
+    codes = [] if fields is None else [code for _, code, _ in fields]
     assert len(codes) <= WIDTH - 2, "widen WIDTH for more fields"
     row = torch.zeros(WIDTH, dtype=torch.int64)
     row[: 2 + len(codes)] = torch.tensor([ENTRIES.index(entry), fields is not None, *codes], dtype=torch.int64)
-    table = all_gather_stacked(row.to(_device(group, hint)), group, size).tolist()
+    table = gather_stacked(row.to(_device(group, hint)), group, size).tolist()
     problem = None if fields is None else _problem(entry, fields, table)
     if problem is not None:
         raise ValueError(f"{entry}: {problem}")

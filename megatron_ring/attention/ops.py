@@ -30,8 +30,7 @@ Consequences:
   and, with a ``key_padding_mask``, all-gathers the masks again (one byte per token) instead of
   keeping them from the forward.
 
-The autograd Function's bodies run inside the ops with :class:`_Ctx` standing in for autograd's
-ctx, so the ring's forward and backward loops exist once, in ring.py.
+The ops call the ring's forward and backward loops (ring.py), so they exist once.
 """
 from __future__ import annotations
 
@@ -40,20 +39,12 @@ from typing import Any
 import torch
 
 from megatron_ring.attention.block import compute_dtype
+from megatron_ring.attention.call import prepare_ring
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.opaque import read_call
-from megatron_ring.attention.ring import _RingAttention, ring_channel, start
+from megatron_ring.attention.ring import key_masks_of, ring_backward, ring_forward, transport_for
 
 Tensor = torch.Tensor
-
-
-class _Ctx:
-    """What ``_RingAttention.forward``/``backward`` use of autograd's ctx: saved tensors and attributes."""
-
-    saved_tensors: tuple[Tensor, ...] = ()
-
-    def save_for_backward(self, *tensors: Tensor) -> None:
-        self.saved_tensors = tensors
 
 
 def _lse_shape(q: Tensor) -> tuple[int, ...]:
@@ -68,14 +59,12 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | Non
     """``ring_attention`` -> (out ``[batch, seq_local, heads_q, head_dim]``, lse ``[batch, heads_q, seq_local]``
     in the compute dtype)."""
     pg, kwargs = read_call(group, options, extras)
-    run = start(q, k, v, pg, **kwargs)
-    if run is None:
+    call, (q, k, v, mask) = prepare_ring(q, k, v, pg, **kwargs)
+    if q.shape[0] == 0:
         return q.new_zeros(q.shape), q.new_zeros(_lse_shape(q), dtype=compute_dtype(q.dtype))
-    ctx = _Ctx()
-    channel, key_masks = ring_channel(run.place.flat, run.call.spec, run.call.comm, run.key_padding_mask)
-    out = _RingAttention.forward(ctx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), channel,
-                                 run.call.spec, key_masks)
-    return out.transpose(1, 2).contiguous(), ctx.saved_tensors[4]
+    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    out, lse = ring_forward(call, transport_for(call), qh, kh, vh, key_masks_of(call, mask))
+    return out.to(q.dtype).transpose(1, 2).contiguous(), lse
 
 
 @ring_attention_op.register_fake
@@ -90,14 +79,11 @@ def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                options: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), each in its input's shape, dtype and ``[batch, seq_local, heads, head_dim]`` layout."""
     pg, kwargs = read_call(group, options, extras)
-    run = start(q, k, v, pg, **{**kwargs, "check_consistency": False})
-    if run is None:
+    call, (q, k, v, mask) = prepare_ring(q, k, v, pg, **{**kwargs, "check_consistency": False})
+    if q.shape[0] == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    ctx = _Ctx()
-    ctx.save_for_backward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), lse)
-    channel, key_masks = ring_channel(run.place.flat, run.call.spec, run.call.comm, run.key_padding_mask)
-    ctx.comm, ctx.spec, ctx.key_masks = channel, run.call.spec, key_masks  # type: ignore[attr-defined]
-    dq, dk, dv = _RingAttention.backward(ctx, dout.transpose(1, 2))[:3]
+    qh, kh, vh, oh, dh = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
+    dq, dk, dv = ring_backward(call, transport_for(call), qh, kh, vh, oh, lse, dh, key_masks_of(call, mask))
     return dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(), dv.transpose(1, 2).contiguous()
 
 

@@ -1,8 +1,9 @@
 """Which part of a key/value block each query block sees: the per-step work of the ring. Pure math.
 
 Rank r (of P) holds queries of its local tokens; at ring step t it holds the K/V of rank
-``src = (r - t) mod P``. :func:`step_plan` says which local queries attend to which part of that
-K/V block, and whether a causal mask is needed inside it.
+``src = (r - t) mod P``. Every call gets one :class:`Schedule` (:func:`schedule_for`, cached per
+shape): ``plans[src]`` says which local queries attend to which part of that K/V block, and
+whether a causal mask or a band is needed inside it; an empty tuple skips the block.
 
 Note [Causal zigzag: equal work at every step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -44,10 +45,11 @@ either (Note [Direct transfers] in direct.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Sequence
 
-from megatron_ring.attention.sharding import Segment, check_sharding
-from megatron_ring.attention.window import UNBOUNDED, Band
+from megatron_ring.attention.sharding import Segment, check_divisible, rank_segments
+from megatron_ring.attention.window import NO_WINDOW, UNBOUNDED, Band, band_limits, is_windowed
 
 BAND_TILE = 512
 """Tile length of banded pairs (Note [Windows and documents: which blocks meet])."""
@@ -62,22 +64,6 @@ class StepPlan:
     k: slice
     causal: bool
     band: Band | None = None
-
-
-def step_plan(rank: int, src: int, size: int, seq_local: int, *, causal: bool, sharding: str) -> StepPlan | None:
-    """The work of ``rank`` on the K/V block of ``src``, or None when no local query sees it."""
-    check_sharding(sharding)
-    everything = slice(0, seq_local)
-    if not causal:
-        return StepPlan(everything, everything, False)
-    if src == rank:
-        return StepPlan(everything, everything, True)
-    if sharding == "contiguous":
-        return StepPlan(everything, everything, False) if src < rank else None
-    half = seq_local // 2
-    if src < rank:
-        return StepPlan(everything, slice(0, half), False)
-    return StepPlan(slice(half, seq_local), everything, False)
 
 
 def _pair_plan(qs: Segment, ks: Segment, lo: int, hi: int) -> StepPlan | None:
@@ -154,17 +140,22 @@ def rows_used(plans: Sequence[StepPlan]) -> slice | None:
 
 
 @dataclass(frozen=True)
-class RankSchedule:
-    """One rank's whole window/varlen schedule: ``plans[src]`` (empty = skip that block),
-    ``recv_rows[t]`` the rows of block ``(rank - t) mod P`` it reads (None: not needed) and
-    ``send_rows[t]`` the rows of its own block that rank ``(rank + t) mod P`` reads."""
+class Schedule:
+    """One rank's whole schedule: ``plans[src]`` (empty = skip that block), ``recv_rows[t]`` the rows
+    of block ``(rank - t) mod P`` it reads (None: not needed) and ``send_rows[t]`` the rows of its
+    own block that rank ``(rank + t) mod P`` reads. ``windowed``: the window hides a pair that
+    ``causal`` does not (blocks may then need a band mask, and a kernel that takes one); ``sparse``:
+    a window or packed documents shape it (``p2p`` then moves blocks directly, direct.py)."""
 
     plans: tuple[tuple[StepPlan, ...], ...]
     recv_rows: tuple[slice | None, ...]
     send_rows: tuple[slice | None, ...]
+    windowed: bool = False
+    sparse: bool = False
 
 
-def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], lo: int, hi: int) -> RankSchedule:
+def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], lo: int, hi: int, *,
+                  windowed: bool = False, sparse: bool = False) -> Schedule:
     """The schedule of ``rank`` given every rank's runs ``segments[r]`` and the band ``lo..hi``.
 
     Every rank derives the same pairs from the same inputs, so what one rank sends at step t is
@@ -176,4 +167,22 @@ def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], l
     mine = tuple(plans(rank, src) for src in range(size))
     recv = tuple(rows_used(mine[(rank - t) % size]) for t in range(size))
     send = tuple(rows_used(plans((rank + t) % size, rank)) for t in range(size))
-    return RankSchedule(mine, recv, send)
+    return Schedule(mine, recv, send, windowed, sparse)
+
+
+@lru_cache(maxsize=256)
+def schedule_for(rank: int, size: int, seq_local: int, docs: tuple[int, ...] | None, *, causal: bool,
+                 sharding: str, window: tuple[int, int]) -> Schedule:
+    """The schedule of a call (checked arguments): ``docs`` the packed documents' lengths (None: one
+    sequence of ``seq_local * size`` tokens, which must then split evenly; ValueError otherwise).
+    A window that hides nothing beyond ``causal`` is no window. Cached: every layer of a model
+    shares its shape's schedule."""
+    total = seq_local * size
+    if docs is None and size > 1:
+        check_divisible(total, size, sharding, what=f"global sequence length (seq_local {seq_local} x cp {size})")
+    lengths = docs or (total,)
+    windowed = is_windowed(window, causal, max(lengths))
+    lo, hi = band_limits(window if windowed else NO_WINDOW, causal)
+    layout = sharding if size > 1 else "contiguous"  # one rank holds its whole sequence in order either way
+    segments = [rank_segments(r, size, lengths, layout) for r in range(size)]
+    return rank_schedule(rank, size, segments, lo, hi, windowed=windowed, sparse=windowed or docs is not None)

@@ -6,7 +6,7 @@ With a causal mask, token i attends to tokens 0..i, so the late tokens do most o
 the sequence into P contiguous chunks and the last rank does ~2P-1 times the work of the first.
 Zigzag cuts it into 2P equal chunks and gives rank r chunks r and 2P-1-r: every rank then holds
 one "early" and one "late" chunk and, at every ring step, computes the same amount (see
-:func:`megatron_ring.attention.schedule.step_plan`). This is exactly Megatron-core's
+Note [Causal zigzag: equal work at every step] in schedule.py). This is exactly Megatron-core's
 ``get_batch_on_this_cp_rank`` split, so Megatron data pipelines need no change::
 
     L = 8 tokens, P = 2:   chunks 0 1 2 3        rank 0 -> [0, 3]   rank 1 -> [1, 2]
@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-
-from megatron_ring.attention.checks import check_cu_seqlens
 
 SHARDINGS: tuple[str, ...] = ("zigzag", "contiguous")
 
@@ -103,6 +101,32 @@ class Segment:
     length: int
     doc: int
     pos: int
+
+
+def check_cu_seqlens(cu_seqlens: object, total_tokens: int) -> tuple[int, ...]:
+    """The document lengths of packed boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``, from 0 to
+    ``total_tokens``, non-decreasing); TypeError/ValueError naming ``cu_seqlens`` otherwise.
+
+    Reads the values to the host (one device synchronisation when they live on a GPU).
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32 torch.Tensor [n_docs + 1] or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens.dtype is {cu_seqlens.dtype}; allowed: torch.int32")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [n_docs + 1] with n_docs >= 1, got shape {tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {bounds[0]}")
+    lengths = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if min(lengths) < 0:
+        at = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}] = {bounds[at]} > "
+                         f"cu_seqlens[{at + 1}] = {bounds[at + 1]}")
+    if bounds[-1] != total_tokens:
+        raise ValueError(f"cu_seqlens[-1] = {bounds[-1]} must equal the global packed token count {total_tokens} "
+                         "(tokens_local x cp)")
+    return lengths
 
 
 def doc_lengths(cu_seqlens: torch.Tensor, total_tokens: int, cp_size: int, sharding: str) -> tuple[int, ...]:

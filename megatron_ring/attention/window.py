@@ -17,17 +17,6 @@ UNBOUNDED = 1 << 62
 NO_WINDOW: tuple[int, int] = (-1, -1)
 
 
-def check_window(window_size: object, name: str = "window_size") -> tuple[int, int]:
-    """``window_size`` as ``(left, right)``; ValueError unless it is a pair of ints >= -1."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
-            isinstance(w, int) and not isinstance(w, bool) for w in window_size):
-        raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    left, right = window_size
-    if left < -1 or right < -1:
-        raise ValueError(f"{name} must be a pair (left, right) of ints >= -1 (-1 = unbounded), got {window_size!r}")
-    return left, right
-
-
 def band_limits(window: tuple[int, int], causal: bool) -> tuple[int, int]:
     """``(lo, hi)``: the query sees the key iff ``lo <= q_pos - k_pos <= hi`` (UNBOUNDED for none)."""
     left, right = window

@@ -6,6 +6,7 @@
   benchmark: ``megatron-ring bench attention | numerics | compile``, ``python -m
   megatron_ring.perf.bench.block``, ``python -m megatron_ring.perf.bench.gather``;
 * ``sweep/``    ``megatron-ring sweep``: a pair over prompt lengths, repeated, its plots and the planner's errors;
+* ``device_check.py`` the prepared GPU check (``device_checks.py``, ``device_ring.py``: its checks);
 * ``report.py`` tables (rich or Markdown) and number formats.
 
 Bytes and times of one attention call are the core's (``attention/traffic.py``,

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megatron_ring import ParallelLayout, init_parallel, ring_attention, shard_sequence
 from megatron_ring.attention.traffic import a2a_bytes
-from megatron_ring.attention.instrument import ring_stats
+from megatron_ring.attention.transport import ring_stats
 
 
 def _groups(a2a_size):

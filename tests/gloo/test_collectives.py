@@ -1,7 +1,8 @@
 """The p2p path is a true ring: P-1 rotations forward, no K/V all-gather anywhere.
 
-With ``check_consistency=True`` (the default) each call adds one all-gather of 16 int64s per rank
-before any data moves (Note [Cross-rank handshake]); backward adds nothing."""
+With ``check_consistency=True`` (the default) each call adds one all-gather of ``WIDTH`` = 24
+int64s (192 bytes) per rank before any data moves (Note [Cross-rank handshake]); backward adds
+nothing."""
 import pytest
 import torch
 

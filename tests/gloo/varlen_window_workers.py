@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring import decode_attention, ring_attention, shard_sequence
-from megatron_ring.attention.instrument import ring_stats
+from megatron_ring.attention.transport import ring_stats
 from megatron_ring.attention.reference import attention_reference, rel_err
 from tests.gloo.workers import errors_vs_reference, padding_mask
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_ring import decode_attention, ring_attention
-from megatron_ring.attention.opaque import read_call
+from megatron_ring.attention.opaque import call_op, read_call
 
 OPTIONS = repr({"causal": True, "softmax_scale": None, "sharding": "zigzag", "comm": "p2p", "backend": "auto",
                 "check_consistency": True, "tensors": ("key_padding_mask",)})
@@ -57,16 +57,47 @@ def test_compiled_single_process_equals_eager_without_graph_breaks():
 
 
 class Scale(float):
-    """A float whose ``repr`` is not the float's literal."""
+    """A float whose ``repr`` is not its value: the value is 1/3, the ``repr`` says 1.0.
+
+    Through the op (``repr`` + ``ast.literal_eval``, attention/opaque.py) the scale would arrive as
+    1.0; only the eager code sees 1/3."""
+
+    def __repr__(self) -> str:
+        return "1.0"
 
 
-def test_an_option_that_is_no_literal_runs_the_eager_code():
-    """A float subclass cannot cross as a literal: dynamo breaks the graph and runs the eager path."""
+def _ops_in(explained) -> list[str]:
+    """The megatron_ring custom ops in the graphs dynamo captured."""
+    return [str(node.target) for graph in explained.graphs for node in graph.graph.nodes
+            if "megatron_ring" in str(node.target)]
+
+
+def test_an_option_that_is_no_literal_reaches_the_eager_code_not_the_op():
+    """``call_op`` refuses an option that is not a literal (here a float subclass whose ``repr``
+    lies), so the compiled call runs the eager code with the option itself (dynamo traces it where
+    it can: on one process there is no collective to break on): the result is that of scale 1/3,
+    not of the 1.0 the op would read back, and no captured graph holds the op (while the same call
+    with a plain float does)."""
     q, k, v = _qkv()
     scale = Scale(1 / 3)
+    want = ring_attention(q, k, v, softmax_scale=1 / 3)
+    through_repr = ring_attention(q, k, v, softmax_scale=1.0)
+    assert (want - through_repr).abs().max() > 1e-3  # the two scales give different results
+
+    options = dict(causal=False, softmax_scale=scale, sharding="zigzag", comm="p2p", backend="auto",
+                   window_size=(-1, -1), check_consistency=True)  # ring_attention's, as it calls call_op
+    assert call_op("ring_attention", (q, k, v), None, {"key_padding_mask": None}, options) is None
 
     def attend(q, k, v):
         return ring_attention(q, k, v, softmax_scale=scale)
 
+    def attend_literal(q, k, v):
+        return ring_attention(q, k, v, softmax_scale=1 / 3)
+
     torch._dynamo.reset()
-    torch.testing.assert_close(torch.compile(attend, backend="eager")(q, k, v), attend(q, k, v), rtol=0, atol=0)
+    assert _ops_in(torch._dynamo.explain(attend_literal)(q, k, v)) == ["megatron_ring.ring_attention"]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(attend)(q, k, v)
+    assert _ops_in(explained) == []
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(attend, backend="eager")(q, k, v), want, rtol=0, atol=0)

@@ -13,7 +13,7 @@ import torch
 
 from megatron_ring.attention import flash_attn_backend
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
-from megatron_ring.attention.merge import merge_into
+from megatron_ring.attention.block import merge_into
 from megatron_ring.attention.reference import attention_reference, rel_err
 from tests.unit import flash_attn_standin
 

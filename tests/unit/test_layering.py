@@ -122,9 +122,16 @@ def test_inference_and_training_do_not_import_perf() -> None:
     bad = [f"{path.relative_to(ROOT)} imports {name}" for sub in ("inference", "training")
            for path in (PACKAGE / sub).rglob("*.py") for name in imports_of(path)
            if name.startswith(("megatron_ring.perf", "megatron_ring.cli"))]
-    bad += [f"{path.relative_to(ROOT)} imports {name}" for path in (PACKAGE / "inference").rglob("*.py")
-            for name in imports_of(path) if name.startswith("megatron_ring.training")]
     assert not bad, "\n".join(bad)
+
+
+def test_inference_and_training_never_import_each_other() -> None:
+    """Both directions: inference/ never imports training/, training/ never imports inference/."""
+    bad = [f"{path.relative_to(ROOT)} imports {name}"
+           for sub, other in (("inference", "training"), ("training", "inference"))
+           for path in (PACKAGE / sub).rglob("*.py") for name in imports_of(path)
+           if name == f"megatron_ring.{other}" or name.startswith(f"megatron_ring.{other}.")]
+    assert not bad, "inference/ and training/ do not import each other:\n" + "\n".join(bad)
 
 
 def test_frameworks_stay_out_of_the_package_import() -> None:
@@ -195,14 +202,21 @@ def test_launch_scripts_only_call_into_the_package() -> None:
         assert not foreign, f"{path.relative_to(ROOT)} imports {sorted(foreign)}; it should only call into the package"
 
 
-@pytest.mark.parametrize("forbidden, test", [
-    ("import transformers\n", test_core_imports_only_stdlib_torch_and_itself),
-    ("from megatron_ring.testing.fake import fake_world\n", test_nothing_outside_tests_imports_testing),
+@pytest.mark.parametrize("module, forbidden, test", [
+    ("attention/schedule.py", "import transformers\n", test_core_imports_only_stdlib_torch_and_itself),
+    ("attention/schedule.py", "from megatron_ring.testing.fake import fake_world\n",
+     test_nothing_outside_tests_imports_testing),
+    ("inference/loop.py", "from megatron_ring.training.data import Batch\n",
+     test_inference_and_training_never_import_each_other),
+    ("training/loop.py", "import megatron_ring.inference.metrics\n",
+     test_inference_and_training_never_import_each_other),
+    ("training/data.py", "def f():\n    from ..inference import schema\n",
+     test_inference_and_training_never_import_each_other),
 ])
-def test_a_forbidden_import_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forbidden: str,
+def test_a_forbidden_import_fails_the_check(monkeypatch: pytest.MonkeyPatch, module: str, forbidden: str,
                                              test: object) -> None:
-    """The checks above do fail: a forbidden line added to a core module is reported."""
-    target = PACKAGE / "attention" / "schedule.py"
+    """The checks above do fail: a forbidden line added to a module is reported (lazy and relative too)."""
+    target = PACKAGE / module
     original = target.read_text()
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
         original + forbidden if self == target else Path.read_bytes(self).decode()))

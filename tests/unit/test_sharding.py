@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_ring import shard_sequence, unshard_sequence
-from megatron_ring.attention.schedule import step_plan
+from megatron_ring.attention.schedule import StepPlan, schedule_for
 from megatron_ring.attention.sharding import chunk_ids, local_positions
 
 
@@ -56,17 +56,45 @@ def _visible(cp, seq, causal, sharding):
         qpos = local_positions(seq, rank, cp, sharding)
         for step in range(cp):
             src = (rank - step) % cp
-            plan = step_plan(rank, src, cp, local, causal=causal, sharding=sharding)
-            if plan is None:
-                continue
             kpos = local_positions(seq, src, cp, sharding)
-            qs, ks = qpos[plan.q], kpos[plan.k]
-            block = torch.ones(len(qs), len(ks), dtype=torch.int64)
-            if plan.causal:
-                block = block.tril()
-            seen[qs[:, None], ks[None, :]] += block
-            work[rank, step] = int(block.sum()) if plan.causal else block.numel()
+            for plan in _plans(rank, src, cp, local, causal, sharding):
+                qs, ks = qpos[plan.q], kpos[plan.k]
+                block = torch.ones(len(qs), len(ks), dtype=torch.int64)
+                if plan.causal:
+                    block = block.tril()
+                seen[qs[:, None], ks[None, :]] += block
+                work[rank, step] += int(block.sum()) if plan.causal else block.numel()
     return seen, work
+
+
+def _plans(rank: int, src: int, cp: int, local: int, causal: bool, sharding: str) -> tuple[StepPlan, ...]:
+    return schedule_for(rank, cp, local, None, causal=causal, sharding=sharding, window=(-1, -1)).plans[src]
+
+
+def _closed_form(rank: int, src: int, size: int, seq_local: int, causal: bool, sharding: str) -> StepPlan | None:
+    """The plain schedule's step in closed form (Note [Causal zigzag: equal work at every step])."""
+    everything = slice(0, seq_local)
+    if not causal:
+        return StepPlan(everything, everything, False)
+    if src == rank:
+        return StepPlan(everything, everything, True)
+    if sharding == "contiguous":
+        return StepPlan(everything, everything, False) if src < rank else None
+    half = seq_local // 2
+    if src < rank:
+        return StepPlan(everything, slice(0, half), False)
+    return StepPlan(slice(half, seq_local), everything, False)
+
+
+@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
+def test_plain_schedule_is_one_closed_form_step_per_block(sharding, causal, cp):
+    local = 12
+    for rank in range(cp):
+        for src in range(cp):
+            expected = _closed_form(rank, src, cp, local, causal, sharding)
+            assert _plans(rank, src, cp, local, causal, sharding) == (() if expected is None else (expected,))
 
 
 @pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
@@ -93,13 +121,13 @@ def test_zigzag_causal_work_is_equal_on_every_rank_at_every_step(cp):
 @pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("a2a_size,ring_size", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (2, 3)])
 def test_a2a_runs_put_the_received_shards_in_ring_order(sharding, a2a_size, ring_size):
-    from megatron_ring.attention.alltoall import _runs
+    from megatron_ring.attention.alltoall import _spans
 
     seq_local, size = 6, a2a_size * ring_size
     total = seq_local * size
     for ring_rank in range(ring_size):
         received = [local_positions(total, ring_rank * a2a_size + i, size, sharding) for i in range(a2a_size)]
-        runs = _runs(seq_local, a2a_size, ring_size, ring_rank, sharding)
+        runs = _spans(seq_local, a2a_size, ring_size, ring_rank, sharding)
         assert [run.start for run in runs] == [0] + list(torch.tensor([r.length for r in runs]).cumsum(0)[:-1])
         tokens = torch.cat([received[r.member][r.offset:r.offset + r.length] for r in runs])
         assert torch.equal(tokens, local_positions(total, ring_rank, ring_size, sharding))

@@ -8,7 +8,8 @@ from megatron_ring.attention import schedule as schedule_module
 from megatron_ring.attention.schedule import rank_schedule
 from megatron_ring.attention.sharding import (doc_lengths, local_positions, rank_segments, shard_sequence,
                                               unshard_sequence)
-from megatron_ring.attention.window import Band, band_limits, check_window, is_windowed
+from megatron_ring.attention.call import check_window
+from megatron_ring.attention.window import Band, band_limits, is_windowed
 
 
 def _cu(lengths):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pydantic import Field
 
 from megatron_ring.attention.decode import decode_attention
-from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
 from megatron_ring.config import Problems, StrictModel
 from megatron_ring.inference.runners.protocol import block_kernel_name

@@ -47,7 +47,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from megatron_ring.attention.decode import decode_attention
-from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.api import ring_attention
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, CPContext, active
 
 

@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_ring.attention.comms import COMMS, CPGroups
-from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.sharding import local_positions
 from megatron_ring.integrations.megatron.packed import thd_layout
 

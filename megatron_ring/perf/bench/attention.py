@@ -14,7 +14,7 @@ shared machine they all see the same load. (With a fixed order, the all-gather m
 of the fastest when it ran right after the ring, 1.09x when it ran first.) Per point: median /
 min / max over ``repeats`` of the slowest rank's wall time (ranks start together after a
 barrier); exposed communication = the ring's instrumented wait after compute
-(:func:`megatron_ring.attention.instrument.ring_stats`) / wall time (for all-gather, forward only:
+(:func:`megatron_ring.attention.transport.ring_stats`) / wall time (for all-gather, forward only:
 the share of the call outside the block kernels); bytes sent per rank per call (forward, from the
 instrumentation; for Ulysses computed from the four all-to-alls; ``bytes_sent`` is rank 0's,
 ``bytes_sent_max`` the largest over ranks, which differ under a window); peak memory per rank

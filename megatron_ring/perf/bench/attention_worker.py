@@ -2,7 +2,7 @@
 
 :func:`bench_worker` runs every implementation of one point on this rank, interleaved (the driver,
 :mod:`megatron_ring.perf.bench.attention`, says why), with the instrumentation of
-:func:`megatron_ring.attention.instrument.ring_stats` and the peak memory of
+:func:`megatron_ring.attention.transport.ring_stats` and the peak memory of
 :func:`~megatron_ring.perf.bench.harness.measure_peak`.
 """
 from __future__ import annotations
@@ -161,7 +161,7 @@ class _Case:
             torch.cuda.synchronize(self.device)
 
     def timed(self) -> None:
-        from megatron_ring.attention.instrument import ring_stats
+        from megatron_ring.attention.transport import ring_stats
 
         with ring_stats() as stats:
             t0 = time.perf_counter()

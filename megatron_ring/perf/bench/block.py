@@ -23,7 +23,7 @@ import torch
 from megatron_ring.attention.auto_comm import BWD_COMPUTE_FACTOR, attention_flops
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
 from megatron_ring.attention.decode import decode_attention
-from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.reference import attention_reference, rel_err
 from megatron_ring.perf.bench.harness import median_time
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.decode import decode_attention
-from megatron_ring.attention.ring import ring_attention
+from megatron_ring.attention.api import ring_attention
 from megatron_ring.perf.bench.harness import barrier_timed, slowest
 from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.runtime.pool import GlooPool

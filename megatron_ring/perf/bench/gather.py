@@ -3,13 +3,13 @@
 ``python -m megatron_ring.perf.bench.gather --ranks 4 --mib 16 --out gather.json`` times, on gloo
 ranks on this machine (one thread each), with nothing overlapping them:
 
-* ``collective``: one ``all_gather_into_tensor`` of ``--mib`` MiB per rank (``all_gather_stacked``);
+* ``collective``: one ``all_gather_into_tensor`` of ``--mib`` MiB per rank (``transport.gather_stacked``);
 * ``pairwise``: the same exchange as P-1 ``isend``/``irecv`` per rank (``start_gather_blocks``, the
   K/V transfer of ``comm="all_gather"`` on gloo);
 * ``reduce``: P ``reduce`` calls of that size, one to each rank (the all-gather's gradient path).
 
 Each repeat starts after a barrier; a repeat's time is its slowest rank's. This is the measurement
-behind Note [Pairwise gather on gloo] in attention/allgather.py.
+behind Note [Pairwise gather on gloo] in attention/gather.py.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.allgather import all_gather_stacked, start_gather_blocks
+from megatron_ring.attention.gather import start_gather_blocks
+from megatron_ring.attention.transport import gather_stacked
 from megatron_ring.perf.bench.harness import barrier_timed, slowest_median
 from megatron_ring.runtime.args import positive_int
 from megatron_ring.runtime.reporting import write_json_atomic
@@ -40,7 +41,7 @@ def gather_worker(nbytes: int, repeats: int, warmup: int) -> dict[str, list[floa
             work.wait()
 
     calls: dict[str, Callable[[], object]] = {
-        "collective": lambda: all_gather_stacked(block, None, size),
+        "collective": lambda: gather_stacked(block, None, size),
         "pairwise": lambda: start_gather_blocks((block,), None, rank, size).wait(),
         "reduce": reduce_all,
     }

@@ -109,7 +109,7 @@ def compute_worker(sizes: dict[str, Any]) -> dict[str, Any]:
 
 def comm_worker(sizes: dict[str, Any]) -> dict[str, dict[int, list[float]]]:
     """Times of p2p (ranks 0 and 1, one way), all-reduce and all-gather per message size, this rank."""
-    from megatron_ring.attention.allgather import start_gather_blocks
+    from megatron_ring.attention.gather import start_gather_blocks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     reps, warm = sizes["repeats"], sizes["warmup"]

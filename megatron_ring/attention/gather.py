@@ -30,14 +30,14 @@ though pairwise was 1.2-1.5x faster there too (4 KiB-256 KiB).
 """
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.instrument import wait_all
-from megatron_ring.attention.schedule import StepPlan
-
+from megatron_ring.attention.transport import (
+    Block, BlockAndGrads, GradPieces, add_pieces, count_sent, global_rank, start_all_gather, wait_all,
+)
 
 _GATHER_TAG = 4
 
@@ -66,12 +66,12 @@ def start_gather_blocks(parts: tuple[torch.Tensor, ...], group: dist.ProcessGrou
     if size == 1:
         return Gather([parts], [[]], [])
     if not _sends_pairwise(group):
-        stacked, work = _start_all_gather(torch.stack(parts), group, size)
+        stacked, work = start_all_gather(torch.stack(parts), group, size)
         return Gather([tuple(block.unbind(0)) for block in stacked.unbind(0)], [[work]] * size, [])
     blocks = [parts if src == rank else tuple(torch.empty_like(t) for t in parts) for src in range(size)]
     peers = [src for src in range(size) if src != rank]
-    ops = [dist.P2POp(dist.irecv, t, _global(group, src), group, _GATHER_TAG) for src in peers for t in blocks[src]]
-    ops += [dist.P2POp(dist.isend, t, _global(group, dst), group, _GATHER_TAG) for dst in peers for t in parts]
+    ops = [dist.P2POp(dist.irecv, t, global_rank(group, src), group, _GATHER_TAG) for src in peers for t in blocks[src]]
+    ops += [dist.P2POp(dist.isend, t, global_rank(group, dst), group, _GATHER_TAG) for dst in peers for t in parts]
     works = dist.batch_isend_irecv(ops)
     if len(works) != len(ops):  # a coalesced batch: one work for every transfer
         return Gather(blocks, [[] if src == rank else works for src in range(size)], [])
@@ -85,50 +85,19 @@ def _sends_pairwise(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> tuple[torch.Tensor, dist.Work]:
-    """Start one all-gather of ``x`` into ``[size, *x.shape]``, in rank order."""
-    flat = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # newer name first
-    return flat.view(size, *x.shape), gather(flat, x.contiguous(), group=group, async_op=True)
-
-
-def _global(group: dist.ProcessGroup | None, peer: int) -> int:
-    return dist.get_global_rank(group, peer) if group is not None else peer
-
-
-def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
-    """Every rank's ``x`` stacked in rank order: ``[size, *x.shape]`` (one all-gather)."""
-    if size == 1:
-        return x.unsqueeze(0)
-    stacked, work = _start_all_gather(x, group, size)
-    work.wait()
-    return stacked
-
-
-class GatheredKV:
-    """K/V blocks from one all-gather; the gradient of block j reduced to rank j as soon as it is
+class GatheredBlocks:
+    """K/V blocks from one gather; the gradient of block j reduced to rank j as soon as it is
     complete here (Note [All-gather overlap])."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
-        self._sent_steps = self._sent_bytes = 0
-        self._grads: dict[int, torch.Tensor] | None = None
-        self._grad_block: dict[str, object] = {}
-        self._reduces: list[dist.Work] = []
 
-    def take_traffic(self) -> tuple[int, int]:
-        """``(steps, bytes)`` since the last call, as the equivalent ring volume: P-1 K/V steps per
-        pass, and P gradient steps in backward."""
-        traffic = (self._sent_steps, self._sent_bytes)
-        self._sent_steps = self._sent_bytes = 0
-        return traffic
-
-    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Yield ``(src, k_src, v_src)``, each ``[batch, heads_kv, seq_local, head_dim]``: this rank's own
-        block while the gather is in flight, then the others in rank order, each once it has arrived."""
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
+        """``(src, k_src, v_src)``, each ``[batch, heads_kv, seq_local, head_dim]``: this rank's own
+        block while the gather is in flight, then the others in rank order, each once it has
+        arrived. Counted as the equivalent ring volume: P-1 steps of K/V."""
         gather = start_gather_blocks((k, v), self.group, self.rank, self.size)
-        self._sent_steps += self.size - 1
-        self._sent_bytes += 2 * k.numel() * k.element_size() * (self.size - 1)
+        count_sent(self.size - 1, 2 * k.numel() * k.element_size() * (self.size - 1))
         yield self.rank, k, v
         for src in range(self.size):
             if src != self.rank:
@@ -136,33 +105,22 @@ class GatheredKV:
                 yield src, *gather.blocks[src]
         wait_all(gather.sends, k.device)
 
-    def start_grads(self, kv_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
-        self._grad_block = dict(size=kv_shape, dtype=dtype, device=device)
-        self._grads, self._reduces = {}, []
-
-    def add_grads(self, src: int, grads: Sequence[tuple[StepPlan, torch.Tensor, torch.Tensor]]) -> None:
-        """Add this step's dK/dV pieces ``(plan, dk, dv)`` for block ``src``, which is then complete
-        here; start the reductions that are due. Each block's gradient is its own buffer, allocated
-        when its block completes (Note [All-gather overlap])."""
-        assert self._grads is not None
-        block = torch.zeros(**self._grad_block)
-        for plan, dk, dv in grads:
-            block[0][:, :, plan.k] += dk
-            block[1][:, :, plan.k] += dv
-        self._grads[src] = block
-        while self.size > 1 and len(self._reduces) in self._grads:
-            owner = len(self._reduces)
-            self._reduces.append(dist.reduce(self._grads[owner], _global(self.group, owner), group=self.group,
-                                             async_op=True))
-
-    def finish_grads(self) -> torch.Tensor:
-        """This rank's ``[2, batch, heads_kv, seq_local, head_dim]`` K/V gradient, summed over ranks."""
-        assert self._grads is not None
-        grads, self._grads = self._grads, None
-        mine = grads[self.rank]
-        if self.size == 1:
-            return mine
-        wait_all(self._reduces, mine.device)
-        self._sent_steps += self.size
-        self._sent_bytes += mine.numel() * mine.element_size() * self.size
-        return mine
+    def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
+        """The blocks of :meth:`blocks`, each with an outbox. Each block's gradient is its own
+        buffer (``dkv`` for this rank's), allocated when the block completes, and reduced to its
+        owner in rank order as soon as blocks 0..j are done (Note [All-gather overlap])."""
+        done: dict[int, torch.Tensor] = {}
+        reduces: list[dist.Work] = []
+        for src, k_src, v_src in self.blocks(k, v):
+            outbox: GradPieces = []
+            yield src, k_src, v_src, outbox
+            done[src] = dkv if src == self.rank else torch.zeros_like(dkv)
+            add_pieces(done[src], outbox)
+            del outbox
+            while self.size > 1 and len(reduces) in done:
+                owner = len(reduces)
+                reduces.append(dist.reduce(done[owner], global_rank(self.group, owner), group=self.group,
+                                           async_op=True))
+        if self.size > 1:
+            wait_all(reduces, dkv.device)
+            count_sent(self.size, dkv.numel() * dkv.element_size() * self.size)
