@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared device check: every GPU item of ../shared/gpu-checklist.md in one command of at most
-# 8 minutes on one H100 (megatron_ring/perf/device_check.py writes OUT_DIR/device_check.{json,md}).
+# 8 minutes on one H100 (megatron_ring/perf/bench/device_check.py writes OUT_DIR/device_check.{json,md}).
 #
 #   bash scripts/gpu_check.sh OUT_DIR                 on the lent GPU (through the device tool: OUT_DIR under $OUT)
 #   bash scripts/gpu_check.sh OUT_DIR --cpu-dry-run   the same code paths, tiny sizes, on CPU (CI runs this)
@@ -17,7 +17,7 @@ if [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
 if compgen -G "wheels/*.whl" >/dev/null; then "$python" -m pip install -q --no-deps wheels/*.whl; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 status=0
-timeout 420 "$python" -m megatron_ring.perf.device_check --out "$out" "$@" || status=$?
+timeout 420 "$python" -m megatron_ring.perf.bench.device_check --out "$out" "$@" || status=$?
 if [ $# -eq 0 ] && "$python" -c "import megatron.core" 2>/dev/null; then
     timeout 60 "$python" -m pytest -q -p no:cacheprovider tests/integration/test_megatron_spec.py || status=$?
 fi

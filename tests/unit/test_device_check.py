@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ring.perf import device_check
+from megatron_ring.perf.bench import device_check
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = {"kernels", "block_vs_sdpa", "decomposition", "decode", "masked", "two_rank_ring"}

@@ -6,5 +6,7 @@
 * ``numerics.py``          ``megatron-ring bench numerics``: error vs float64 as the ring grows;
 * ``compile.py``           ``megatron-ring bench compile``: eager vs ``torch.compile``;
 * ``block.py``             the block kernel on one device (``python -m megatron_ring.perf.bench.block``);
-* ``gather.py``            gloo's all-gather vs pairwise transfers (``python -m megatron_ring.perf.bench.gather``).
+* ``gather.py``            gloo's all-gather vs pairwise transfers (``python -m megatron_ring.perf.bench.gather``);
+* ``device_check.py``      the prepared device check (``scripts/gpu_check.sh``): ``device_checks.py`` its
+  single-process checks, ``device_ring.py`` two ranks on one GPU.
 """

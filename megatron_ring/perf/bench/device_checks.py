@@ -6,7 +6,6 @@ inputs (``--cpu-dry-run``, in CI) and at full size on a GPU.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -21,6 +20,7 @@ from megatron_ring.attention.ring import ring_forward
 from megatron_ring.attention.schedule import schedule_for
 from megatron_ring.attention.sharding import shard_sequence
 from megatron_ring.attention.transport import Block
+from megatron_ring.perf.bench.harness import measure_peak, median_time
 
 Row = dict[str, Any]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -29,22 +29,6 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 def row(check: str, case: str, metric: str, value: float, target: str | None = None,
         ok: bool | None = None) -> Row:
     return {"check": check, "case": case, "metric": metric, "value": value, "target": target, "ok": ok}
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up, the device drained."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def _qkv(batch: int, seq: int, heads: int, heads_kv: int, dim: int, dtype: torch.dtype,
@@ -104,8 +88,8 @@ def block_vs_sdpa(device: torch.device, dtype: torch.dtype, seqs: Sequence[int],
                 theirs = {"fwd": lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True),
                           "fwd+bwd": lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=True).backward(dout)}
                 for mode in ("fwd", "fwd+bwd"):
-                    base = timed(theirs[mode], device, repeats)
-                    mine = timed(ours[mode], device, repeats) + (timed(ours["fwd"], device, repeats)
+                    base = median_time(theirs[mode], device, repeats)
+                    mine = median_time(ours[mode], device, repeats) + (median_time(ours["fwd"], device, repeats)
                                                                  if mode == "fwd+bwd" else 0.0)
                     yield row("block_vs_sdpa", f"{case} {mode}", "speed vs SDPA (t_sdpa / t_block)", base / mine,
                               ">= 0.95", base / mine >= 0.95 if device.type == "cuda" else None)
@@ -130,7 +114,7 @@ def decomposition(device: torch.device, dtype: torch.dtype, seq: int, sizes: Seq
     """One rank's causal zigzag ring (rank 0's blocks and merges, local shards for transfers) vs one
     SDPA call over the whole sequence: efficiency ``t_sdpa / (P * t_rank)``."""
     q, k, v = (t.transpose(1, 2) for t in _qkv(1, seq, 8, 8, dim, dtype, device))
-    base = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats)
+    base = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats)
     backend = resolve_backend("auto", device, dtype, dim)
     for size in sizes:
         shards = [[shard_sequence(t, r, size, dim=2).contiguous() for r in range(size)] for t in (q, k, v)]
@@ -138,7 +122,7 @@ def decomposition(device: torch.device, dtype: torch.dtype, seq: int, sizes: Seq
         call = RingCall(CPPlace(0, size, None, True, None), "p2p", True, "zigzag", dim ** -0.5, backend, False,
                         schedule)
         transport = LocalBlocks(shards[1], shards[2], 0)
-        mine = timed(lambda: ring_forward(call, transport, shards[0][0], shards[1][0], shards[2][0], None),
+        mine = median_time(lambda: ring_forward(call, transport, shards[0][0], shards[1][0], shards[2][0], None),
                      device, repeats)
         efficiency = base / (size * mine)
         yield row("decomposition", f"P={size} L/P={seq // size} {str(dtype)[6:]}", "efficiency t_sdpa / (P t_rank)",
@@ -153,9 +137,9 @@ def decode(device: torch.device, dtype: torch.dtype, batches: Sequence[int], cac
         for n in cached:
             q, k, v = _qkv(batch, 1, 8, 2, dim, dtype, device)
             kc, vc = (torch.randn(batch, n, 2, dim, device=device).to(dtype) for _ in range(2))
-            spent = timed(lambda: decode_attention(q, kc, vc, check_consistency=False), device, repeats)
+            spent = median_time(lambda: decode_attention(q, kc, vc, check_consistency=False), device, repeats)
             flat = kc.reshape(-1)
-            copy = timed(lambda: flat.clone(), device, repeats)
+            copy = median_time(lambda: flat.clone(), device, repeats)
             read = 2 * kc.numel() * kc.element_size() / spent
             copy_rate = 2 * flat.numel() * flat.element_size() / copy  # read + write
             yield row("decode", f"batch={batch} cached={n}", "K/V bytes read/s vs copy bandwidth", read / copy_rate)
@@ -180,30 +164,19 @@ def masked(device: torch.device, dtype: torch.dtype, seq: int, dim: int, repeats
         f"window {width}": (lambda: ring_forward(call, LocalBlocks([kh], [vh], 0), qh, kh, vh, None),
                             dict(causal=True, window_size=(width, 0)), sum(min(i, width) + 1 for i in range(seq))),
     }
-    full = timed(lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True), device, repeats)
+    full = median_time(lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True), device, repeats)
     per_full_pair = full / (seq * (seq + 1) / 2)
-    full_memory = _peak(lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True), device)
+    full_memory = measure_peak(lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True), device) \
+        if device.type == "cuda" else 0
     for name, (run, reference, pairs) in cases.items():
         out, _ = run()
         err = rel_err(out.transpose(1, 2).cpu(), attention_reference(q.cpu(), k.cpu(), v.cpu(), **reference))
         on_gpu = device.type == "cuda"
         yield row("masked", f"{backend} {name}", "rel. err vs float64", err, f"<= {TOLERANCE[dtype]:g}",
                   err <= TOLERANCE[dtype])
-        ratio = timed(run, device, repeats) / pairs / per_full_pair
+        ratio = median_time(run, device, repeats) / pairs / per_full_pair
         yield row("masked", f"{backend} {name}", "time per visible pair vs unmasked SDPA", ratio,
                   "<= 1.25 (>= 0.8x its speed)", ratio <= 1.25 if on_gpu else None)
-        memory = _peak(run, device) / full_memory if on_gpu else float("nan")
+        memory = measure_peak(run, device) / full_memory if on_gpu else float("nan")
         yield row("masked", f"{backend} {name}", "peak memory vs unmasked SDPA", memory, "<= 1.2",
                   memory <= 1.2 if on_gpu else None)
-
-
-def _peak(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak device memory (bytes) above the current allocation while ``fn`` runs; 0 off CUDA."""
-    if device.type != "cuda":
-        return 0.0
-    torch.cuda.synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return float(torch.cuda.max_memory_allocated(device) - start)

@@ -1,7 +1,7 @@
 """The prepared device check: every GPU item of ../shared/gpu-checklist.md in one command.
 
-    python -m megatron_ring.perf.device_check --out results/gpu        # on the lent GPU (scripts/gpu_check.sh)
-    python -m megatron_ring.perf.device_check --out /tmp/x --cpu-dry-run   # the same code, tiny, on CPU (CI)
+    python -m megatron_ring.perf.bench.device_check --out results/gpu        # on the lent GPU (scripts/gpu_check.sh)
+    python -m megatron_ring.perf.bench.device_check --out /tmp/x --cpu-dry-run   # the same code, tiny, on CPU (CI)
 
 Checks, in the checklist's order (device_checks.py, device_ring.py): the block kernels vs float64
 (``kernels``), the block kernel vs SDPA (``block_vs_sdpa``), one rank's ring with the transfers
@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from megatron_ring.perf import device_checks as checks
-from megatron_ring.perf.device_ring import two_rank_ring
+from megatron_ring.perf.bench import device_checks as checks
+from megatron_ring.perf.bench.device_ring import two_rank_ring
 from megatron_ring.perf.report import markdown_table
 from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.runtime.reporting import write_json_atomic
@@ -78,7 +78,7 @@ def run(out: Path, dry_run: bool, repeats: int, only: list[str] | None) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ring.perf.device_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_ring.perf.bench.device_check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for device_check.json and device_check.md")
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU, two gloo ranks (CI)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per figure (median)")
