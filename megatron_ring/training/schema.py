@@ -124,6 +124,8 @@ class TrainSection(StrictModel):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     log: LogSection = Field(default_factory=LogSection)
     seed: int = 1234
+    stop_on_nonfinite_loss: bool = Field(True, description="stop every rank (exit 4) at a NaN or infinite step "
+                                         "loss; false trains on, never saving such a step as a checkpoint")
     collective_timeout_s: TimeoutSeconds = Field(300.0, description="timeout of every collective")
     peer_timeout_s: TimeoutSeconds = Field(120.0, description="a peer whose heartbeat stops this long is declared "
                                            "lost (a dead process on this host is seen at once)")

@@ -175,7 +175,7 @@ def test_stopped_rank_stops_inference(tmp_path: Path, launcher: str, victim: int
 def test_stopped_rank_stops_training(tmp_path: Path, victim: int) -> None:
     """SIGSTOP rank ``victim`` of cp = 2 mid-training: the launcher returns non-zero within peer_timeout_s + 15 s
     and the latest checkpoint, if any, is a complete one."""
-    from megatron_ring.training.loop import COMPLETE, latest_checkpoint
+    from megatron_ring.training.checkpoint import COMPLETE, latest_checkpoint
 
     cfg = {
         "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,

@@ -18,7 +18,8 @@ from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.parallel.groups import ParallelGroups  # noqa: E402
 from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_ring.training.data import ByteTokenizer, PackedSequences, TrainData  # noqa: E402
-from megatron_ring.training.loop import COMPLETE, EXIT_CONFIG, check_resume, latest_checkpoint, train_main  # noqa: E402
+from megatron_ring.training.checkpoint import COMPLETE, check_resume, latest_checkpoint  # noqa: E402
+from megatron_ring.training.loop import EXIT_CONFIG, train_main  # noqa: E402
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU  # noqa: E402
 from megatron_ring.training.schema import load_train_spec, parse_train_spec  # noqa: E402
 
