@@ -95,7 +95,8 @@ class StartupWatch:
             stalled = [r for r, s in self._stopped_s.items() if s > self.timeout_s / 2]
             if stalled:
                 return self._kill(stalled[0])
-            return f"rank {gone[0]} (pid {self._peers[gone[0]]} exited during start-up, before the peer monitor attached)"
+            pid = self._peers[gone[0]]
+            return f"rank {gone[0]} (pid {pid} exited during start-up, before the peer monitor attached)"
         return None
 
     def _kill(self, rank: int) -> str:

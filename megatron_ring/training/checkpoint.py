@@ -167,7 +167,8 @@ def verify_checkpoint(marker: dict[str, Any], tag_dir: Path) -> None:
             continue
         got = file_digest(path)
         if got["bytes"] != want["bytes"]:
-            problems[name] = f"{str(path)!r} has {got['bytes']} bytes, the checkpoint wrote {want['bytes']} (truncated?)"
+            problems[name] = (f"{str(path)!r} has {got['bytes']} bytes, the checkpoint wrote {want['bytes']} "
+                              "(truncated?)")
         elif got["sha256"] != want["sha256"]:
             problems[name] = f"{str(path)!r} does not match its SHA-256 recorded at save (corrupted)"
     found = _gathered(problems)
