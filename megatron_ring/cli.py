@@ -40,25 +40,30 @@ BENCHES: dict[str, tuple[str, str, str]] = {
 }
 
 
+def _shown(groups: list[list[int]], most: int = 4, members: int = 16) -> str:
+    """The first ``most`` groups, each cut after ``members`` ranks, and how many there are."""
+    def one(group: list[int]) -> str:
+        head = ", ".join(map(str, group[:members]))
+        return str(group) if len(group) <= members else f"[{head}, ... ({len(group)} ranks)]"
+
+    return ", ".join(one(g) for g in groups[:most]) + (f", ... ({len(groups)} groups)" if len(groups) > most else "")
+
+
 def _layout_table(layout: ParallelLayout) -> str:
+    """The rank grid, each rank's cp ring neighbours and the first groups of each axis (linear in the world)."""
     lines = [f"layout {layout.describe()}  (rank order tp-cp-dp-pp, Megatron's tp-cp-ep-dp-pp)", ""]
     lines.append(f"{'rank':>5} " + " ".join(f"{a:>3}" for a in AXES) + "   cp ring (prev -> rank -> next)")
     for rank in range(layout.world_size):
         coords = layout.coords(rank)
-        ring = layout.group_of("cp", rank)
-        i = ring.index(rank)
+        prev, nxt = layout.ring_neighbours(rank, "cp")
         lines.append(f"{rank:>5} " + " ".join(f"{coords[a]:>3}" for a in AXES)
-                     + f"   {ring[i - 1]:>3} -> {rank:>3} -> {ring[(i + 1) % len(ring)]:>3}")
+                     + f"   {prev:>3} -> {rank:>3} -> {nxt:>3}")
     lines.append("")
     for axis in AXES + ("dp-cp",):
-        groups = layout.groups(axis)
-        shown = ", ".join(str(g) for g in groups[:4]) + (f", ... ({len(groups)} groups)" if len(groups) > 4 else "")
-        lines.append(f"{axis:>6} groups: {shown}")
+        lines.append(f"{axis:>6} groups: {_shown(layout.groups(axis))}")
     if layout.cp_a2a is not None:
         for level in HIERARCHICAL_LEVELS:
-            groups = layout.hierarchical_groups(level)
-            shown = ", ".join(str(g) for g in groups[:4]) + (f", ... ({len(groups)} groups)" if len(groups) > 4 else "")
-            lines.append(f"{level:>7} groups: {shown}")
+            lines.append(f"{level:>7} groups: {_shown(layout.hierarchical_groups(level))}")
         lines.append("  (a2a+p2p: all-to-all inside each cp-a2a group, keep it within a node; the ring across "
                      "cp-ring groups)")
     return "\n".join(lines)
