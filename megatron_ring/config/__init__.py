@@ -9,7 +9,7 @@ Files:
 * ``shipped.py`` finding a config: relative to the working directory, else the shipped one.
 """
 from megatron_ring.config.strict import (MAX_TIMEOUT_S, ConfigError, Problems, StrictModel, TimeoutSeconds,
-                                         check_writable, load_mapping, load_model)
+                                         check_writable, load_mapping, load_model, output_problem)
 
-__all__ = ["MAX_TIMEOUT_S", "ConfigError", "Problems", "StrictModel", "TimeoutSeconds", "check_writable", "load_mapping",
+__all__ = ["MAX_TIMEOUT_S", "ConfigError", "Problems", "StrictModel", "TimeoutSeconds", "check_writable", "load_mapping", "output_problem",
            "load_model"]

@@ -248,6 +248,18 @@ def check_writable(path: Path, *, field: str, value: str, directory: bool = Fals
                           f"({err.strerror or err}); choose a writable location") from None
 
 
+def output_problem(outputs: dict[str, tuple[str | Path | None, bool]]) -> str | None:
+    """The first of ``{flag: (path, is_directory)}`` (None paths skipped) that cannot be written, as
+    :func:`check_writable`'s message, or None: a CLI checks its outputs before any work."""
+    for flag, (value, directory) in outputs.items():
+        if value is not None:
+            try:
+                check_writable(Path(value), field=flag, value=str(value), directory=directory)
+            except ConfigError as err:
+                return str(err)
+    return None
+
+
 def load_model(path: str | Path, model: type[ModelT]) -> ModelT:
     """Load and validate a config file into ``model``."""
     return model.parse(load_mapping(path), where=f"config {str(path)!r}")

@@ -49,6 +49,7 @@ from megatron_ring.perf.bench import attention_report
 from megatron_ring.perf.bench.attention_worker import IMPLS, MODES, VARIANT_IMPLS, bench_worker, ulysses_available
 from megatron_ring.perf.bench.harness import CAUSAL, DTYPES, borrow_pool, machine_description, slowest
 from megatron_ring.perf.report import print_table
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import non_negative_int, positive_float, positive_int, usage_error
 
 
@@ -237,6 +238,9 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench attention``: run the sweep, write JSON, print the table, draw the plots."""
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = output_problem({"--out": (args.out, False), "--plots": (None if args.no_plots else args.plots, True)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     causals = CAUSAL[args.causal]
     machine_before = machine_description()
     try:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.api import ring_attention
 from megatron_ring.perf.bench.harness import barrier_timed, slowest
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.runtime.pool import GlooPool
 
@@ -165,6 +166,9 @@ def bench_compile_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench compile``: run, write JSON, print the table."""
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = output_problem({"--out": (args.out, False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     try:
         points = run_bench(ranks=args.ranks, modes=args.mode, seqs=args.seq, batch=args.batch, hidden=args.hidden,
                            heads=args.heads, heads_kv=args.heads_kv, repeats=args.repeats, warmup=args.warmup)

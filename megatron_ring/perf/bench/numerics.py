@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_ring.perf.bench.harness import CAUSAL, DTYPES, borrow_pool
 from megatron_ring.perf.report import markdown_table, print_table
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
 
 
@@ -155,6 +156,9 @@ def bench_numerics_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench numerics``: run, write JSON (and Markdown), print the table."""
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = output_problem({"--out": (args.out, False), "--markdown": (args.markdown, False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     causals = CAUSAL[args.causal]
     try:
         points = run_numerics(ranks=args.ranks, dtypes=args.dtype, causals=causals, seq=args.seq, batch=args.batch,

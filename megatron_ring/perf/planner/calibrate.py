@@ -53,6 +53,7 @@ import torch.distributed as dist
 from megatron_ring.attention.auto_comm import attention_flops
 from megatron_ring.perf.bench import harness
 from megatron_ring.perf.report import fmt_bytes, fmt_time, print_table
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import int_at_least, positive_float, usage_error
 
 DTYPES: dict[str, torch.dtype] = {name: harness.DTYPES[name] for name in ("fp32", "bf16")}
@@ -315,6 +316,9 @@ def calibrate_main(argv: list[str] | None = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = output_problem({"--out": (args.out, False), "--out (raw)": (Path(args.out).with_suffix(".raw.json"), False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     machine = harness.machine_description()
     try:
         fields, raw = calibrate(ranks=args.ranks, quick=args.quick, timeout_s=args.timeout)

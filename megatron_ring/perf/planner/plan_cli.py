@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
 from megatron_ring.config.layout import LayoutConfig
-from megatron_ring.config.strict import ConfigError, load_mapping
+from megatron_ring.config.strict import ConfigError, load_mapping, output_problem
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.perf.planner import plan_table
 from megatron_ring.perf.planner.cost_model import Planner
@@ -140,6 +140,9 @@ def plan_main(argv: list[str] | None = None) -> int:
     """``megatron-ring plan``: print (and optionally write) the predictions; 0 on success, 2 on bad input."""
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = output_problem({"--json": (args.json_out, False), "--markdown": (args.markdown, False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     try:
         hw = HardwareProfile.load(args.hardware)
         main = _input_from_args(args)

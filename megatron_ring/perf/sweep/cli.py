@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ring.config import ConfigError
+from megatron_ring.config import ConfigError, output_problem
 from megatron_ring.inference import compare
 from megatron_ring.perf.planner.predict import make_predictor
 from megatron_ring.perf.sweep.run import repredict, run_sweep
@@ -64,6 +64,9 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not args.configs or not args.lengths:
         parser.error("give a pair (or two configs) and --lengths")
+    problem = output_problem({"--out-dir": (args.out_dir, True)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     out_dir = Path(args.out_dir)
     try:
         baseline, ring = compare.resolve_pair(args.configs)
