@@ -84,3 +84,19 @@ def test_text_prompts_under_the_deepspeed_launcher(tmp_path, checkpoint):
     assert result["prompts"] == records
     assert records[0]["document_tokens_kept"] < records[0]["document_tokens"] and records[0]["padding"] == 0
     assert records[1]["padding"] > 0 and records[1]["document_tokens_kept"] == records[1]["document_tokens"]
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 2), (1, 4), (2, 1)], ids=["cp2", "cp4", "tp2"])
+def test_perplexity_equals_the_models_loss(gloo_pool, checkpoint, tp, cp):
+    """``megatron-ring perplexity``'s per-rank work (ring_nll on the hf runner's model) = transformers' own loss."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ring.inference.perplexity import TOLERANCE, rank_nll
+
+    ids = torch.randint(0, 256, (1, 61), generator=torch.Generator().manual_seed(5))  # not a multiple of 2 cp
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = float(model(ids, labels=ids).loss)
+    for nll, count in gloo_pool(tp * cp).run(rank_nll, {"checkpoint": checkpoint}, tp, cp, ids, timeout_s=TIMEOUT_S):
+        assert count == 60
+        assert abs(nll / count - expected) <= TOLERANCE * expected

@@ -106,15 +106,25 @@ def prepare_gguf(directory: Path, gguf_file: str, cache_dir: Path | None = None)
     return target
 
 
+def local_dir(path: Path, gguf_file: str | None = None, cache_dir: Path | None = None) -> Path:
+    """The checkpoint directory transformers reads: ``path`` itself, or a GGUF file's converted copy."""
+    location = gguf_location(path, gguf_file)
+    return path if location is None else prepare_gguf(*location, cache_dir)
+
+
+def load_tokenizer(path: Path, *, gguf_file: str | None = None, cache_dir: Path | None = None) -> Any:
+    """The tokenizer of a local checkpoint (GGUF through the cache)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(local_dir(path, gguf_file, cache_dir), local_files_only=True)
+
+
 def load_causal_lm(path: Path, *, gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
                    attn_implementation: str = "ring", cache_dir: Path | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a local causal-LM checkpoint, in eval mode; GGUF through the cache."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    location = gguf_location(path, gguf_file)
-    if location is not None:
-        path = prepare_gguf(*location, cache_dir)
+    path = local_dir(path, gguf_file, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                  local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model.eval(), tokenizer
+    return model.eval(), load_tokenizer(path)
