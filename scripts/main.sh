@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on CPU processes: a look at the layout, then the headline: a real pretrained model
 # (SmolLM2-135M-Instruct) answers a question about a real document of the repository (the GPL-3
-# text, 6,144 prompt tokens through its chat template), once with DeepSpeed AutoTP tp 2 and once
+# text, 6,400 prompt tokens through its chat template), once with DeepSpeed AutoTP tp 2 and once
 # with ring attention over cp 2, 2 processes each under the deepspeed launcher, the same attention
 # kernel on both sides; prints both answers, whether they are identical, and the speed and memory
 # ratios. About 3 minutes on 2 quiet cores with .venv in place.
