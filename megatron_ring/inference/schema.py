@@ -32,7 +32,7 @@ from pydantic import Field
 from megatron_ring.attention.sharding import check_divisible
 from megatron_ring.config import ConfigError, Problems, StrictModel, check_writable, load_mapping
 from megatron_ring.config.layout import LayoutConfig
-from megatron_ring.inference.prompts import Document, TextSection, load_documents
+from megatron_ring.inference.prompts import Document, TextSection, find_file, load_documents
 from megatron_ring.integrations.deepspeed.config import SECTION
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -126,16 +126,7 @@ def runner_module(name: str) -> Any:
 def find_model_file(given: str, base: Path | None) -> Path:
     """The model file named by ``model.config``: absolute, else relative to ``base`` (the directory of
     the config file, so configs work from any working directory), then to the working directory."""
-    path = Path(given)
-    if path.is_absolute():
-        tried = [path]
-    else:
-        tried = ([base / path] if base is not None else []) + [Path.cwd() / path]
-    for candidate in tried:
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"megatron_ring.model.config = {given!r}: file not found; tried "
-                      f"{', '.join(str(p) for p in tried)}")
+    return find_file(given, base, f"{SECTION}.model.config")
 
 
 def load_model_mapping(section: ModelSection, base: Path | None) -> dict[str, Any]:
