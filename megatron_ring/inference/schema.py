@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 from pydantic import Field
 
 from megatron_ring.attention.sharding import check_divisible
-from megatron_ring.config import ConfigError, Problems, StrictModel, check_writable, load_mapping
+from megatron_ring.config import ConfigError, Problems, StrictModel, TimeoutSeconds, check_writable, load_mapping
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.inference.prompts import Document, TextSection, find_file, load_documents
 from megatron_ring.integrations.deepspeed.config import SECTION
@@ -80,9 +80,9 @@ class RingSection(StrictModel):
     layout: LayoutConfig
     workload: WorkloadSection
     output: Optional[str] = Field(None, description="result JSON path; None prints only")
-    collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every collective")
-    peer_timeout_s: float = Field(
-        20.0, gt=0, description="a peer silent this long is declared lost and the job stops")
+    collective_timeout_s: TimeoutSeconds = Field(300.0, description="timeout of every collective")
+    peer_timeout_s: TimeoutSeconds = Field(
+        20.0, description="a peer silent this long is declared lost and the job stops")
 
 
 class InferenceSpec:
