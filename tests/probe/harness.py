@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SLOW = os.environ.get("MEGATRON_RING_PROBE_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="slow probe case: MEGATRON_RING_PROBE_SLOW=1 (python scripts/probe.py --slow)")
+
+
 @dataclass
 class Outcome:
     code: int
