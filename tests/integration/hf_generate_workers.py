@@ -150,3 +150,19 @@ def run_generation_cases() -> dict[str, Any]:
     except ValueError as err:
         out["seed_error"] = str(err)
     return out
+
+
+def mismatched_generate(change: str) -> str | None:
+    """``ring_generate`` where rank 1 changes ``change`` ("prompt": other ids of the same shape;
+    "max_new_tokens": one more token); this rank's error, or None if it returned."""
+    model = tiny_model("llama", attn_implementation="ring")
+    ids, mask = prompts()["padded"]
+    new_tokens = NEW_TOKENS
+    if dist.get_rank() == 1:
+        ids = ids.flip(-1) if change == "prompt" else ids
+        new_tokens += int(change == "max_new_tokens")
+    try:
+        ring_generate(model, ids, mask, max_new_tokens=new_tokens)
+    except ValueError as err:
+        return str(err)
+    return None

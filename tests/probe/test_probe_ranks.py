@@ -56,6 +56,17 @@ def test_packed_boundaries_out_of_order_name_the_ordering(where: str) -> None:
         ring_attention(q, q, q, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("change,what", [("prompt", "the prompt (input_ids) differs"),
+                                         ("max_new_tokens", "the generation arguments differ")])
+def test_ring_generate_called_differently_is_a_value_error_on_each(gloo_pool: Any, change: str, what: str) -> None:
+    """Different prompts of one shape once gave wrong tokens; different max_new_tokens hung."""
+    pytest.importorskip("transformers")
+    from tests.integration import hf_generate_workers
+
+    errors = gloo_pool(2).run(hf_generate_workers.mismatched_generate, change, timeout_s=120)
+    assert all(e is not None and what in e and "CP ranks [[0], [1]]" in e for e in errors), errors
+
+
 def test_zero_head_dim_is_a_value_error_naming_it(gloo_pool: Any) -> None:
     outcomes = gloo_pool(2).run(workers.zero_sized, "ring", "head_dim", "auto", timeout_s=60)
     assert all(o[0] == "ValueError" and "head_dim" in o[1] for o in outcomes), outcomes
@@ -141,8 +152,6 @@ def test_rank_stopped_at_launch_under_the_deepspeed_launcher(tmp_path: Path) -> 
 
 
 OWNED_HANGS = {  # case -> the owning change; placeholders: each change brings its real case in place of one
-    "ring_generate with different max_new_tokens per rank (hangs)": "transformers generate handshake",
-    "ring_generate with different prompts of one shape (wrong tokens)": "transformers generate prompt hash",
     "model.generate(max_new_tokens=1) inside cp_context (wrong tokens)": "transformers generate",
     "model(global_ids) inside cp_context (wrong logits)": "transformers cp_context",
     "input_ids of shape [2, 0] / [0, 16] (reshape error)": "transformers inputs",

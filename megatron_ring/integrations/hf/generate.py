@@ -129,24 +129,47 @@ def _generation_config(model: PreTrainedModel, generation_config: GenerationConf
     return config
 
 
-def _check_same_random_state(ctx: CPContext, device: torch.device) -> None:
-    """Raise on every rank unless the default generator of ``device`` is in the same state on every rank."""
+def _digest(*parts: Any) -> str:
+    """A short digest of tensors (their values, dtype and shape) and strings."""
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            h.update(f"{part.dtype}{tuple(part.shape)}".encode())
+            h.update(part.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(str(part).encode())
+    return h.hexdigest()[:16]
+
+
+def _check_same_call(ctx: CPContext, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     config: GenerationConfig) -> None:
+    """Raise ValueError on every rank unless every rank of the CP group passed the same prompt,
+    padding and generation arguments (and, when sampling, has the same random state): one small
+    all-gather. Without it, different prompts of one shape give wrong tokens and different
+    ``max_new_tokens`` leave ranks waiting in a collective."""
     if ctx.size == 1:
         return
-    state = torch.get_rng_state() if device.type == "cpu" else torch.get_device_module(device).get_rng_state(device)
-    digest = hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest()[:16]
-    digests: list[str | None] = [None] * ctx.size
-    dist.all_gather_object(digests, digest, group=ctx.group)
-    if len(set(digests)) > 1:
+    device = input_ids.device
+    parts = {"the prompt (input_ids)": _digest(input_ids), "the padding (attention_mask)": _digest(attention_mask),
+             "the generation arguments": _digest(config.to_json_string(use_diff=True))}
+    if config.do_sample:
+        state = torch.get_rng_state() if device.type == "cpu" else torch.get_device_module(device).get_rng_state(device)
+        parts["the random state"] = _digest(state)
+    gathered: list[dict[str, str] | None] = [None] * ctx.size
+    dist.all_gather_object(gathered, parts, group=ctx.group)
+    problems = []
+    for what in parts:
         groups: dict[str, list[int]] = {}
-        for rank, value in enumerate(digests):
-            groups.setdefault(str(value), []).append(rank)
-        raise ValueError(
-            f"do_sample=True needs the same random state on every rank of the CP group, but the {device.type} "
-            f"generator differs: CP ranks {sorted(groups.values())} agree among themselves only. Call "
-            "torch.manual_seed(seed) with the same seed on every rank before ring_generate "
-            "(Note [Sampling over a CP group])"
-        )
+        for rank, got in enumerate(gathered):
+            groups.setdefault(got[what] if got else "", []).append(rank)
+        if len(groups) > 1:
+            verb = "differ" if what.endswith("arguments") else "differs"
+            problems.append(f"{what} {verb}: CP ranks {sorted(groups.values())} agree among themselves only")
+    if problems:
+        hint = (" Sampling needs torch.manual_seed(seed) with the same seed on every rank before ring_generate "
+                "(Note [Sampling over a CP group])." if any("random" in p for p in problems) else "")
+        raise ValueError("ring_generate needs the same call on every rank of the CP group: " + "; ".join(problems)
+                         + "." + hint)
 
 
 def _prefill_cache(model: PreTrainedModel, ctx: CPContext, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -185,8 +208,7 @@ def ring_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     input_ids, attention_mask = check_ids(input_ids, attention_mask)
     config = _generation_config(model, generation_config, kwargs)
     with cp_context(group) as ctx:
-        if config.do_sample:
-            _check_same_random_state(ctx, input_ids.device)
+        _check_same_call(ctx, input_ids, attention_mask, config)
         if config.use_cache is False:
             with ring_prefill_every_call(model, ctx):
                 return model.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
