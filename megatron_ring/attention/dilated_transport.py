@@ -48,10 +48,11 @@ def scatter_grads(dkv: torch.Tensor, pieces: Sequence[Piece], grads: PieceGrads,
 
 
 def _layout(pieces: Sequence[Piece], rows: Sequence[slice | None], like: torch.Tensor) -> tuple[Layout, int]:
-    """The parts of one message carrying ``rows[i]`` of each piece, and its element count."""
+    """The parts of one message carrying ``rows[i]`` of each piece, and its element count (``like``:
+    a piece's compact K/V ``[2, batch, heads, rows, head_dim]``)."""
     parts: Layout = []
     total = 0
-    b, d = like.shape[0], like.shape[-1]
+    b, d = like.shape[1], like.shape[-1]
     for i, (piece, r) in enumerate(zip(pieces, rows)):
         if r is not None:
             shape = (2, b, piece.kv.stop - piece.kv.start, r.stop - r.start, d)
