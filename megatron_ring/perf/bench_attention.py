@@ -40,12 +40,13 @@ resident size just before the call (inputs already allocated, so it counts what 
 buffers, temporaries, outputs, saved tensors and gradients). Buffers under 64 KiB are not seen.
 On CUDA it is ``torch.cuda.max_memory_allocated`` minus the allocation before the call.
 
-Variants (``--window``, ``--docs``): with ``--window W`` every ring implementation (single,
+Variants (``--window``, ``--docs``, ``--dilation``): with ``--window W`` every ring implementation (single,
 ring_p2p, all_gather) also runs with ``window_size=(W, 0)`` (causal; ``(W, W)`` otherwise), and
 with ``--docs N`` as N equal documents of L/N tokens, once packed (one call with ``cu_seqlens``)
 and once one by one (N calls, timed together); with ``--a2a-contiguous`` ``a2a`` also runs on
 contiguous shards, the layout DeepSpeed-Ulysses is given (plain ``a2a`` gets zigzag shards, as
-the ring, and puts the tokens in order after its all-to-all). A point's ``variant`` names it
+the ring, and puts the tokens in order after its all-to-all); with ``--dilation 2048:1,4096:2``
+every ring implementation also runs LongNet's dilated attention with those pairs. A point's ``variant`` names it
 ("" = plain). All variants of a point are interleaved like the implementations.
 """
 from __future__ import annotations
@@ -70,7 +71,7 @@ IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather", "a2a", "a2a+p2p", 
 RING_IMPLS: tuple[str, ...] = ("single", "ring_p2p", "all_gather")
 """The implementations that take a window and packed documents (the variants)."""
 VARIANT_IMPLS: dict[str, tuple[str, ...]] = {"window": RING_IMPLS, "packed": RING_IMPLS, "separate": RING_IMPLS,
-                                             "contiguous": ("a2a",)}
+                                             "contiguous": ("a2a",), "dilated": RING_IMPLS}
 _COMM_OF = {"single": "p2p", "ring_p2p": "p2p", "all_gather": "all_gather", "a2a": "a2a", "a2a+p2p": "a2a+p2p"}
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -164,12 +165,13 @@ def _make_attention(cfg: dict[str, Any]) -> Callable[..., torch.Tensor]:
             group = init_parallel(ParallelLayout(cp=dist.get_world_size(), cp_a2a=cfg.get("a2a_size", 2))).cp_groups
         window = _window_size(cfg)
         cu = _cu_seqlens(cfg) if cfg.get("variant") == "packed" else None
+        dilation = cfg.get("dilation") if cfg.get("variant") == "dilated" else None
 
         sharding = _sharding(cfg)
 
         def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ring_attention(q, k, v, group, causal=causal, comm=comm, backend=backend, window_size=window,
-                                  cu_seqlens=cu, sharding=sharding)
+                                  cu_seqlens=cu, sharding=sharding, dilation=dilation)
         if cfg.get("variant") == "separate":  # [docs, batch, seq_local, heads, dim]: one call per document
             return lambda q, k, v: torch.stack([ring(q[i], k[i], v[i]) for i in range(q.shape[0])])
         return ring
@@ -372,6 +374,7 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) ->
             "a2a_size")
     return {k: cfg[k] for k in keys} | {
         "variant": _variant_name(cfg), "window": cfg.get("window"), "docs": cfg.get("docs"),
+        "dilation": cfg.get("dilation") if cfg.get("variant") == "dilated" else None,
         "P": ranks, "pool_P": size,
         "median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "times_s": wall,
         "exposed_fraction": exposed, "bytes_sent": sent or 0,
@@ -389,6 +392,8 @@ def _variant_name(cfg: dict[str, Any]) -> str:
         return f"packed {cfg['docs']} docs"
     if variant == "separate":
         return f"{cfg['docs']} docs one by one"
+    if variant == "dilated":
+        return "dilated " + ",".join(f"{w}:{r}" for w, r in cfg["dilation"])
     return variant
 
 
@@ -427,11 +432,13 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
               backend: str, seed: int = 0, timeout_s: float = 600.0, a2a_size: int = 2,
               progress: Callable[[str], None] = print,
               pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True,
-              window: str | int | None = None, docs: int = 0, a2a_contiguous: bool = False) -> list[dict[str, Any]]:
+              window: str | int | None = None, docs: int = 0, a2a_contiguous: bool = False,
+              dilation: list[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Run every (P, impl, mode, causal, L) point, the implementations of a point interleaved.
 
     ``window`` (tokens, or ``"L/k"``) and ``docs`` add the variants of the module docstring to the
-    ring implementations, ``a2a_contiguous`` the contiguous one to ``a2a``.
+    ring implementations, ``a2a_contiguous`` the contiguous one to ``a2a``, ``dilation`` (pairs
+    ``(w, r)``) LongNet's dilated attention to the ring implementations.
 
     The single-process baseline runs on rank 0 of each P-rank pool (the others idle), with that
     pool's threads per rank, so it is timed under the same load as the points it is compared to.
@@ -485,11 +492,11 @@ def run_sweep(*, lengths: list[int], ranks: list[int], impls: list[str], modes: 
                     for seq in lengths:
                         variants = [("", 0)] + ([("window", windows[seq])] if windows[seq] else []) + (
                             [("packed", 0), ("separate", 0)] if docs else []) + (
-                            [("contiguous", 0)] if a2a_contiguous else [])
+                            [("contiguous", 0)] if a2a_contiguous else []) + ([("dilated", 0)] if dilation else [])
                         cfgs = [dict(impl=impl, mode=mode, causal=causal, L=seq, batch=batch, heads=heads,
                                      heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
                                      backend=backend, seed=seed, device="cpu", own_session=own_sessions,
-                                     variant=variant, window=w, docs=docs, a2a_size=a2a_size)
+                                     variant=variant, window=w, docs=docs, a2a_size=a2a_size, dilation=dilation)
                                 for impl in p_impls for variant, w in variants
                                 if not variant or impl in VARIANT_IMPLS[variant]]
                         per_rank = pool.run(bench_worker, cfgs, repeats, warmup)
@@ -514,6 +521,17 @@ def window_tokens(window: str | int | None, seq: int) -> int:
     if tokens < 1:
         raise ValueError(f"--window must be a positive number of tokens or 'L/k', got {window!r}")
     return tokens
+
+
+def dilation_pairs(text: str) -> list[tuple[int, int]]:
+    """``--dilation w:r,w:r,...`` as pairs of positive ints."""
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"--dilation must be pairs w:r of positive ints, e.g. 2048:1,4096:2; got {text!r}")
+    return pairs  # type: ignore[return-value]
 
 
 @contextmanager
@@ -553,6 +571,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also run N equal documents, packed (cu_seqlens) and one by one")
     ap.add_argument("--a2a-contiguous", action="store_true",
                     help="also run a2a on contiguous shards (the layout Ulysses is given), see the docstring")
+    ap.add_argument("--dilation", type=dilation_pairs, default=None,
+                    help="also run the ring with LongNet's dilated attention, pairs w:r (e.g. 2048:1,4096:2)")
     ap.add_argument("--out", default="results/bench_attention.json", help="JSON output")
     ap.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
     ap.add_argument("--no-plots", action="store_true")
@@ -570,10 +590,10 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
                            batch=args.batch, heads=args.heads, heads_kv=args.heads_kv or args.heads,
                            head_dim=args.head_dim, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
                            backend=args.backend, timeout_s=args.timeout, window=args.window, docs=args.docs,
-                           a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous)
+                           a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous, dilation=args.dilation)
     except ValueError as err:
         return usage_error(parser.prog, err)
-    plain = args.window is None and not args.docs  # the plots compare implementations, not variants
+    plain = args.window is None and not args.docs and not args.dilation  # the plots compare implementations, not variants
     write_outputs(points, machine_before, out=Path(args.out), argv=argv,
                   plots=None if args.no_plots or not plain else Path(args.plots) if args.plots
                   else Path(args.out).parent / "plots", a2a_size=args.a2a_size)
