@@ -6,6 +6,8 @@ Tolerances as in test_ring_numerics.py: fp32 <= 1e-5, bf16 <= 2e-2 (relative Fro
 import pytest
 import torch
 
+from megatron_ring.attention.auto_comm import DEFAULT_COSTS
+from megatron_ring.perf.dilated_cost import predict_dilated_point
 from tests.gloo import dilated_workers as workers
 
 TOL = {str(torch.float32): 1e-5, str(torch.bfloat16): 2e-2}
@@ -55,6 +57,11 @@ def test_dilated_sends_less_than_the_ring(gloo_pool):
     gathered = get(workers.traffic, 256, (8, 8), pairs, "all_gather")
     assert max(b for _, b in dilated) <= 0.5 * max(b for _, b in ring), (dilated, ring)
     assert max(b for _, b in dilated) < min(b for _, b in gathered), (dilated, gathered)
+    point = dict(P=4, L=256, batch=1, heads=8, heads_kv=8, head_dim=8, dtype="fp32", mode="fwd_bwd", causal=True,
+                 dilation=pairs)
+    for impl, measured in (("ring_p2p", dilated), ("all_gather", gathered)):  # the cost model counts the same bytes
+        predicted = predict_dilated_point(point | {"impl": impl}, DEFAULT_COSTS["cpu"], 2.5)["bytes_sent_max"]
+        assert predicted == max(b for _, b in measured), (impl, predicted, measured)
 
 
 def test_dilated_local_segments_send_nothing(gloo_pool):
