@@ -20,45 +20,50 @@ from megatron_ring.parallel.layout import AXES, HIERARCHICAL_LEVELS, ParallelLay
 
 # name -> (module, function, help): each takes its own argv (--help included) and returns an exit code
 DELEGATED: dict[str, tuple[str, str, str]] = {
-    "plan": ("megatron_ring.perf.plan_cli", "plan_main", "analytical model of a config on a hardware profile"),
-    "calibrate": ("megatron_ring.perf.calibrate", "calibrate_main",
+    "plan": ("megatron_ring.perf.planner.plan_cli", "plan_main", "analytical model of a config on a hardware profile"),
+    "calibrate": ("megatron_ring.perf.planner.calibrate", "calibrate_main",
                   "measure this machine (CPU ranks, gloo) and write a hardware profile for the planner"),
     "compare": ("megatron_ring.inference.compare", "compare_main",
                 "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
-    "sweep": ("megatron_ring.perf.sweep", "sweep_main",
+    "sweep": ("megatron_ring.perf.sweep.cli", "sweep_main",
               "baseline vs ring of a pair over prompt lengths (and batches), repeated: sweep.json and plots"),
     "infer": ("megatron_ring.inference.main", "infer_main",
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
 }
 BENCHES: dict[str, tuple[str, str, str]] = {
-    "attention": ("megatron_ring.perf.bench_attention", "bench_attention_main",
+    "attention": ("megatron_ring.perf.bench.attention", "bench_attention_main",
                   "ring (p2p) vs all-gather vs single process vs DeepSpeed Ulysses on gloo ranks"),
-    "numerics": ("megatron_ring.perf.bench_numerics", "bench_numerics_main",
+    "numerics": ("megatron_ring.perf.bench.numerics", "bench_numerics_main",
                  "relative error of ring attention against float64, by ring size and dtype"),
-    "compile": ("megatron_ring.perf.bench_compile", "bench_compile_main",
+    "compile": ("megatron_ring.perf.bench.compile", "bench_compile_main",
                 "an attention layer with the ring (prefill, training step, decode step), eager vs torch.compile"),
 }
 
 
+def _shown(groups: list[list[int]], most: int = 4, members: int = 16) -> str:
+    """The first ``most`` groups, each cut after ``members`` ranks, and how many there are."""
+    def one(group: list[int]) -> str:
+        head = ", ".join(map(str, group[:members]))
+        return str(group) if len(group) <= members else f"[{head}, ... ({len(group)} ranks)]"
+
+    return ", ".join(one(g) for g in groups[:most]) + (f", ... ({len(groups)} groups)" if len(groups) > most else "")
+
+
 def _layout_table(layout: ParallelLayout) -> str:
+    """The rank grid, each rank's cp ring neighbours and the first groups of each axis (linear in the world)."""
     lines = [f"layout {layout.describe()}  (rank order tp-cp-dp-pp, Megatron's tp-cp-ep-dp-pp)", ""]
     lines.append(f"{'rank':>5} " + " ".join(f"{a:>3}" for a in AXES) + "   cp ring (prev -> rank -> next)")
     for rank in range(layout.world_size):
         coords = layout.coords(rank)
-        ring = layout.group_of("cp", rank)
-        i = ring.index(rank)
+        prev, nxt = layout.ring_neighbours(rank, "cp")
         lines.append(f"{rank:>5} " + " ".join(f"{coords[a]:>3}" for a in AXES)
-                     + f"   {ring[i - 1]:>3} -> {rank:>3} -> {ring[(i + 1) % len(ring)]:>3}")
+                     + f"   {prev:>3} -> {rank:>3} -> {nxt:>3}")
     lines.append("")
     for axis in AXES + ("dp-cp",):
-        groups = layout.groups(axis)
-        shown = ", ".join(str(g) for g in groups[:4]) + (f", ... ({len(groups)} groups)" if len(groups) > 4 else "")
-        lines.append(f"{axis:>6} groups: {shown}")
+        lines.append(f"{axis:>6} groups: {_shown(layout.groups(axis))}")
     if layout.cp_a2a is not None:
         for level in HIERARCHICAL_LEVELS:
-            groups = layout.hierarchical_groups(level)
-            shown = ", ".join(str(g) for g in groups[:4]) + (f", ... ({len(groups)} groups)" if len(groups) > 4 else "")
-            lines.append(f"{level:>7} groups: {shown}")
+            lines.append(f"{level:>7} groups: {_shown(layout.hierarchical_groups(level))}")
         lines.append("  (a2a+p2p: all-to-all inside each cp-a2a group, keep it within a node; the ring across "
                      "cp-ring groups)")
     return "\n".join(lines)

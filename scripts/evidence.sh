@@ -16,4 +16,4 @@ $ring sweep long-pp2 --lengths 4096 8192 16384 --batches 1 4 --predict $profile 
 $ring sweep long-gqa-tp2 --lengths 4096 8192 16384 --predict $profile --settle 180 --out-dir $out/long-gqa-tp2
 $ring sweep long-cp4 --lengths 4096 8192 16384 --predict $profile --settle 180 --out-dir $out/long-cp4
 $ring sweep long-tp2-cp2 --lengths 4096 8192 16384 --predict $profile --settle 180 --out-dir $out/long-tp2-cp2
-.venv/bin/python -m megatron_ring.perf.paper_scale --out $out/paper_scale_plan
+.venv/bin/python -m megatron_ring.perf.planner.paper_scale --out $out/paper_scale_plan

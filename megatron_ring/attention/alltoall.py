@@ -37,7 +37,7 @@ and ``b == 1`` that costs no copy after the all-to-all). Here q, k, v and dout a
 after it anyway, to put zigzag tokens in order, and that copy writes them heads-first
 (``[b, h/A, L, d]`` storage): the CPU flash kernel then reads each head's rows at unit stride and
 took 0.90-1.00x the time of the ``[b, L, h/A, d]`` storage it is given otherwise (L = 16k, 2 or
-4 heads, ``python -m megatron_ring.perf.bench_block --layouts``). So the copy is kept for
+4 heads, ``python -m megatron_ring.perf.bench.block --layouts``). So the copy is kept for
 contiguous shards too. The ring of ``a2a+p2p`` runs heads-first as well (Note [Heads-first
 blocks] in ring.py), so it takes them as they are.
 
@@ -46,7 +46,7 @@ GQA: the a2a group needs ``heads_q % A == 0``. K/V heads are split A ways too; w
 heads, the fewest that split A ways and keep every query head's K/V head on its rank. When
 ``A % heads_kv == 0`` (MQA, or fewer K/V heads than ranks) every rank receives exactly the one K/V
 head its queries use; when ``heads_kv % A == 0`` nothing is repeated. Bytes sent per rank per
-layer, with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`a2a_bytes`)::
+layer, with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`~megatron_ring.attention.traffic.a2a_bytes`)::
 
     forward   (A-1)/A * b*s*d*e * (2*heads_q + 2*h')      q, k, v out; the output back
               + (R-1) * 2*b*s*h'*d*e                        the ring over R (K/V on h'/A heads, A*s tokens)
@@ -61,7 +61,6 @@ token), puts them in the same order as the keys, and the ring takes them from th
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from functools import lru_cache
 from typing import Any, NamedTuple, Sequence
@@ -75,24 +74,8 @@ from megatron_ring.attention.comms import CPPlace
 from megatron_ring.attention.ring import run_ring
 from megatron_ring.attention.schedule import schedule_for
 from megatron_ring.attention.sharding import local_positions
+from megatron_ring.attention.traffic import kv_heads_sent
 from megatron_ring.attention.transport import active_stats, count_sent, gather_stacked, now
-
-def kv_heads_sent(heads_q: int, heads_kv: int, a2a_size: int) -> int:
-    """``h' = lcm(heads_kv, a2a_size)``: the K/V heads the all-to-all carries (Note [All-to-all between sequence and heads])."""
-    return heads_kv * a2a_size // math.gcd(heads_kv, a2a_size)
-
-
-def a2a_bytes(*, seq_local: int, batch: int, heads_q: int, heads_kv: int, head_dim: int, element_size: int,
-              a2a_size: int, ring_size: int, backward: bool = False) -> float:
-    """Bytes one rank sends for one attention call (forward, or backward) of ``a2a`` (ring_size 1) or ``a2a+p2p``."""
-    h_kv = kv_heads_sent(heads_q, heads_kv, a2a_size)
-    unit = batch * seq_local * head_dim
-    a2a = (a2a_size - 1) / a2a_size * unit * element_size * (2 * heads_q + 2 * h_kv)
-    ring = (ring_size - 1) * 2 * unit * h_kv * element_size
-    if backward and ring_size > 1:
-        ring += ring_size * 2 * unit * h_kv * 4
-    return a2a + ring
-
 
 class Span(NamedTuple):
     """``length`` consecutive tokens of the reordered sequence, from position ``start`` on, taken from
@@ -260,7 +243,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingC
     tensors (Note [All-to-all between sequence and heads])."""
     (ga, _, a), (gr, rr, r) = call.place.levels(call.comm)
     s, heads_kv = q.shape[1], k.shape[2]
-    repeat = kv_heads_sent(q.shape[2], heads_kv, a) // heads_kv
+    repeat = kv_heads_sent(heads_kv, a) // heads_kv
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
     exchange = _Exchange(ga, a, _spans(s, a, r, rr, call.sharding))

@@ -73,8 +73,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             a key padding mask or the all-to-all comms. ``comm="p2p"`` moves only the rows some
             rank reads (Note [Dilated attention as one ring call]).
         check_consistency: first check, with one small all-gather, that every rank passed the same
-            shapes, dtype, device type, causal, sharding, comm, scale, mask presence, window,
-            document boundaries and dilation, and raise
+            shapes, dtype, device type, causal, sharding, comm, scale, mask presence, whether
+            gradients are needed, window, document boundaries and dilation, and raise
             ValueError on every rank naming what differs (or which rank rejected its inputs):
             Note [Cross-rank handshake] in handshake.py. Must be the same on every rank; with
             False, a rank whose input differs or is rejected aborts or hangs the others.

@@ -2,7 +2,9 @@
 
 Pure Python, no torch: :func:`choose_comm` sees only shapes, the ring size and a
 :class:`CommCosts` (effective FLOP/s, link bandwidths, fixed latencies), so it is the same on
-every rank and cheap enough to run on every call.
+every rank and cheap enough to run on every call. Bytes come from traffic.py; a call given no costs
+uses those of its device's shipped hardware profile (:data:`DEFAULT_PROFILES`, ``megatron_ring/profiles``),
+derived by :func:`profile_costs` exactly as the planner derives them.
 
 Note [When does the ring beat all-gather?]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -52,12 +54,15 @@ flat ring or all-gather that spans nodes runs at ``W_inter``; a flat all-to-all 
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
 
-from megatron_ring.attention.comms import TIE_ORDER, Comm
-
+from megatron_ring.attention import traffic
+from megatron_ring.attention.comms import FLAT_COMMS, TIE_ORDER, Comm
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -73,9 +78,9 @@ def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
 class CommCosts:
     """Effective (achieved, not peak) costs of one rank, as the cost model needs them.
 
-    Build one from a hardware profile with
-    :meth:`megatron_ring.perf.hardware.HardwareProfile.comm_costs`; :data:`DEFAULT_COSTS` holds
-    the two the ring uses when it is given none.
+    Build one from a hardware profile's numbers with :func:`profile_costs` (the planner's
+    ``HardwareProfile.comm_costs``); :data:`DEFAULT_COSTS` holds the two the ring uses when it is
+    given none.
     """
 
     flops_per_s: float
@@ -133,22 +138,98 @@ class CommCosts:
         return self.collective_latency_s + nbytes / ranks * ((local - 1) / a2a + (ranks - local) / inter)
 
 
-DEFAULT_COSTS: dict[str, CommCosts] = {
-    # H100 SXM, bf16: 989 TFLOP/s x 0.55 attention efficiency; NVLink 450 GB/s per direction x 0.8.
-    # Must equal HardwareProfile.load("h100-sxm").comm_costs() (checked by tests/unit/test_auto_comm.py).
-    "cuda": CommCosts(flops_per_s=989e12 * 0.55, p2p_bytes_per_s=450e9 * 0.8, allgather_bytes_per_s=450e9 * 0.8,
-                      step_latency_s=25e-6, collective_latency_s=40e-6),
-    # One CPU core per rank, fp32, gloo on loopback; equals
-    # HardwareProfile.load("cpu-gloo").comm_costs("fp32", ranks=2).
-    "cpu": CommCosts(flops_per_s=69e9 * 0.84, p2p_bytes_per_s=1.1e9, allgather_bytes_per_s=1.1e9,
-                     step_latency_s=200e-6, collective_latency_s=400e-6),
-}
-"""Costs used by ``comm="auto"`` when the caller gives none, keyed by device type."""
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+"""The shipped hardware profiles, ``megatron_ring/profiles/*.json`` (package data; the planner reads them too)."""
+DEFAULT_PROFILES: dict[str, tuple[str, str, int]] = {"cuda": ("h100-sxm", "bf16", 1), "cpu": ("cpu-gloo", "fp32", 2)}
+"""Device type -> (shipped profile, dtype, ranks sharing the machine) of the costs ``comm="auto"`` uses when
+given none: an H100 SXM node in bf16 (NVLink); one CPU core per rank, fp32, gloo on loopback."""
+
+
+def achieved_flops(profile: Mapping[str, Any], dtype: str, *, kind: str = "attention", ranks: int = 1) -> float:
+    """Achieved FLOP/s of one rank for ``kind`` ("matmul" or "attention") when ``ranks`` ranks run at once,
+    from a hardware profile's numbers (the fields of the planner's ``HardwareProfile``).
+
+    On GPU profiles each rank owns a device. On CPU profiles the ``cpu_cores`` are shared: a rank
+    gets ``cpu_cores / ranks`` cores (at most all of them).
+    """
+    peak = profile["peak_flops"]
+    if dtype not in peak:
+        raise ValueError(f"dtype {dtype!r} has no peak_flops in profile {profile['name']!r}; allowed: {sorted(peak)}")
+    if kind not in ("matmul", "attention"):
+        raise ValueError(f"kind must be 'matmul' or 'attention', got {kind!r}")
+    cores = profile.get("cpu_cores")
+    share = 1.0 if cores is None else cores / max(1, ranks)
+    return peak[dtype] * profile[f"{kind}_efficiency"] * share
+
+
+def link_bytes_per_s(profile: Mapping[str, Any], *, cross_node: bool) -> float:
+    """Achieved bytes/s per direction of one device's link inside a node or between nodes."""
+    peak = profile["inter_node_bytes_per_s" if cross_node else "intra_node_bytes_per_s"]
+    return peak * profile["link_efficiency"]
+
+
+def profile_costs(profile: Mapping[str, Any], dtype: str = "bf16", *, cross_node: bool = False,
+                  ranks: int = 1) -> CommCosts:
+    """The :class:`CommCosts` of a hardware profile's numbers: the one derivation, for ``comm="auto"``'s
+    defaults and the planner (``HardwareProfile.comm_costs``)."""
+    link = link_bytes_per_s(profile, cross_node=cross_node)
+    gather, latency = profile.get("allgather_bytes_per_s"), profile.get("allgather_latency_s")
+    return CommCosts(flops_per_s=achieved_flops(profile, dtype, ranks=ranks), p2p_bytes_per_s=link,
+                     allgather_bytes_per_s=link if cross_node or gather is None else gather,
+                     step_latency_s=profile["p2p_latency_s"],
+                     collective_latency_s=profile["collective_latency_s"] if latency is None else latency)
+
+
+@lru_cache(maxsize=None)
+def default_costs(device_type: str) -> CommCosts:
+    """The costs of :data:`DEFAULT_PROFILES` for ``device_type`` (CUDA, else CPU), read from the shipped JSON once."""
+    name, dtype, ranks = DEFAULT_PROFILES["cuda" if device_type == "cuda" else "cpu"]
+    profile = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+    return profile_costs(profile, dtype, ranks=ranks)
+
+
+class _DefaultCosts(Mapping[str, CommCosts]):
+    """:data:`DEFAULT_COSTS`: :func:`default_costs` of each key of :data:`DEFAULT_PROFILES`, read on first use."""
+
+    def __getitem__(self, device_type: str) -> CommCosts:
+        if device_type not in DEFAULT_PROFILES:
+            raise KeyError(device_type)
+        return default_costs(device_type)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DEFAULT_PROFILES)
+
+    def __len__(self) -> int:
+        return len(DEFAULT_PROFILES)
+
+
+DEFAULT_COSTS: Mapping[str, CommCosts] = _DefaultCosts()
+"""Costs used by ``comm="auto"`` when the caller gives none, keyed by device type (``"cuda"``, ``"cpu"``)."""
 
 
 def work_fraction(causal: bool) -> float:
     """``alpha``: the share of a full Q-block x K/V-block product a causal ring step computes on average."""
     return 0.5 if causal else 1.0
+
+
+def attention_flops(*, batch: int, q_len: int, k_len: int, heads: int, head_dim: int, causal: bool) -> float:
+    """FLOPs of ``q_len`` queries against ``k_len`` keys on ``heads`` heads (two matmuls; ``alpha`` of them causal)."""
+    return work_fraction(causal) * 4.0 * batch * q_len * k_len * heads * head_dim
+
+
+BWD_COMPUTE_FACTOR = 2.5
+"""Backward attention FLOPs / forward attention FLOPs (5 matmuls against 2, scores recomputed)."""
+
+
+def ring_step_s(costs: CommCosts, *, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int,
+                head_dim: int, causal: bool, element_size: int) -> tuple[float, float]:
+    """``(t_comp, t_comm)`` of one ring step over ``cp_size`` ranks: a Q block against a K/V block, and one
+    K/V block (:func:`~megatron_ring.attention.traffic.kv_block_bytes`) sent on the ring's slowest link."""
+    flops = attention_flops(batch=batch, q_len=seq_local, k_len=seq_local, heads=heads_q, head_dim=head_dim,
+                            causal=causal)
+    kv = traffic.kv_block_bytes(batch=batch, seq_local=seq_local, heads_kv=heads_kv, head_dim=head_dim,
+                                element_size=element_size)
+    return flops / costs.flops_per_s, kv / costs.links(cp_size)[0]
 
 
 def crossover_tokens(costs: CommCosts, *, heads_q: int, heads_kv: int, causal: bool, element_size: int) -> float:
@@ -193,31 +274,32 @@ def predict_times(*, seq_local: int, cp_size: int, batch: int, heads_q: int, hea
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     _check_heads(heads_q, heads_kv)
     _positive("element_size", element_size)
-    t_comp = work_fraction(causal) * 4.0 * batch * seq_local**2 * heads_q * head_dim / costs.flops_per_s
-    kv_bytes = 2.0 * batch * seq_local * heads_kv * head_dim * element_size
-    ring_bw, gather_bw, _ = costs.links(cp_size)
-    t_comm = kv_bytes / ring_bw
+    t_comp, t_comm = ring_step_s(costs, seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q,
+                                 heads_kv=heads_kv, head_dim=head_dim, causal=causal, element_size=element_size)
     steps = cp_size - 1
     p2p = t_comp + steps * max(t_comp, t_comm) + cp_size * costs.step_latency_s
-    gathered = 0.0 if steps == 0 else costs.collective_latency_s + steps * kv_bytes / gather_bw
-    all_gather = gathered + cp_size * t_comp + costs.step_latency_s
+    gathered = traffic.all_gather_bytes(batch=batch, seq_local=seq_local, heads_kv=heads_kv, head_dim=head_dim,
+                                        element_size=element_size, cp_size=cp_size)
+    all_gather = (0.0 if steps == 0 else costs.collective_latency_s + gathered / costs.links(cp_size)[1]) \
+        + cp_size * t_comp + costs.step_latency_s
     inner = a2a_size or min(cp_size, costs.ranks_per_node or cp_size)
+    shape = dict(batch=batch, seq_local=seq_local, head_dim=head_dim, element_size=element_size)
     return {"p2p": p2p, "all_gather": all_gather,
-            "a2a": _a2a_time(t_comp, cp_size, 1, batch * seq_local * head_dim * element_size, heads_q, heads_kv, costs),
-            "a2a+p2p": _a2a_time(t_comp, inner, cp_size // inner if cp_size % inner == 0 else 0,
-                                 batch * seq_local * head_dim * element_size, heads_q, heads_kv, costs)}
+            "a2a": _a2a_time(t_comp, cp_size, 1, shape, heads_q, heads_kv, costs),
+            "a2a+p2p": _a2a_time(t_comp, inner, cp_size // inner if cp_size % inner == 0 else 0, shape, heads_q,
+                                 heads_kv, costs)}
 
 
-def _a2a_time(t_comp: float, a2a: int, ring: int, unit_bytes: float, heads_q: int, heads_kv: int,
+def _a2a_time(t_comp: float, a2a: int, ring: int, shape: dict[str, int], heads_q: int, heads_kv: int,
               costs: CommCosts) -> float:
-    """Forward time of ``a2a`` (``ring`` 1) or ``a2a+p2p`` (Note [All-to-all in the cost model]); ``inf`` if it cannot run."""
+    """Forward time of ``a2a`` (``ring`` 1) or ``a2a+p2p`` (Note [All-to-all in the cost model]); ``inf`` if it
+    cannot run. ``shape``: batch, seq_local, head_dim, element_size."""
     if ring < 1 or heads_q % a2a:
         return math.inf
-    h_kv = heads_kv * a2a // math.gcd(heads_kv, a2a)
-    moved = 2 * costs.alltoall_s(unit_bytes * (2 * heads_q + 2 * h_kv), a2a)
+    h_kv = traffic.kv_heads_sent(heads_kv, a2a)
+    moved = 2 * costs.alltoall_s(traffic.alltoall_payload(**shape, heads_q=heads_q, heads_kv=h_kv), a2a)
     step_comp = a2a * t_comp
-    ring_bw = costs.links(a2a * ring)[0]
-    step_comm = 2 * unit_bytes * h_kv / ring_bw
+    step_comm = traffic.kv_block_bytes(**shape, heads_kv=h_kv) / costs.links(a2a * ring)[0]
     return moved + step_comp + (ring - 1) * max(step_comp, step_comm) + ring * costs.step_latency_s
 
 
@@ -238,7 +320,8 @@ def choose_comm(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads
     allowed = [c for c in TIE_ORDER if c in candidates and not (c == "a2a+p2p" and a2a_size is None
                                                                  and costs.ranks_per_node is None)]
     note = ""
-    gathered_bytes = 2.0 * batch * seq_local * cp_size * heads_kv * head_dim * element_size
+    gathered_bytes = cp_size * traffic.kv_block_bytes(batch=batch, seq_local=seq_local, heads_kv=heads_kv,
+                                                      head_dim=head_dim, element_size=element_size)
     if costs.memory_budget_bytes is not None and gathered_bytes > costs.memory_budget_bytes and "all_gather" in allowed:
         allowed.remove("all_gather")
         note = f"; all_gather excluded: gathered K/V {gathered_bytes:.3g} B exceeds the memory budget " \
@@ -254,7 +337,7 @@ def choose_comm(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads
 
 def choose_comm_for_shapes(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], cp_size: int, *, causal: bool,
                            element_size: int, device_type: str, costs: CommCosts | None = None,
-                           candidates: Sequence[str] = ("p2p", "all_gather", "a2a"),
+                           candidates: Sequence[str] = FLAT_COMMS,
                            a2a_size: int | None = None) -> Comm:
     """``comm="auto"`` for ``ring_attention``: q ``[b, s_local, h_q, d]``, k/v ``[b, s_local, h_kv, d]``.
 
@@ -264,7 +347,7 @@ def choose_comm_for_shapes(q_shape: tuple[int, ...], kv_shape: tuple[int, ...], 
         raise ValueError(f"q and k/v must be [batch, seq_local, heads, head_dim], got {tuple(q_shape)} and "
                          f"{tuple(kv_shape)}")
     batch, seq_local, heads_q, head_dim = (int(x) for x in q_shape)
-    costs = costs or DEFAULT_COSTS["cuda" if device_type == "cuda" else "cpu"]
+    costs = costs or default_costs(device_type)
     return choose_comm(seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q,
                        heads_kv=int(kv_shape[2]), head_dim=head_dim, causal=causal, element_size=element_size,
                        costs=costs, candidates=candidates, a2a_size=a2a_size).comm

@@ -228,6 +228,8 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
     fields = [*tensor_fields(q, k, "seq_local"), flag_field("causal", causal),
               choice_field("sharding", sharding, SHARDINGS), choice_field("comm", comm, COMM_CHOICES),
               scale_field(scale), flag_field("key_padding_mask", masked, ("None", "a mask")),
+              flag_field("gradients", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+                         ("not needed", "needed")),
               field("window_size[0]", window[0]), field("window_size[1]", window[1]),
               field("cu_seqlens", docs_code, _show_docs), field("dilation", dilation_code(pairs), show_dilation)]
     return (call, (q, k, v, key_padding_mask)), fields  # type: ignore[return-value]

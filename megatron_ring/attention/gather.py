@@ -18,7 +18,7 @@ Note [Pairwise gather on gloo]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 On gloo, ``all_gather_into_tensor`` of 16 MiB per rank took 2.3x the time of the same exchange
 done as P-1 pairwise ``isend``/``irecv`` at P = 4 (148 vs 63 ms on this 2-core machine, the same
-bytes) and 3.5x at P = 2 (``python -m megatron_ring.perf.bench_gather``), and the CPU it took came
+bytes) and 3.5x at P = 2 (``python -m megatron_ring.perf.bench.gather``), and the CPU it took came
 out of the kernels it was meant to hide behind. So on gloo groups K and V are sent pairwise, as
 two tensors (no stacking copy, and no copy of the rank's own block), and each source's block is
 computed on as soon as its own receives complete rather than after the whole gather. Other

@@ -16,7 +16,7 @@ The caller's ``[b, s, h, d]`` tensors put a token's heads side by side, so one h
 ``h * d`` elements apart. The block kernels read a head's rows block by block, and on CPU they
 take 0.90-0.96x the time (forward, and forward+backward; h = 8, the 4096 x 4096 and 4096 x 2048
 blocks of a zigzag ring at L = 16k, P = 4) when those rows are adjacent
-(``python -m megatron_ring.perf.bench_block --layouts``). So q, k, v and dout are copied once per
+(``python -m megatron_ring.perf.bench.block --layouts``). So q, k, v and dout are copied once per
 call into ``[b, h, s, d]`` storage, K/V blocks travel so, and every block kernel of the call reads
 them there; the output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout,
 and need no copy back. A copy costs about 1 % of such a block's time per tensor.

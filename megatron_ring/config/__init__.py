@@ -8,6 +8,8 @@ Files:
 * ``gpt.py``     the GPT model files of ``configs/megatron``;
 * ``shipped.py`` finding a config: relative to the working directory, else the shipped one.
 """
-from megatron_ring.config.strict import ConfigError, Problems, StrictModel, check_writable, load_mapping, load_model
+from megatron_ring.config.strict import (MAX_TIMEOUT_S, ConfigError, Problems, StrictModel, TimeoutSeconds,
+                                         check_writable, load_mapping, load_model, output_problem)
 
-__all__ = ["ConfigError", "Problems", "StrictModel", "check_writable", "load_mapping", "load_model"]
+__all__ = ["MAX_TIMEOUT_S", "ConfigError", "Problems", "StrictModel", "TimeoutSeconds", "check_writable", "load_mapping", "output_problem",
+           "load_model"]

@@ -176,7 +176,19 @@ class GPTConfig(StrictModel):
                 problems.append(f"parallel.cp_comm_type {comm!r} needs the query heads per TP rank "
                                 f"(model.num_attention_heads / tp = {heads}) divisible by its all-to-all group "
                                 f"({group}); use p2p or a divisor of {heads}")
+        windowed = sorted({c for layer, c in enumerate(p.comm_types(m.num_layers), start=1)
+                           if c in ("a2a", "a2a+p2p") and self._windowed(layer)} if p.cp > 1 else set())
+        if windowed:
+            problems.append(f"model.window_size = {list(m.window_size or [])} cannot run with parallel.cp_comm_type "
+                            f"{' / '.join(map(repr, windowed))} on the windowed layers (all-to-all attention takes "
+                            "no window); allowed with a window: 'p2p', 'all_gather'")
         return problems
+
+    def _windowed(self, layer: int) -> bool:
+        """Whether 1-based ``layer`` uses ``model.window_size`` (Megatron's ``window_attn_skip_freq``:
+        every N-th layer attends fully)."""
+        m = self.model
+        return bool(m.window_size) and (m.window_attn_skip_freq is None or layer % m.window_attn_skip_freq != 0)
 
     def check_dtype(self, given: str, *, source: str, model: str = "the model") -> None:
         """ConfigError unless ``given``, the dtype the framework runs in (set by ``source``), is this

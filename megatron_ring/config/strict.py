@@ -4,10 +4,12 @@ Every config section of the project derives from :class:`StrictModel`, so a typo
 ``"promt_len"`` fails at load time with ``unknown key 'promt_len' (did you mean 'prompt_len'?)``
 instead of being silently ignored — the same policy as DeepSpeed's own config. Types are strict:
 ``"batch": true`` or ``"prompt_len": "48"`` are errors, not 1 and 48 (an integer where a float
-is expected is fine). Checks between fields collect into :class:`Problems`, so one
-:class:`ConfigError` reports every reason at once. :func:`load_mapping` reads JSON or YAML and
-names the file, line and column of a syntax error; :func:`check_writable` tries an output location
-before any work is done.
+is expected is fine), and so are NaN and infinities in any float field. Checks between fields
+collect into :class:`Problems`, so one :class:`ConfigError` reports every reason at once.
+:func:`load_mapping` reads JSON or YAML, names the file, line and column of a syntax error and
+refuses a key given twice in one mapping (both parsers would silently keep the last);
+:func:`check_writable` tries an output location before any work is done. :data:`TimeoutSeconds`
+is the type of every timeout field: finite, positive, at most :data:`MAX_TIMEOUT_S`.
 """
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Annotated, Any, Callable, Optional, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ModelT = TypeVar("ModelT", bound="StrictModel")
 T = TypeVar("T")
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest timeout a config may give (one week); Python's ``timedelta`` overflows far above it."""
+TimeoutSeconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)]
+"""A timeout in seconds: finite, > 0 and at most :data:`MAX_TIMEOUT_S`."""
 
 
 class ConfigError(ValueError):
@@ -75,10 +82,11 @@ class Problems:
 
 
 class StrictModel(BaseModel):
-    """Base for all config sections: unknown keys and coercions (bool or str for a number, float for
-    an int) are errors; fields are validated on assignment."""
+    """Base for all config sections: unknown keys, coercions (bool or str for a number, float for
+    an int) and NaN or infinite floats are errors; fields are validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False,
+                              allow_inf_nan=False)
 
     @classmethod
     def parse(cls: type[ModelT], data: Any, *, where: Optional[str] = "config", key: str = "") -> ModelT:
@@ -134,9 +142,45 @@ def explain_validation_error(model: type[BaseModel], err: ValidationError, *, ke
     return lines
 
 
+class _DuplicateKey(Exception):
+    """A mapping of a config file gives ``key`` twice (at ``line``, when known)."""
+
+    def __init__(self, key: Any, line: Optional[int] = None) -> None:
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: a dict, or :class:`_DuplicateKey`."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _yaml_loader() -> type:
+    """PyYAML's SafeLoader refusing a key given twice in one mapping (:class:`_DuplicateKey`)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise _DuplicateKey(key, key_node.start_mark.line + 1)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Read a JSON or YAML file into a dict (YAML needs pyyaml); a syntax error is a
-    :class:`ConfigError` naming the file, the line and the column."""
+    :class:`ConfigError` naming the file, the line and the column, a key given twice in one mapping
+    one naming the key."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -145,7 +189,9 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
+        except _DuplicateKey as err:
+            raise ConfigError(_duplicate(path, err)) from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             problem = getattr(err, "problem", None) or str(err)
@@ -153,12 +199,20 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
                                             mark.column + 1 if mark else None)) from None
     else:
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
+        except _DuplicateKey as err:
+            raise ConfigError(_duplicate(path, err)) from None
         except json.JSONDecodeError as err:
             raise ConfigError(_syntax_error(path, "JSON", err.msg, text, err.lineno, err.colno)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top, got {type(data).__name__}")
     return data
+
+
+def _duplicate(path: Path, err: _DuplicateKey) -> str:
+    where = f" (line {err.line})" if err.line else ""
+    return (f"config file {str(path)!r} gives the key {err.key!r} twice in one mapping{where}; "
+            "keep one (the parser would silently use the last)")
 
 
 def _syntax_error(path: Path, kind: str, problem: str, text: str, line: Optional[int], column: Optional[int]) -> str:
@@ -192,6 +246,18 @@ def check_writable(path: Path, *, field: str, value: str, directory: bool = Fals
     except OSError as err:
         raise ConfigError(f"{field} = {value!r}: cannot write in {str(folder)!r} "
                           f"({err.strerror or err}); choose a writable location") from None
+
+
+def output_problem(outputs: dict[str, tuple[str | Path | None, bool]]) -> str | None:
+    """The first of ``{flag: (path, is_directory)}`` (None paths skipped) that cannot be written, as
+    :func:`check_writable`'s message, or None: a CLI checks its outputs before any work."""
+    for flag, (value, directory) in outputs.items():
+        if value is not None:
+            try:
+                check_writable(Path(value), field=flag, value=str(value), directory=directory)
+            except ConfigError as err:
+                return str(err)
+    return None
 
 
 def load_model(path: str | Path, model: type[ModelT]) -> ModelT:

@@ -121,31 +121,42 @@ class ParallelLayout:
             stride *= size
         return rank
 
+    def _axis_names(self, axis: str) -> list[str]:
+        """The axes of ``axis`` (``"dp-cp"`` -> ``["dp", "cp"]``); ValueError for an unknown or repeated one."""
+        names = axis.split("-")
+        bad = [n for n in names if n not in AXES]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"axis {axis!r} is not one of {list(AXES)} or a '-'-joined set of them")
+        return names
+
+    def _members(self, base: dict[str, int], names: list[str]) -> list[int]:
+        """Sorted global ranks at coordinates ``base`` with every value of the axes ``names``."""
+        return sorted(self.rank(**base, **dict(zip(names, varying)))
+                      for varying in itertools.product(*(range(getattr(self, n)) for n in names)))
+
     def groups(self, axis: str) -> list[list[int]]:
         """All groups along ``axis`` as lists of global ranks.
 
         ``axis`` is one of ``tp``, ``cp``, ``dp``, ``pp`` or several joined by ``-`` (``"dp-cp"``,
         ``"tp-cp"``): ranks that differ only in those coordinates form one group. Groups are listed
         by increasing smallest rank; members by increasing rank, which is Megatron's ring order.
+        Linear in the world size.
         """
-        names = axis.split("-")
-        bad = [n for n in names if n not in AXES]
-        if bad or len(set(names)) != len(names):
-            raise ValueError(f"axis {axis!r} is not one of {list(AXES)} or a '-'-joined set of them")
+        names = self._axis_names(axis)
         fixed = [n for n in AXES if n not in names]
-        result = []
-        for fixed_idx in itertools.product(*(range(getattr(self, n)) for n in reversed(fixed))):
-            base = dict(zip(reversed(fixed), fixed_idx))
-            members = sorted(
-                self.rank(**base, **dict(zip(names, varying)))
-                for varying in itertools.product(*(range(getattr(self, n)) for n in names))
-            )
-            result.append(members)
+        result = [self._members(dict(zip(reversed(fixed), fixed_idx)), names)
+                  for fixed_idx in itertools.product(*(range(getattr(self, n)) for n in reversed(fixed)))]
         return sorted(result)
 
     def group_of(self, axis: str, rank: int) -> list[int]:
-        """The group along ``axis`` that holds ``rank``."""
-        for members in self.groups(axis):
-            if rank in members:
-                return members
-        raise ValueError(f"rank {rank} outside [0, {self.world_size})")
+        """The group along ``axis`` that holds ``rank``, built from its coordinates (its size, not the world)."""
+        names = self._axis_names(axis)
+        coords = self.coords(rank)
+        return self._members({n: c for n, c in coords.items() if n not in names}, names)
+
+    def ring_neighbours(self, rank: int, axis: str = "cp") -> tuple[int, int]:
+        """``(previous, next)`` of ``rank`` in its ring along one ``axis`` (members in rank order, wrapping)."""
+        if axis not in AXES:
+            raise ValueError(f"axis {axis!r} is not one of {list(AXES)}")
+        coords, size = self.coords(rank), getattr(self, axis)
+        return tuple(self.rank(**{**coords, axis: (coords[axis] + step) % size}) for step in (-1, 1))  # type: ignore

@@ -1,16 +1,14 @@
-"""Performance: the planner's cost model, hardware profiles, benchmarks and their reports.
+"""Performance: the planner, the benchmarks and the sweep, each a package; ``report.py`` their shared tables.
 
-Files:
+* ``planner/``  the cost model (``megatron-ring plan``), hardware profiles (``megatron_ring/profiles/*.json``),
+  ``megatron-ring calibrate``, predictions of inference runs, the paper-scale table, the comm figure;
+* ``bench/``    one shared harness (timing, peak memory, the machine, gloo pools) and one file per
+  benchmark: ``megatron-ring bench attention | numerics | compile``, ``python -m
+  megatron_ring.perf.bench.block``, ``python -m megatron_ring.perf.bench.gather``, and the prepared GPU
+  check (``bench/device_check.py``, ``scripts/gpu_check.sh``);
+* ``sweep/``    ``megatron-ring sweep``: a pair over prompt lengths, repeated, its plots and the planner's errors;
+* ``report.py`` tables (rich or Markdown) and number formats.
 
-* ``cost_model.py``      FLOPs, bytes, memory and TTFT/TPOT/TPS of a layout on a hardware profile;
-* ``plan_cli.py``        ``megatron-ring plan``;
-* ``predict.py``         the cost model on an inference config at a workload (the sweep's predictions);
-* ``calibrate.py``       ``megatron-ring calibrate``: a hardware profile measured on this machine;
-* ``paper_scale.py``     the planner table of the paper's workload and of the largest batch that fits;
-* ``sweep.py``           ``megatron-ring sweep``: a pair over prompt lengths, repeated; ``sweep_plots.py`` its plots;
-* ``hardware.py``        hardware profiles (``profiles/*.json``);
-* ``bench_attention.py`` ring vs all-gather vs one process vs DeepSpeed Ulysses on gloo ranks;
-* ``bench_block.py``     the block kernel vs torch's attention on one device;
-* ``bench_numerics.py``  error vs float64 as the ring grows;
-* ``report.py``          tables and Markdown of the above.
+Bytes and times of one attention call are the core's (``attention/traffic.py``,
+``attention/auto_comm.py``), so the planner, ``comm="auto"`` and the benchmarks count alike.
 """

@@ -52,6 +52,9 @@ worse: a stopped process ignores SIGTERM, so the launcher waits on it for ever. 
   written). Whichever thread gets there first (monitor, main thread after a failed collective,
   SIGTERM) speaks; the others stay silent.
 
+Before :meth:`PeerMonitor.attach` (no store yet) the thread watches this host's peers through
+``/proc`` instead: Note [Lost ranks at start-up] in :mod:`megatron_ring.runtime.startup`.
+
 A rank that finishes marks itself done first, so a peer that exits normally is never reported.
 The result file is written only by rank 0 after every rank is done, atomically
 (:func:`megatron_ring.runtime.reporting.write_json_atomic`): there is no half-written result.
@@ -66,6 +69,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from megatron_ring.runtime.startup import StartupWatch
 
 EXIT_PEER_LOST = 3
 """Exit status of a rank that stopped because a peer was lost."""
@@ -134,6 +139,7 @@ class PeerMonitor:
         self._returned = 0
         self._store_silent_s = 0.0  # observed time the pending calls have waited with no answer
         self._guard: threading.Thread | None = None
+        self._startup = StartupWatch(timeout_s=timeout_s, max_gap_s=self._max_gap_s)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -203,7 +209,10 @@ class PeerMonitor:
             ready, _, _ = select.select([self._wake_r], [], [], self.interval_s)
             if ready and signal.SIGTERM in os.read(self._wake_r, 64):
                 self._exit_terminated()
-            if self._stop.is_set() or not self._attached.is_set():
+            if self._stop.is_set():
+                continue
+            if not self._attached.is_set():
+                self._watch_startup()
                 continue
             beat += 1
             try:
@@ -213,6 +222,14 @@ class PeerMonitor:
             self._check_peers()
             if self._lost:
                 self._exit_lost()
+
+    def _watch_startup(self) -> None:
+        """Before attach: a same-host peer gone or stopped ends this rank (Note [Lost ranks at start-up])."""
+        finding = self._startup.check()
+        if finding and not self._attached.is_set():
+            self.rank = self._startup.rank
+            self._lost = self._lost or finding
+            self._exit_lost()
 
     def _check_peers(self) -> None:
         """Find a lost peer: processes gone on this host first (exact), then silent heartbeats."""

@@ -2,7 +2,8 @@
 
 * :mod:`~megatron_ring.training.schema` — the ``megatron_ring`` section of a DeepSpeed training JSON;
 * :mod:`~megatron_ring.training.data` — byte-level tokens of local text, packed, DP split, zigzag CP shards;
-* :mod:`~megatron_ring.training.loop` — the loop, metrics, checkpoints and resume; ``train_main``
+* :mod:`~megatron_ring.training.checkpoint` — complete markers, checksums, the recorded layout, write errors;
+* :mod:`~megatron_ring.training.loop` — the loop, metrics, resume and the non-finite-loss stop; ``train_main``
   is what ``launch/train.py`` runs.
 
 Importing this package needs pydantic and torch only; DeepSpeed and megatron-core are imported

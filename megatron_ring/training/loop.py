@@ -24,18 +24,18 @@ micro-batch's loss by the gradient accumulation steps. So each micro-batch backp
 first forward. The gradient is then exactly that of ``L`` whatever the layout, which is what makes
 cp = 2 (or tp = 2 x cp = 2) train to the same weights as cp = 1 on the same global batch.
 
-Note [Complete checkpoints]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``engine.save_checkpoint`` writes each rank's files into ``<dir>/<tag>/`` and ends with a
-barrier. Only after that barrier does rank 0 write ``<tag>/complete.json`` (atomically) and then
-DeepSpeed's ``latest`` file (atomically). Resume takes the highest step whose marker exists, so a
-save interrupted by a lost rank (some files written, no marker) is never taken for the latest.
+Checkpoints, their checksums and the resume checks: Note [Complete checkpoints] in
+:mod:`megatron_ring.training.checkpoint`. A step whose global loss is not finite stops every rank
+(:class:`~megatron_ring.training.checkpoint.TrainingStopped`, exit status :data:`EXIT_STOPPED`)
+before it is logged or saved, unless ``stop_on_nonfinite_loss`` is false; even then such a step is
+never saved as a complete checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -51,13 +51,15 @@ from megatron_ring.config import ConfigError
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
 from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
 from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
+                                                load_checkpoint, read_marker, save_checkpoint, verify_checkpoint)
 from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files
 from megatron_ring.training.schema import SECTION, TrainSpec, load_train_spec
 
 EXIT_CONFIG = 2
 """Exit status of every rank when the config is invalid (nothing was started)."""
-COMPLETE = "complete.json"
-"""Marker file of a checkpoint every rank finished writing (see Note [Complete checkpoints])."""
+EXIT_STOPPED = 4
+"""Exit status of every rank when training stopped on an unusable checkpoint or a non-finite loss."""
 
 
 # --- process groups, model, engine -------------------------------------------------------------
@@ -140,51 +142,6 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
     return [int(v) for v in every]
 
 
-# --- checkpoints -------------------------------------------------------------------------------
-
-def checkpoint_tag(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def latest_checkpoint(ckpt_dir: str | Path) -> Optional[str]:
-    """Tag of the highest-step checkpoint in ``ckpt_dir`` with a :data:`COMPLETE` marker, or None."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return None
-    tags = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step") and (p / COMPLETE).is_file()]
-    return max(tags, key=lambda t: int(t[4:]), default=None)
-
-
-def save_checkpoint(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any]) -> str:
-    """Save step ``step`` on every rank; mark it complete only when all ranks are done."""
-    from megatron_ring.runtime.reporting import write_json_atomic
-
-    tag = checkpoint_tag(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    if dist.get_rank() == 0:  # save_checkpoint ended with a barrier: every rank's files exist
-        write_json_atomic(ckpt_dir / tag / COMPLETE, {"tag": tag, **client_state})
-        tmp = ckpt_dir / ".latest.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, ckpt_dir / "latest")
-    dist.barrier()
-    return tag
-
-
-def check_resume(client: dict[str, Any], data: TrainData, spec: TrainSpec, where: Path) -> None:
-    """ConfigError unless the checkpoint's data position means the same samples in this run."""
-    if client.get("consumed_samples") != client["step"] * spec.global_batch:
-        raise ConfigError(
-            f"checkpoint {str(where)!r} consumed {client.get('consumed_samples')} samples in {client['step']} steps, "
-            f"but train_batch_size = {spec.global_batch} now; resume needs the same global batch"
-        )
-    if client.get("data") != data.fingerprint():
-        raise ConfigError(
-            f"checkpoint {str(where)!r} was trained on data {client.get('data')} but {SECTION}.data now gives "
-            f"{data.fingerprint()}; resume needs the same corpus, seq_len and data.seed "
-            "(or a new checkpoint.dir)"
-        )
-
-
 # --- the run -----------------------------------------------------------------------------------
 
 @dataclass
@@ -235,7 +192,10 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
     start = 0
     if ckpt_dir is not None and ck.resume and (tag := latest_checkpoint(ckpt_dir)) is not None:
-        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        marker = read_marker(ckpt_dir / tag)
+        check_layout(marker, spec.layout.sizes(), ckpt_dir / tag)
+        verify_checkpoint(marker, ckpt_dir / tag)
+        client = load_checkpoint(engine, ckpt_dir, tag)
         start = int(client["step"])
         check_resume(client, data, spec, ckpt_dir / tag)
     run = TrainRun(engine=engine, start_step=start)
@@ -249,6 +209,9 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
             t0 = time.perf_counter()
             loss = train_step(engine, data.step_batches(step), groups, device)
             seconds = time.perf_counter() - t0
+            finite = math.isfinite(loss)
+            if not finite and spec.train.stop_on_nonfinite_loss:
+                raise TrainingStopped(nonfinite_message(loss, step + 1, ckpt_dir))
             record = {
                 "step": step + 1, "loss": loss, "lr": float(engine.get_lr()[0]),
                 "tokens": data.tokens_per_step(), "step_s": seconds,
@@ -259,7 +222,10 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
             run.records.append(record)
             log.step(record)
             last = step + 1 == spec.train.steps
-            if ckpt_dir is not None and (last or (ck.save_interval and (step + 1) % ck.save_interval == 0)):
+            due = last or (ck.save_interval and (step + 1) % ck.save_interval == 0)
+            if ckpt_dir is not None and due and not finite:
+                log.write({"event": "checkpoint_skipped", "step": step + 1, "reason": f"loss is {loss}"})
+            elif ckpt_dir is not None and due:
                 state = {"step": step + 1, "consumed_samples": (step + 1) * spec.global_batch,
                          "layout": spec.layout.sizes(), "data": data.fingerprint()}
                 tag = save_checkpoint(engine, ckpt_dir, step + 1, state)
@@ -267,6 +233,15 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     finally:
         log.close()
     return run
+
+
+def nonfinite_message(loss: float, step: int, ckpt_dir: Optional[Path]) -> str:
+    """Why training stopped at ``step``: the loss, the checkpoint resume would take, the switch."""
+    latest = latest_checkpoint(ckpt_dir) if ckpt_dir is not None else None
+    kept = f"the latest complete checkpoint stays {str(ckpt_dir / latest)!r}" if latest else "no checkpoint was saved"
+    return (f"step {step}: the global loss is {loss}; training stopped before saving this step ({kept}). "
+            f"Look for a corrupted checkpoint or too high a learning rate; {SECTION}.stop_on_nonfinite_loss = false "
+            "trains on (such steps are never saved)")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -303,6 +278,10 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         monitor.done()
         print(f"[megatron_ring] rank {env['rank']}: config error:\n{err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    except TrainingStopped as err:  # every rank reaches the same verdict (gathered or all-reduced)
+        monitor.done()
+        print(f"[megatron_ring] rank {env['rank']}: training stopped: {err}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     except Exception:
         monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
         raise

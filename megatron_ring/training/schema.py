@@ -26,7 +26,8 @@ keys (did-you-mean against DeepSpeed's own key names), the layout against the la
 size, ``seq_len`` against ``2 * cp`` (zigzag), ``train_batch_size =
 train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, the model YAML with the
 layout and sequence length written into it (heads divisible by tp, ...), its dtype against
-DeepSpeed's, the data paths, the checkpoint directory and the log file (written to and removed),
+DeepSpeed's, the data paths and the corpus length (one sample of ``seq_len + 1`` tokens at least),
+attention dropout (0 with RingAttention), the checkpoint directory and the log file (written to and removed),
 and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
 model is built (optimizer type and params, ZeRO stage 3:
 :func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`). Each error names
@@ -43,7 +44,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from megatron_ring.config import ConfigError, Problems, StrictModel, check_writable, load_mapping
+from megatron_ring.config import ConfigError, Problems, StrictModel, TimeoutSeconds, check_writable, load_mapping
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
@@ -123,9 +124,11 @@ class TrainSection(StrictModel):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     log: LogSection = Field(default_factory=LogSection)
     seed: int = 1234
-    collective_timeout_s: float = Field(300.0, gt=0)
-    peer_timeout_s: float = Field(120.0, gt=0, description="a peer whose heartbeat stops this long is declared lost "
-                                  "(a dead process on this host is seen at once)")
+    stop_on_nonfinite_loss: bool = Field(True, description="stop every rank (exit 4) at a NaN or infinite step "
+                                         "loss; false trains on, never saving such a step as a checkpoint")
+    collective_timeout_s: TimeoutSeconds = Field(300.0, description="timeout of every collective")
+    peer_timeout_s: TimeoutSeconds = Field(120.0, description="a peer whose heartbeat stops this long is declared "
+                                           "lost (a dead process on this host is seen at once)")
 
 
 @dataclass(frozen=True)
@@ -251,13 +254,20 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     if train.data.kind == "text":
         if not train.data.paths:
             problems.add(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
-        for i, entry in enumerate(train.data.paths):
-            if not _resolve(entry, base_dir, must_exist=True).exists():
-                problems.add(f"{SECTION}.data.paths[{i}] = {entry!r} does not exist "
-                             f"(relative paths start at {str(base_dir)!r})")
+        missing = [i for i, entry in enumerate(train.data.paths)
+                   if not _resolve(entry, base_dir, must_exist=True).exists()]
+        for i in missing:
+            problems.add(f"{SECTION}.data.paths[{i}] = {train.data.paths[i]!r} does not exist "
+                         f"(relative paths start at {str(base_dir)!r})")
         if model is not None and model.model.vocab_size < 128:
             problems.add(f"model.vocab_size = {model.model.vocab_size} in {train.model!r}: the byte-level "
                          "tokenizer of data.kind = 'text' needs at least 128 ids (ASCII + end of document)")
+        if train.data.paths and not missing:
+            problems.run(check_corpus_length, train, base_dir)
+    if model is not None and model.attention != "local" and model.model.attention_dropout > 0:
+        problems.add(f"model.attention_dropout = {model.model.attention_dropout} in {train.model!r}: "
+                     f"attention = {model.attention!r} (RingAttention) trains without attention dropout; "
+                     "allowed: 0.0 (or attention: local at cp = 1)")
     if train.checkpoint.dir is not None:
         problems.run(check_writable, _resolve(train.checkpoint.dir, base_dir, must_exist=False),
                      field=f"{SECTION}.checkpoint.dir", value=train.checkpoint.dir, directory=True)
@@ -267,6 +277,23 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
                      global_batch=glob, base_dir=base_dir)
+
+
+def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
+    """ConfigError unless the text corpus holds one sample, ``seq_len + 1`` tokens (its byte count
+    plus one end-of-document token per file, from the files' sizes: nothing is read)."""
+    from megatron_ring.training.data import corpus_files
+
+    d = train.data
+    try:
+        files = corpus_files([_resolve(p, base_dir, must_exist=True) for p in d.paths], d.suffixes)
+    except ValueError as err:
+        raise ConfigError(f"{SECTION}.data.paths: {err}") from None
+    tokens = sum(f.stat().st_size + 1 for f in files)
+    if tokens < train.seq_len + 1:
+        raise ConfigError(f"{SECTION}.data.paths = {d.paths} hold {tokens} tokens ({len(files)} files), fewer than "
+                          f"{SECTION}.seq_len + 1 = {train.seq_len + 1}, one training sample; "
+                          "add text or lower seq_len")
 
 
 def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> GPTConfig:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring import ParallelLayout, init_parallel, ring_attention, shard_sequence
-from megatron_ring.attention.alltoall import a2a_bytes
+from megatron_ring.attention.traffic import a2a_bytes
 from megatron_ring.attention.transport import ring_stats
 
 

@@ -71,7 +71,7 @@ def test_cp_groups_serve_every_comm(gloo_pool, comm):
                                                      ("a2a+p2p", 2, 1), ("a2a+p2p", 1, 2)])
 def test_collectives_and_bytes(gloo_pool, comm, a2a_size, heads_kv):
     """One all-to-all each way per pass under zigzag (q, k, v packed; dq, dk, dv packed); the ring of a2a+p2p
-    rotates R - 1 times; bytes sent equal alltoall.a2a_bytes."""
+    rotates R - 1 times; bytes sent equal traffic.a2a_bytes."""
     for result in gloo_pool(4).run(a2a_workers.collectives_and_bytes, comm, a2a_size, 4, heads_kv, True):
         ring = 4 // a2a_size
         a2a_calls = 2 if a2a_size > 1 else 0

@@ -1,9 +1,9 @@
-"""``python -m megatron_ring.perf.bench_gather`` on 2 gloo ranks: plumbing and JSON, never the timings."""
+"""``python -m megatron_ring.perf.bench.gather`` on 2 gloo ranks: plumbing and JSON, never the timings."""
 import json
 
 import pytest
 
-from megatron_ring.perf.bench_gather import TRANSPORTS, main
+from megatron_ring.perf.bench.gather import TRANSPORTS, main
 
 
 def test_bench_gather_writes_every_transport(tmp_path, capsys):

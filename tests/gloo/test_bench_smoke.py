@@ -11,12 +11,14 @@ from typing import Any
 
 import pytest
 
-from megatron_ring.perf.bench_attention import (
-    bench_attention_main, machine_description, run_sweep, ulysses_available, write_outputs,
-)
-from megatron_ring.perf.bench_numerics import bench_numerics_main, run_numerics
-from megatron_ring.perf.plan_cli import plan_main
-from megatron_ring.perf.report import markdown_table, numerics_rows
+from megatron_ring.attention.comms import COMMS
+from megatron_ring.perf.bench.attention import bench_attention_main, run_attention_bench, write_attention_bench
+from megatron_ring.perf.bench.attention_report import comm_bytes
+from megatron_ring.perf.bench.attention_worker import ulysses_available
+from megatron_ring.perf.bench.harness import machine_description
+from megatron_ring.perf.bench.numerics import bench_numerics_main, numerics_rows, run_numerics
+from megatron_ring.perf.planner.plan_cli import plan_main
+from megatron_ring.perf.report import markdown_table
 
 
 def _quiet(*_: Any) -> None:
@@ -24,31 +26,30 @@ def _quiet(*_: Any) -> None:
 
 
 def test_bench_attention_runs_the_all_to_all_comms(tmp_path: Path, gloo_pool: Any) -> None:
-    points = run_sweep(lengths=[32], ranks=[4], impls=["ring_p2p", "a2a", "a2a+p2p", "ulysses"], modes=["fwd_bwd"],
-                       causals=[True], batch=1, heads=4, heads_kv=2, head_dim=8, dtype="fp32", repeats=1, warmup=1,
-                       backend="auto", progress=_quiet, pools=lambda size, threads: gloo_pool(size),
-                       own_sessions=False, a2a_size=2, a2a_contiguous=True)
+    points = run_attention_bench(lengths=[32], ranks=[4], impls=["ring_p2p", "a2a", "a2a+p2p", "ulysses"],
+                                 modes=["fwd_bwd"], causals=[True], batch=1, heads=4, heads_kv=2, head_dim=8,
+                                 dtype="fp32", repeats=1, warmup=1, backend="auto", progress=_quiet,
+                                 pools=lambda size, threads: gloo_pool(size), own_sessions=False, a2a_size=2,
+                                 a2a_contiguous=True)
     assert {(p["impl"], p["variant"]) for p in points} == {  # ulysses: heads_kv 2 % P 4
         ("ring_p2p", ""), ("a2a", ""), ("a2a", "contiguous"), ("a2a+p2p", "")}
-    data = write_outputs(points, machine_description(), out=tmp_path / "b.json", argv=None, plots=None)
+    data = write_attention_bench(points, machine_description(), out=tmp_path / "b.json", argv=None, plots=None)
     table = {(r["comm"], r["P"]) for r in data["bytes_per_rank_per_layer"]}
-    assert table == {(c, "4") for c in ("p2p", "all_gather", "a2a", "a2a+p2p", "ulysses")}
+    assert table == {(c, "4") for c in (*COMMS, "ulysses")}
     measured = {p["impl"]: p["bytes_sent"] for p in points if not p["variant"]}
     assert [p["bytes_sent"] for p in points if p["variant"]] == [measured["a2a"]]
-    from megatron_ring.perf.bench_attention import comm_bytes
-
     formula = comm_bytes(L=32, P=4, batch=1, heads=4, heads_kv=2, head_dim=8, dtype="fp32", a2a_size=2)
     for impl, comm in (("ring_p2p", "p2p"), ("a2a", "a2a"), ("a2a+p2p", "a2a+p2p")):
         assert measured[impl] == pytest.approx(formula[comm]["fwd_bwd"]), impl
 
 
 def test_bench_attention_smoke(tmp_path: Path, gloo_pool: Any) -> None:
-    points = run_sweep(lengths=[32], ranks=[2], impls=["single", "ring_p2p", "all_gather", "ulysses"],
-                       modes=["fwd", "fwd_bwd"], causals=[True], batch=1, heads=2, heads_kv=2, head_dim=8,
-                       dtype="fp32", repeats=1, warmup=0, backend="auto", progress=_quiet,
-                       pools=lambda size, threads: gloo_pool(size), own_sessions=False)
+    points = run_attention_bench(lengths=[32], ranks=[2], impls=["single", "ring_p2p", "all_gather", "ulysses"],
+                                 modes=["fwd", "fwd_bwd"], causals=[True], batch=1, heads=2, heads_kv=2, head_dim=8,
+                                 dtype="fp32", repeats=1, warmup=0, backend="auto", progress=_quiet,
+                                 pools=lambda size, threads: gloo_pool(size), own_sessions=False)
     out = tmp_path / "bench.json"
-    data = write_outputs(points, machine_description(), out=out, argv=None, plots=tmp_path / "p")
+    data = write_attention_bench(points, machine_description(), out=out, argv=None, plots=tmp_path / "p")
     assert json.loads(out.read_text())["points"] == data["points"]
     assert data["machine"]["cores"] >= 1
     expected = {"single", "ring_p2p", "all_gather"} | ({"ulysses"} if ulysses_available() else set())

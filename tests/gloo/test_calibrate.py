@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from megatron_ring.cli import main
-from megatron_ring.perf.cost_model import Planner
-from megatron_ring.perf.hardware import HardwareProfile
-from megatron_ring.perf.plan_cli import load_plan_input
+from megatron_ring.perf.planner.cost_model import Planner
+from megatron_ring.perf.planner.hardware import HardwareProfile
+from megatron_ring.perf.planner.plan_cli import load_plan_input
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ import pytest
 from tests.gloo import workers
 
 TIMEOUT_S = 60
-RING_NAMES = dict(seq="seq_local", masked="key_padding_mask")
+RING_NAMES = dict(seq="seq_local", masked="key_padding_mask", requires_grad="gradients")
 DECODE_NAMES = dict(masked="key_padding_mask")
 
 
@@ -14,6 +14,8 @@ def _shown(field, value):
     """How the error message shows ``value`` of ``field``."""
     if field == "masked":
         return "a mask" if value else "None"
+    if field == "requires_grad":
+        return "needed" if value else "not needed"
     if field in ("sharding", "comm"):
         return repr(value)
     if field == "softmax_scale" and value is None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_ring.attention.auto_comm import DEFAULT_COSTS
-from megatron_ring.perf.dilated_cost import predict_dilated_point
+from megatron_ring.perf.planner.dilated_cost import predict_dilated_point
 from tests.gloo import dilated_workers as workers
 
 TOL = {str(torch.float32): 1e-5, str(torch.bfloat16): 2e-2}
@@ -60,7 +60,7 @@ def test_dilated_sends_less_than_the_ring(gloo_pool):
     point = dict(P=4, L=256, batch=1, heads=8, heads_kv=8, head_dim=8, dtype="fp32", mode="fwd_bwd", causal=True,
                  dilation=pairs)
     for impl, measured in (("ring_p2p", dilated), ("all_gather", gathered)):  # the cost model counts the same bytes
-        predicted = predict_dilated_point(point | {"impl": impl}, DEFAULT_COSTS["cpu"], 2.5)["bytes_sent_max"]
+        predicted = predict_dilated_point(point | {"impl": impl}, DEFAULT_COSTS["cpu"])["bytes_sent_max"]
         assert predicted == max(b for _, b in measured), (impl, predicted, measured)
 
 

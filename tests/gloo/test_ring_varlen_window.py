@@ -136,19 +136,20 @@ def test_bad_window_and_cu_seqlens(gloo_pool, kind):
 
 def test_bench_attention_window_and_docs_variants(gloo_pool):
     """``bench attention --window --docs``: every variant runs, and the window sends fewer bytes."""
-    from megatron_ring.perf.bench_attention import run_sweep
+    from megatron_ring.perf.bench.attention import run_attention_bench
 
-    points = run_sweep(lengths=[64], ranks=[2], impls=["single", "ring_p2p"], modes=["fwd_bwd"], causals=[True],
-                       batch=1, heads=2, heads_kv=1, head_dim=8, dtype="fp32", repeats=1, warmup=0, backend="auto",
-                       progress=lambda *_: None, pools=lambda size, threads: gloo_pool(size), own_sessions=False,
-                       window="L/8", docs=4)
+    points = run_attention_bench(lengths=[64], ranks=[2], impls=["single", "ring_p2p"], modes=["fwd_bwd"],
+                                 causals=[True], batch=1, heads=2, heads_kv=1, head_dim=8, dtype="fp32", repeats=1,
+                                 warmup=0, backend="auto", progress=lambda *_: None,
+                                 pools=lambda size, threads: gloo_pool(size), own_sessions=False, window="L/8", docs=4)
     ring = {p["variant"]: p for p in points if p["impl"] == "ring_p2p"}
     assert set(ring) == {"", "window=8", "packed 4 docs", "4 docs one by one"}
     assert ring["window=8"]["bytes_sent_max"] < ring[""]["bytes_sent_max"]
     assert {p["variant"] for p in points if p["impl"] == "single"} == set(ring)
     with pytest.raises(ValueError, match="--window must be a positive number of tokens or 'L/k'"):
-        run_sweep(lengths=[64], ranks=[2], impls=["ring_p2p"], modes=["fwd"], causals=[True], batch=1, heads=2,
-                  heads_kv=1, head_dim=8, dtype="fp32", repeats=1, warmup=0, backend="auto", window="L/0")
+        run_attention_bench(lengths=[64], ranks=[2], impls=["ring_p2p"], modes=["fwd"], causals=[True], batch=1,
+                            heads=2, heads_kv=1, head_dim=8, dtype="fp32", repeats=1, warmup=0, backend="auto",
+                            window="L/0")
     with pytest.raises(ValueError, match="--docs 3"):
-        run_sweep(lengths=[64], ranks=[2], impls=["ring_p2p"], modes=["fwd"], causals=[True], batch=1, heads=2,
-                  heads_kv=1, head_dim=8, dtype="fp32", repeats=1, warmup=0, backend="auto", docs=3)
+        run_attention_bench(lengths=[64], ranks=[2], impls=["ring_p2p"], modes=["fwd"], causals=[True], batch=1,
+                            heads=2, heads_kv=1, head_dim=8, dtype="fp32", repeats=1, warmup=0, backend="auto", docs=3)

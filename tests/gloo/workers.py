@@ -183,10 +183,10 @@ def odd_local_length_error():
 # --- Cross-rank handshake (Note [Cross-rank handshake]) and zero-size inputs ---------------------
 
 RING_DEFAULTS = dict(batch=1, seq=4, heads_q=4, heads_kv=2, head_dim=8, dtype=torch.float32, causal=False,
-                     sharding="zigzag", comm="p2p", softmax_scale=None, masked=False)
+                     sharding="zigzag", comm="p2p", softmax_scale=None, masked=False, requires_grad=False)
 """A consistent ring_attention call; :func:`mismatched_call` changes one field on some ranks."""
 RING_CHANGES = dict(seq=8, batch=2, heads_q=8, heads_kv=1, head_dim=4, dtype=torch.bfloat16, causal=True,
-                    sharding="contiguous", comm="all_gather", softmax_scale=0.5, masked=True)
+                    sharding="contiguous", comm="all_gather", softmax_scale=0.5, masked=True, requires_grad=True)
 DECODE_DEFAULTS = dict(batch=1, q_len=1, heads_q=4, heads_kv=2, head_dim=8, dtype=torch.float32,
                        softmax_scale=None, masked=False)
 DECODE_CHANGES = dict(batch=2, q_len=2, heads_q=8, heads_kv=1, head_dim=4, dtype=torch.bfloat16,
@@ -198,6 +198,7 @@ def _call_ring(a, group=None, check=True):
     q = torch.randn(a["batch"], a["seq"], a["heads_q"], a["head_dim"], generator=gen).to(a["dtype"])
     k = torch.randn(a["batch"], a["seq"], a["heads_kv"], a["head_dim"], generator=gen).to(a["dtype"])
     mask = torch.ones(a["batch"], a["seq"], dtype=torch.bool) if a["masked"] else None
+    q.requires_grad_(a["requires_grad"])
     return ring_attention(q, k, k, group, causal=a["causal"], sharding=a["sharding"], comm=a["comm"],
                           softmax_scale=a["softmax_scale"], key_padding_mask=mask, backend="math",
                           check_consistency=check)

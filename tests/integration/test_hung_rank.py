@@ -69,7 +69,7 @@ def launcher_command(launcher: str, nprocs: int, script: str, config: Path) -> l
 
 
 def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int, running: Callable[[str], bool],
-                      launcher: str = "deepspeed") -> tuple[int, float, int, str]:
+                      launcher: str = "deepspeed", bound_s: float = BOUND_S) -> tuple[int, float, int, str]:
     """Launch ``script`` on ``nprocs`` local processes, SIGSTOP rank ``victim`` once ``running(output)``.
 
     Returns (launcher exit status, seconds from the stop to the launcher's return, victim pid,
@@ -90,12 +90,13 @@ def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int, runni
             assert proc.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the run never got going"
             time.sleep(0.2)
-        victim_pid = rank_pid(proc.pid, script, victim)
-        assert victim_pid
+        while (victim_pid := rank_pid(proc.pid, script, victim)) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "rank {victim} never started"
+            time.sleep(0.05)
         os.kill(victim_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            code = proc.wait(timeout=BOUND_S)
+            code = proc.wait(timeout=bound_s)
         except subprocess.TimeoutExpired:
             code = None
         elapsed = time.monotonic() - stopped_at
@@ -113,7 +114,7 @@ def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int, runni
         proc.wait(timeout=30)
         reader.join(timeout=5)
     out = b"".join(chunks).decode(errors="replace")
-    assert code is not None, f"the launcher had not returned {BOUND_S:.0f} s after the stop:\n{out[-3000:]}"
+    assert code is not None, f"the launcher had not returned {bound_s:.0f} s after the stop:\n{out[-3000:]}"
     print(f"{script}: the launcher returned {code} {elapsed:.1f} s after rank {victim} was stopped",
           *[ln for ln in out.splitlines() if "[megatron_ring] rank" in ln], sep="\n")
     return code, elapsed, victim_pid, out
@@ -175,7 +176,7 @@ def test_stopped_rank_stops_inference(tmp_path: Path, launcher: str, victim: int
 def test_stopped_rank_stops_training(tmp_path: Path, victim: int) -> None:
     """SIGSTOP rank ``victim`` of cp = 2 mid-training: the launcher returns non-zero within peer_timeout_s + 15 s
     and the latest checkpoint, if any, is a complete one."""
-    from megatron_ring.training.loop import COMPLETE, latest_checkpoint
+    from megatron_ring.training.checkpoint import COMPLETE, latest_checkpoint
 
     cfg = {
         "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
@@ -203,3 +204,29 @@ def test_stopped_rank_stops_training(tmp_path: Path, victim: int) -> None:
     tag = latest_checkpoint(tmp_path / "ckpt")
     assert tag is not None
     assert json.loads((tmp_path / "ckpt" / tag / COMPLETE).read_text())["step"] == int(tag[4:])
+
+
+@needs_deepspeed
+@needs_megatron
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0_store_host"])
+def test_rank_stopped_at_start_up_stops_the_job(tmp_path: Path, victim: int) -> None:
+    """SIGSTOP rank ``victim`` of 2 as soon as it exists, before any store (Note [Lost ranks at start-up]):
+    the other rank, waiting in the rendezvous, names it and kills it within peer_timeout_s of its own
+    monitor starting (after its imports and config check), not after collective_timeout_s (300 s)."""
+    cfg = {
+        "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
+        "megatron_ring": {"model": str(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml"), "layout": {"cp": 2},
+                          "seq_len": 64, "steps": 2, "peer_timeout_s": PEER_TIMEOUT_S,
+                          "data": {"kind": "text", "paths": [str(ROOT / "docs")]}, "log": {"progress": False}},
+    }
+    config = tmp_path / "startup.json"
+    config.write_text(json.dumps(cfg))
+    code, elapsed, victim_pid, out = stop_rank_mid_run("train.py", config, 2, victim, lambda _: True,
+                                                       bound_s=BOUND_S + 60)
+    assert code != 0, out[-3000:]
+    lines = [ln for ln in out.splitlines() if f"[megatron_ring] rank {1 - victim}:" in ln]
+    assert len(lines) == 1 and f"lost rank {victim} (stopped during start-up, before the peer monitor attached" \
+        in lines[0] and f"killed pid {victim_pid})" in lines[0], out[-3000:]

@@ -62,6 +62,11 @@ def test_local_and_ring_tiny_configs_differ_only_in_attention_and_cp() -> None:
     ({"parallel.cp_comm_type": "a2a", "parallel.cp": 8, "model.seq_length": 64},
      ["'a2a' needs the query heads per TP rank", "= 4) divisible by its all-to-all group (8)"]),
     ({"parallel.cp_a2a": 3}, ["parallel.cp_a2a = 3 does not divide parallel.cp = 1"]),
+    ({"attention": "ring", "parallel.cp": 2, "parallel.cp_comm_type": "a2a", "model.window_size": [8, 0]},
+     ["model.window_size = [8, 0]", "parallel.cp_comm_type 'a2a'", "allowed with a window: 'p2p', 'all_gather'"]),
+    ({"attention": "ring", "parallel.cp": 2, "parallel.cp_comm_type": ["a2a", "p2p"], "model.window_size": [8, 0],
+      "model.window_attn_skip_freq": 2}, ["model.window_size = [8, 0]", "'a2a'"]),
+    ({"model.hidden_dropout": float("nan")}, ["model.hidden_dropout = nan", "finite number"]),
     ({"model.position_embedding": "alibi"}, ["model.position_embedding", "'alibi'", "'rope'"]),
     ({"model.num_attention_head": 4}, ["unknown key 'model.num_attention_head'", "did you mean 'num_attention_heads'"]),
     ({"paralel": {"tp": 2}}, ["unknown key 'paralel'", "did you mean 'parallel'"]),
@@ -97,3 +102,9 @@ def test_load_reports_missing_file(tmp_path: Path) -> None:
 def test_an_int_for_a_float_field_is_fine() -> None:
     cfg = GPTConfig.parse(_with(**{"model.hidden_dropout": 0, "model.attention_dropout": 0}))
     assert cfg.model.hidden_dropout == 0.0 and isinstance(cfg.model.hidden_dropout, float)
+
+
+def test_window_with_a2a_only_on_full_attention_layers_is_fine() -> None:
+    cfg = GPTConfig.parse(_with(**{"attention": "ring", "parallel.cp": 2, "parallel.cp_comm_type": ["p2p", "a2a"],
+                                   "model.window_size": [8, 0], "model.window_attn_skip_freq": 2}))
+    assert cfg.parallel.comm_types(2) == ["p2p", "a2a"]

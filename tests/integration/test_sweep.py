@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ring.perf.sweep import load_sweep, run_sweep, sweep_main
+from megatron_ring.perf.sweep.cli import sweep_main
+from megatron_ring.perf.sweep.run import run_sweep
+from megatron_ring.perf.sweep.schema import load_sweep
 from megatron_ring.runtime.reporting import write_json_atomic
 
 pytestmark = pytest.mark.integration

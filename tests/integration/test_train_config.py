@@ -14,11 +14,12 @@ import torch
 pytest.importorskip("pydantic")
 
 from megatron_ring.attention.sharding import unshard_sequence  # noqa: E402
-from megatron_ring.config import ConfigError  # noqa: E402
+from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.parallel.groups import ParallelGroups  # noqa: E402
 from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_ring.training.data import ByteTokenizer, PackedSequences, TrainData  # noqa: E402
-from megatron_ring.training.loop import COMPLETE, EXIT_CONFIG, check_resume, latest_checkpoint, train_main  # noqa: E402
+from megatron_ring.training.checkpoint import COMPLETE, check_resume, latest_checkpoint  # noqa: E402
+from megatron_ring.training.loop import EXIT_CONFIG, train_main  # noqa: E402
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU  # noqa: E402
 from megatron_ring.training.schema import load_train_spec, parse_train_spec  # noqa: E402
 
@@ -95,6 +96,11 @@ BAD = {
                           ["optimizer.type = 'muadam'", "not installed", "mup"]),
     "ZeRO stage 3": ("zero_optimization.stage", 3, ["zero_optimization.stage = 3", "allowed [0, 1, 2]", "ZeRO-3"]),
     "ZeRO key": ("zero_optimization.stagee", 1, ["stagee"]),
+    "infinite timeout": ("megatron_ring.collective_timeout_s", float("inf"),
+                         ["megatron_ring.collective_timeout_s = inf", "finite number"]),
+    "huge timeout": ("megatron_ring.collective_timeout_s", 1e300,
+                     ["megatron_ring.collective_timeout_s = 1e+300", "less than or equal to 604800"]),
+    "NaN peer timeout": ("megatron_ring.peer_timeout_s", float("nan"), ["megatron_ring.peer_timeout_s = nan"]),
 }
 
 
@@ -240,3 +246,34 @@ def test_malformed_files_exit_2_naming_file_and_line(tmp_path: Path, monkeypatch
     err = capsys.readouterr().err
     assert "model.yaml" in err and "is not valid YAML" in err and "line " in err, err
     assert not torch.distributed.is_initialized()
+
+
+def test_infinity_in_the_file_exits_2_before_anything_starts(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    raw = good()
+    raw["megatron_ring"]["model"] = str(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml")
+    raw["megatron_ring"]["data"]["paths"] = [str(ROOT / "docs")]
+    path = tmp_path / "inf.json"
+    path.write_text(json.dumps(raw).replace('"seq_len"', '"collective_timeout_s": Infinity, "seq_len"'))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert train_main(["--deepspeed_config", str(path)]) == EXIT_CONFIG
+    assert "megatron_ring.collective_timeout_s = inf" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+
+
+def test_corpus_shorter_than_one_sample_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "tiny.txt").write_text("x" * 100)  # 101 tokens with the end of document
+    raw = _change(good(), "megatron_ring.data.paths", [str(tmp_path / "tiny.txt")])
+    with pytest.raises(ConfigError, match=r"hold 101 tokens \(1 files\), fewer than megatron_ring.seq_len \+ 1 = 129"):
+        parse(raw)
+    raw["megatron_ring"]["seq_len"] = 100
+    assert parse(raw).train.seq_len == 100
+
+
+def test_attention_dropout_is_a_config_error(tmp_path: Path) -> None:
+    model = load_mapping(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml")
+    model["model"]["attention_dropout"] = 0.1
+    (tmp_path / "m.json").write_text(json.dumps(model))
+    raw = _change(good(), "megatron_ring.model", str(tmp_path / "m.json"))
+    with pytest.raises(ConfigError, match=r"model.attention_dropout = 0.1 .*allowed: 0.0"):
+        parse(raw)

@@ -1,7 +1,8 @@
 """Training under DeepSpeed on gloo: cp = 2 and tp = 2 x cp = 2 train exactly like cp = 1.
 
-Four CPU ranks train the same tiny GPT on the same global batch of real text (the repo's docs)
-for a few AdamW steps, for ZeRO stages 0, 1 and 2: cp = 1 (Megatron's own attention, dp = 4),
+Four CPU ranks train the same tiny GPT on the same global batch of real text
+for a few AdamW steps (text: the licence corpus under data/corpus, which does not change
+with the docs), for ZeRO stages 0, 1 and 2: cp = 1 (Megatron's own attention, dp = 4),
 ring attention at cp = 2 (dp = 2, two micro-batches accumulated) and tp = 2 x cp = 2 (dp = 1).
 Per-step losses and the final weights must agree to fp32 precision. A resume test checks that
 train k steps, save, restart, continue gives the uninterrupted run's losses and weights.
@@ -37,7 +38,7 @@ def config(layout: str, stage: int, **section: Any) -> dict[str, Any]:
     """A training config mapping for ``layout`` and ZeRO ``stage`` (fp32, constant-lr AdamW)."""
     model, attention, sizes, micro, accum = LAYOUTS[layout]
     ring = {"model": str(MODELS / model), "attention": attention, "layout": sizes, "seq_len": 64,
-            "steps": STEPS, "data": {"kind": "text", "paths": [str(ROOT / "docs")], "seed": 7},
+            "steps": STEPS, "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7},
             "log": {"progress": False}}
     ring.update(section)
     return {

@@ -1,6 +1,6 @@
 """launch/train.py under the real DeepSpeed launcher (4 CPU processes, gloo): a rank killed
 mid-training stops every other rank within 30 s naming it, and the last complete checkpoint stays
-the one resume would take (Note [Complete checkpoints] in megatron_ring/training/loop.py)."""
+the one resume would take (Note [Complete checkpoints] in megatron_ring/training/checkpoint.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -61,7 +61,7 @@ def test_killed_rank_stops_the_others_and_keeps_the_last_complete_checkpoint(tmp
     import psutil
     import torch
 
-    from megatron_ring.training.loop import COMPLETE, latest_checkpoint
+    from megatron_ring.training.checkpoint import COMPLETE, latest_checkpoint
 
     cmd = [str(DEEPSPEED), "--num_gpus", "4", "--master_port", str(free_port()), str(ROOT / "launch" / "train.py"),
            "--deepspeed_config", str(endless_config(tmp_path))]

@@ -101,3 +101,28 @@ def group_ranks(layout: dict[str, int]) -> dict[str, dict[str, list[int]]]:
         axes = ("tp", "pp", "cp", "dp", "dp_cp", "tp_cp", "mp")
         return {name: {axis: dist.get_process_group_ranks(getattr(pgs, axis)) for axis in axes}
                 for name, pgs in (("ours", ours), ("megatron", megatron))}
+
+
+def run_or_refuse(raw: dict[str, Any], base_dir: str, *, nan_at_call: Optional[int] = None) -> dict[str, Any]:
+    """:func:`run_config` without weights; a refusal becomes ``{"error": "Type: message"}``.
+
+    ``nan_at_call``: the loss of that (1-based) step of this run reads NaN (the step itself runs).
+    """
+    from megatron_ring.config import ConfigError
+    from megatron_ring.training import loop
+    from megatron_ring.training.checkpoint import TrainingStopped
+
+    real, calls = loop.train_step, [0]
+
+    def step(*args: Any, **kwargs: Any) -> float:
+        calls[0] += 1
+        loss = real(*args, **kwargs)
+        return float("nan") if calls[0] == nan_at_call else loss
+
+    loop.train_step = step
+    try:
+        return run_config(raw, base_dir, weights=False)
+    except (ConfigError, TrainingStopped) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        loop.train_step = real

@@ -1,10 +1,16 @@
 """The comm="auto" rule on the pure cost model (no torch.distributed)."""
 from __future__ import annotations
 
+import configparser
+import json
+from pathlib import Path
+
 import pytest
 
+from megatron_ring.attention import auto_comm
 from megatron_ring.attention.auto_comm import (
-    DEFAULT_COSTS, CommCosts, choose_comm, choose_comm_for_shapes, crossover_tokens, predict_times,
+    DEFAULT_COSTS, DEFAULT_PROFILES, CommCosts, choose_comm, choose_comm_for_shapes, crossover_tokens, predict_times,
+    profile_costs,
 )
 
 COSTS = CommCosts(flops_per_s=500e12, p2p_bytes_per_s=400e9, allgather_bytes_per_s=400e9,
@@ -61,11 +67,41 @@ def test_for_shapes_uses_device_defaults() -> None:
         choose_comm_for_shapes((4, 2, 8), (1, 4, 2, 8), 2, causal=True, element_size=4, device_type="cpu")
 
 
-def test_defaults_match_hardware_profiles() -> None:
-    from megatron_ring.perf.hardware import HardwareProfile
+def test_defaults_are_read_from_the_shipped_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEFAULT_COSTS and ``comm="auto"`` follow megatron_ring/profiles/*.json: other numbers there, other choices."""
+    shipped = dict(DEFAULT_COSTS)
+    edited = {}
+    for device, (name, dtype, ranks) in DEFAULT_PROFILES.items():
+        profile = json.loads((auto_comm.PROFILE_DIR / f"{name}.json").read_text())
+        profile.update(p2p_latency_s=0.0, collective_latency_s=0.0, link_efficiency=profile["link_efficiency"] / 2)
+        (tmp_path / f"{name}.json").write_text(json.dumps(profile))
+        edited[device] = profile_costs(profile, dtype, ranks=ranks)
+    monkeypatch.setattr(auto_comm, "PROFILE_DIR", tmp_path)
+    auto_comm.default_costs.cache_clear()
+    try:
+        for device in DEFAULT_PROFILES:
+            assert DEFAULT_COSTS[device] == edited[device] != shipped[device]
+        # without fixed costs the ring never loses (module Note); with the shipped ones all-gather wins here
+        assert choose_comm_for_shapes((1, 4, 2, 8), (1, 4, 2, 8), 8, causal=True, element_size=4,
+                                      device_type="cpu") == "p2p"
+    finally:
+        auto_comm.default_costs.cache_clear()
 
-    assert DEFAULT_COSTS["cuda"] == HardwareProfile.load("h100-sxm").comm_costs("bf16")
-    assert DEFAULT_COSTS["cpu"] == HardwareProfile.load("cpu-gloo").comm_costs("fp32", ranks=2)
+
+def test_the_profiles_are_package_data() -> None:
+    """A non-editable install ships megatron_ring/profiles/*.json (setup.cfg's package_data)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    globs = [g.strip() for g in cfg["options.package_data"]["megatron_ring"].split(",")]
+    profiles = set(auto_comm.PROFILE_DIR.glob("*.json"))
+    assert profiles and profiles <= {p for g in globs for p in auto_comm.PROFILE_DIR.parent.glob(g)}
+
+
+def test_defaults_equal_the_planners_costs_of_the_same_profiles() -> None:
+    from megatron_ring.perf.planner.hardware import HardwareProfile
+
+    for device, (name, dtype, ranks) in DEFAULT_PROFILES.items():
+        assert DEFAULT_COSTS[device] == HardwareProfile.load(name).comm_costs(dtype, ranks=ranks)
 
 
 @pytest.mark.parametrize("field,value,match", [

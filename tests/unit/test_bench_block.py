@@ -1,7 +1,7 @@
-"""bench_block on CPU: every backend exact against float64, the JSON written."""
+"""``python -m megatron_ring.perf.bench.block`` on CPU: every backend exact against float64, the JSON written."""
 import json
 
-from megatron_ring.perf.bench_block import main
+from megatron_ring.perf.bench.block import main
 
 
 def test_bench_block_cpu(tmp_path):
@@ -18,7 +18,7 @@ def test_bench_block_cpu(tmp_path):
 def test_layout_timings_cover_both_storages():
     import torch
 
-    from megatron_ring.perf.bench_block import time_layouts
+    from megatron_ring.perf.bench.block import time_layouts
 
     rows = time_layouts(torch.device("cpu"), 1, blocks=((32, 16, 2, False), (32, 32, 2, True)))
     assert [(r["q"], r["k"], r["causal"]) for r in rows] == [(32, 16, False), (32, 32, True)]

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ring import demo
 from megatron_ring.cli import main
-from megatron_ring.perf import hardware
+from megatron_ring.attention.auto_comm import PROFILE_DIR
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str, str]:
@@ -167,7 +167,7 @@ def test_demo_main_checks_its_flags_before_any_process_group(monkeypatch: pytest
 
 
 def test_plan_dtype_missing_from_the_profile_is_a_clean_error(tmp_path, capsys) -> None:
-    profile = json.loads((Path(hardware.__file__).parent / "profiles" / "cpu-gloo.json").read_text())
+    profile = json.loads((PROFILE_DIR / "cpu-gloo.json").read_text())
     del profile["peak_flops"]["fp16"]
     path = tmp_path / "no-fp16.json"
     path.write_text(json.dumps(profile))

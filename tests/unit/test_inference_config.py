@@ -121,6 +121,8 @@ def test_output_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
     (".json", '{\n  "dtype": "fp32",\n  "megatron_ring": {"layout": {"cp": 2},}\n}\n',
      ["bad.json", "is not valid JSON", "line 3, column 41"]),
     (".yaml", "model:\n  num_layers: 2\n   hidden_size: 64\n", ["bad.yaml", "is not valid YAML", "line 3, column"]),
+    (".json", '{"megatron_ring": {"layout": {"cp": 2}, "layout": {"cp": 4}}}', ["bad.json", "key 'layout' twice"]),
+    (".yaml", "model:\n  num_layers: 2\n  num_layers: 4\n", ["bad.yaml", "key 'num_layers' twice", "line 3"]),
 ])
 def test_malformed_file_names_file_line_and_column(tmp_path: Path, suffix: str, text: str,
                                                     needles: list[str]) -> None:

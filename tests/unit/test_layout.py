@@ -96,3 +96,35 @@ def test_bad_hierarchical_sizes(cp, cp_a2a, match):
         ParallelLayout(cp=cp, cp_a2a=cp_a2a)
     with pytest.raises(ValueError, match="no hierarchical CP groups"):
         ParallelLayout(cp=4).hierarchical_groups("cp-a2a")
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2, cp=3, dp=2, pp=2), dict(cp=5), dict(tp=3, dp=2)])
+@pytest.mark.parametrize("axis", ["tp", "cp", "dp", "pp", "dp-cp", "tp-cp"])
+def test_group_of_and_ring_neighbours_agree_with_groups(sizes, axis):
+    layout = ParallelLayout(**sizes)
+    for members in layout.groups(axis):
+        for i, rank in enumerate(members):
+            assert layout.group_of(axis, rank) == members
+            if "-" not in axis:
+                assert layout.ring_neighbours(rank, axis) == (members[i - 1], members[(i + 1) % len(members)])
+
+
+def test_layout_table_is_linear_in_the_world(monkeypatch):
+    """The CLI's table computes a bounded number of ranks per rank (it rebuilt every group for every rank)."""
+    from megatron_ring import cli
+
+    calls = [0]
+    real = ParallelLayout.rank
+
+    def counted(self, **coords):
+        calls[0] += 1
+        return real(self, **coords)
+
+    monkeypatch.setattr(ParallelLayout, "rank", counted)
+    per_rank = []
+    for cp in (500, 2000):
+        calls[0] = 0
+        table = cli._layout_table(ParallelLayout(cp=cp, tp=2))
+        assert table.count("\n") > 2 * cp
+        per_rank.append(calls[0] / (2 * cp))
+    assert per_rank[1] <= per_rank[0] + 1 and per_rank[1] < 12, per_rank

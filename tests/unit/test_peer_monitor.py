@@ -154,3 +154,50 @@ def test_heartbeat_moves_while_main_thread_runs_torch_ops() -> None:
     beats = store.times["megatron_ring/monitor/beat/0"][:-1]  # the last one is "done"
     assert len(beats) >= 5, beats
     assert max(later - earlier for earlier, later in zip(beats, beats[1:])) < 1.0
+
+
+STARTUP_WORKER = textwrap.dedent("""
+    import os, signal, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    from megatron_ring.runtime.faults import PeerMonitor
+
+    rank, victim, how, timeout_s = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    if rank == victim:  # before any store exists
+        if how == "exit":
+            sys.exit(1)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    PeerMonitor(timeout_s=timeout_s, interval_s=0.1).start()
+    dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timedelta(seconds=60))
+    print("the store formed without the victim", flush=True)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim, how", [(1, "stop"), (0, "stop"), (1, "exit")])
+def test_peer_lost_before_the_monitor_attaches_ends_the_rendezvous(victim: int, how: str) -> None:
+    """Note [Lost ranks at start-up]: a sibling stopped or gone before any store exists ends the other
+    rank, waiting in the rendezvous (60 s timeout), within the peer timeout, naming it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", STARTUP_WORKER, str(r), str(victim), how, str(TIMEOUT_S)],
+                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        code = procs[1 - victim].wait(timeout=45)
+        elapsed = time.monotonic() - started
+        victim_code = procs[victim].wait(timeout=5)
+        err = procs[1 - victim].stderr.read()
+    finally:
+        end(procs)
+    assert code == EXIT_PEER_LOST, err
+    assert elapsed < TIMEOUT_S + 20, f"the rendezvous ended only after {elapsed:.1f}s"
+    lines = [ln for ln in err.splitlines() if ln.startswith("[megatron_ring]")]
+    assert len(lines) == 1, err
+    if how == "stop":
+        assert victim_code == -signal.SIGKILL, "the stopped rank was not killed"
+        assert f"rank {1 - victim}: lost rank {victim} (stopped during start-up, before the peer monitor attached, " \
+               f"for {TIMEOUT_S:g}s; killed pid {procs[victim].pid})" in lines[0], err
+    else:
+        assert f"rank {1 - victim}: lost rank {victim} (pid {procs[victim].pid} exited during start-up" in lines[0], err

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from megatron_ring.parallel.layout import ParallelLayout
-from megatron_ring.perf.hardware import HardwareProfile, profile_names
-from megatron_ring.perf.cost_model import (
-    ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured, layer_costs,
-)
-from megatron_ring.perf.plan_cli import load_plan_input, plan_main
+from megatron_ring.attention.auto_comm import PROFILE_DIR
+from megatron_ring.perf.planner.cost_model import Planner
+from megatron_ring.perf.planner.hardware import HardwareProfile, profile_names
+from megatron_ring.perf.planner.inputs import ModelDims, PlanInput, Workload, alternative_layout, layer_costs
+from megatron_ring.perf.planner.measured import compare_measured
+from megatron_ring.perf.planner.plan_cli import load_plan_input, plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
 PAPER = ModelDims(num_layers=16, hidden_size=4096, num_heads=32, ffn_hidden_size=16384)
@@ -79,7 +80,7 @@ def test_validation_messages() -> None:
 
 def test_profiles_load_and_reject_typos(tmp_path: Path) -> None:
     assert {"h100-sxm", "h100-sxm-nvlink-switch", "cpu-gloo"} <= set(profile_names())
-    data = json.loads((ROOT / "megatron_ring/perf/profiles/h100-sxm.json").read_text())
+    data = json.loads((PROFILE_DIR / "h100-sxm.json").read_text())
     data["hbm_bytes_per_sec"] = data.pop("hbm_bytes_per_s")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
@@ -155,7 +156,8 @@ def test_every_cp_comm_is_predicted_and_auto_takes_the_fastest() -> None:
 
 
 def test_comm_figure_curves_and_png(tmp_path: Path) -> None:
-    from megatron_ring.perf.comm_figure import COMMS, comm_curves, draw_comm_figure
+    from megatron_ring.attention.comms import COMMS
+    from megatron_ring.perf.planner.comm_figure import comm_curves, draw_comm_figure
 
     planner = Planner(HardwareProfile.load("h100-sxm"))
     base = paper(ParallelLayout(cp=16))

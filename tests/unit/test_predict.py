@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ring.perf.calibrate import fit_line
-from megatron_ring.perf.hardware import HardwareProfile
-from megatron_ring.perf.paper_scale import paper_scale_plan
-from megatron_ring.perf.predict import make_predictor, predict_inference
+from megatron_ring.perf.planner.calibrate import fit_line
+from megatron_ring.perf.planner.hardware import HardwareProfile
+from megatron_ring.perf.planner.paper_scale import paper_scale_plan
+from megatron_ring.perf.planner.predict import make_predictor, predict_inference
 
 ROOT = Path(__file__).resolve().parents[2]
 DS = ROOT / "configs/deepspeed"

@@ -11,7 +11,9 @@ import pytest
 
 from megatron_ring.config import ConfigError
 from megatron_ring.inference import compare
-from megatron_ring.perf.sweep import crossings, load_sweep, run_sweep
+from megatron_ring.perf.sweep.run import run_sweep
+from megatron_ring.perf.sweep.schema import load_sweep
+from megatron_ring.perf.sweep.summary import crossings
 from megatron_ring.runtime.reporting import write_json_atomic
 
 ROOT = Path(__file__).resolve().parents[2]

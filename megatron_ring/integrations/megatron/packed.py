@@ -76,8 +76,14 @@ def thd_layout(params: PackedSeqParams, tokens_local: int, cp_rank: int, cp_size
         if a.shape != b.shape or not torch.equal(a.cpu(), b.cpu()):
             raise ValueError(f"packed_seq_params.{name} = {a.tolist()} differs from its q counterpart {b.tolist()}; "
                              "RingAttention supports self-attention only (equal q and kv boundaries)")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_q_padded", pad_q)):
+        backwards = ((cu[1:] - cu[:-1]) < 0).nonzero().flatten().tolist()
+        if backwards:
+            at = backwards[0]
+            raise ValueError(f"packed_seq_params.{name} = {cu.tolist()} must be non-decreasing: {name}[{at}] = "
+                             f"{int(cu[at])} > {name}[{at + 1}] = {int(cu[at + 1])}")
     lengths, padded = (cu_q[1:] - cu_q[:-1]).cpu(), (pad_q[1:] - pad_q[:-1]).cpu()
-    if bool((lengths > padded).any()) or bool((lengths < 0).any()):
+    if bool((lengths > padded).any()):
         raise ValueError(f"packed_seq_params.cu_seqlens_q = {cu_q.tolist()} does not fit inside "
                          f"cu_seqlens_q_padded = {pad_q.tolist()}; every document must be at most its padded length")
     if int(pad_q[0]) != 0 or int(pad_q[-1]) != tokens_local * cp_size:

@@ -44,17 +44,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.auto_comm import work_fraction
+from megatron_ring.attention.auto_comm import attention_flops
+from megatron_ring.perf.bench import harness
+from megatron_ring.perf.report import fmt_bytes, fmt_time, print_table
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import int_at_least, positive_float, usage_error
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {name: harness.DTYPES[name] for name in ("fp32", "bf16")}
+"""The dtypes measured: fp32 and bf16 GEMMs and attention."""
 FULL: dict[str, Any] = {"matmul_n": {"fp32": 1024, "bf16": 512}, "attention": (1, 8, 2048, 64),
                         "copy_bytes": 256 << 20, "message_bytes": [1 << 10, 16 << 10, 256 << 10, 4 << 20, 32 << 20],
                         "layers": [1, 2, 4], "repeats": 5, "warmup": 1, "calls": 8}
@@ -77,14 +80,7 @@ def _times(fn: Callable[[], Any], repeats: int, warmup: int, calls: int = 1) -> 
     times ``calls`` calls back to back and divides (Note [Calibration fits])."""
     for _ in range(warmup):
         fn()
-    out = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls)
-    return out
+    return [harness.barrier_timed(fn, calls) for _ in range(repeats)]
 
 
 def compute_worker(sizes: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +99,7 @@ def compute_worker(sizes: dict[str, Any]) -> dict[str, Any]:
         for causal in (True, False):
             def call() -> None:
                 block_forward(q, k, v, causal=causal, scale=dim ** -0.5, backend="sdpa")
-            flops = work_fraction(causal) * 4.0 * batch * seq * seq * heads * dim
+            flops = attention_flops(batch=batch, q_len=seq, k_len=seq, heads=heads, head_dim=dim, causal=causal)
             out["attention"][f"{name}_{'causal' if causal else 'full'}"] = {
                 "flops": flops, "times_s": _times(call, reps, warm)}
     src = torch.ones(sizes["copy_bytes"] // 4)
@@ -194,12 +190,6 @@ def fit_line(xs: list[float], ts: list[float]) -> dict[str, Any]:
             "x": xs, "t": ts}
 
 
-def _slowest_median(per_rank: list[list[float]]) -> float:
-    """Median over repeats of the slowest rank's time (ranks with no times ignored)."""
-    runs = [r for r in per_rank if r]
-    return statistics.median(max(ts) for ts in zip(*runs))
-
-
 def _rate(per_rank: list[dict[str, Any]], key: str, name: str) -> list[float]:
     """Work per second of each rank (its median time)."""
     return [r[key][name]["flops"] / statistics.median(r[key][name]["times_s"]) for r in per_rank]
@@ -218,7 +208,8 @@ def summarize(compute: list[dict[str, Any]], comm: list[dict[str, Any]], overhea
     fits = {}
     for kind, scale in factors.items():
         sizes = sorted(comm[0][kind])
-        fits[kind] = fit_line([scale(n) for n in sizes], [_slowest_median([r[kind][n] for r in comm]) for n in sizes])
+        fits[kind] = fit_line([scale(n) for n in sizes],
+                              [harness.slowest_median([r[kind][n] for r in comm]) for n in sizes])
     fields: dict[str, Any] = {
         "peak_flops": {name: rate / threads for name, rate in matmul.items()},
         "matmul_efficiency": 1.0, "attention_efficiency": min(1.0, ratio), "hbm_bytes_per_s": copy,
@@ -235,7 +226,7 @@ def summarize(compute: list[dict[str, Any]], comm: list[dict[str, Any]], overhea
         raw["overhead"] = {"skipped": overhead[0]}
     else:
         layers = sorted(overhead[0])
-        fit = fit_line([float(k) for k in layers], [_slowest_median([r[k] for r in overhead]) for k in layers])
+        fit = fit_line([float(k) for k in layers], [harness.slowest_median([r[k] for r in overhead]) for k in layers])
         fields["layer_overhead_s"], fields["step_overhead_s"] = 1.0 / fit["beta"], fit["alpha"]
         raw["overhead"] = fit
     return fields, raw
@@ -287,8 +278,6 @@ def _memory_bytes() -> float:
 
 
 def _table(fields: dict[str, Any], raw: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    from megatron_ring.perf.report import fmt_bytes, fmt_time
-
     fits = raw["fits"]
     rows = [[f"GEMM {k} (per core)", f"{v / 1e9:.3g} GFLOP/s", ""] for k, v in fields["peak_flops"].items()]
     rows += [[f"block attention {k} (per rank)", f"{v / 1e9:.3g} GFLOP/s", ""]
@@ -322,14 +311,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def calibrate_main(argv: list[str] | None = None) -> int:
     """``megatron-ring calibrate``: measure, write the profile and the raw JSON, print the table."""
-    from megatron_ring.perf.bench_attention import machine_description
-    from megatron_ring.perf.hardware import HardwareProfile
-    from megatron_ring.perf.report import print_table
+    from megatron_ring.perf.planner.hardware import HardwareProfile
     from megatron_ring.runtime.reporting import write_json_atomic
 
     parser = _parser()
     args = parser.parse_args(argv)
-    machine = machine_description()
+    problem = output_problem({"--out": (args.out, False), "--out (raw)": (Path(args.out).with_suffix(".raw.json"), False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
+    machine = harness.machine_description()
     try:
         fields, raw = calibrate(ranks=args.ranks, quick=args.quick, timeout_s=args.timeout)
         profile = build_profile(fields, name=args.name, machine=machine, memory_bytes=_memory_bytes())

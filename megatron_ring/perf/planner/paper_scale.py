@@ -1,6 +1,6 @@
 """The planner on the paper's workload: TP=8 x PP=2 baseline vs ring over cp=16, 16 GPUs.
 
-``python -m megatron_ring.perf.paper_scale [--hardware h100-sxm-nvlink-switch h100-sxm] [--out PREFIX]``
+``python -m megatron_ring.perf.planner.paper_scale [--hardware h100-sxm-nvlink-switch h100-sxm] [--out PREFIX]``
 prints, per hardware profile, the configs' own workload (B = 128, L = 99872: it does not fit,
 flagged) and the largest batch at that L that fits both layouts, with the ring/baseline ratios of
 TPS (overall) and TPOT and the term that dominates TTFT and TPOT. ``--out PREFIX`` writes
@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ring.config.shipped import find_config
-from megatron_ring.perf.cost_model import Planner
-from megatron_ring.perf.hardware import HardwareProfile
-from megatron_ring.perf.plan_cli import load_plan_input
-from megatron_ring.perf.predict import summary
+from megatron_ring.perf.planner.cost_model import Planner
+from megatron_ring.perf.planner.hardware import HardwareProfile
+from megatron_ring.perf.planner.plan_cli import load_plan_input
+from megatron_ring.perf.planner.predict import summary
 from megatron_ring.perf.report import fmt_bytes, fmt_rate, fmt_time, markdown_table, print_table
 
 BASELINE = "configs/deepspeed/paper_baseline_tp8_pp2.json"
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     """Print the table; with ``--out PREFIX`` write ``PREFIX.md`` and ``PREFIX.json``."""
     from megatron_ring.runtime.reporting import write_json_atomic
 
-    ap = argparse.ArgumentParser(prog="python -m megatron_ring.perf.paper_scale", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_ring.perf.planner.paper_scale",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default=BASELINE)
     ap.add_argument("--ring", default=RING)
     ap.add_argument("--hardware", nargs="+", default=list(PROFILES))

@@ -14,10 +14,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
+from megatron_ring.perf.sweep.schema import SIDES
+
 Predicted = Mapping[str, Mapping[tuple[int, int], Mapping[str, float]]]
 """side -> (prompt_len, batch) -> {"ttft_s", "tpot_s", ...}."""
 
-SIDES = ("baseline", "ring")
 RATIO_LABELS = {"tps": "TPS overall", "ttft_s": "TTFT", "tpot_s": "TPOT p50"}
 MS, MIB = 1e3, 2.0 ** -20
 

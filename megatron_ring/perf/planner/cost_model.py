@@ -1,7 +1,8 @@
 """An analytical model of one inference job: FLOPs, bytes, ring crossover, memory per rank, TTFT/TPOT/TPS.
 
-:class:`Planner` evaluates a :class:`PlanInput` on a hardware profile (:mod:`megatron_ring.perf.hardware`);
-``megatron-ring plan`` (:mod:`megatron_ring.perf.plan_cli`) is its command line.
+:class:`Planner` evaluates a :class:`~megatron_ring.perf.planner.inputs.PlanInput` on a hardware profile
+(:mod:`megatron_ring.perf.planner.hardware`) into a :class:`~megatron_ring.perf.planner.prediction.Prediction`;
+``megatron-ring plan`` (:mod:`megatron_ring.perf.planner.plan_cli`) is its command line.
 
 Note [The cost model]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -61,212 +62,14 @@ append.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
-from megatron_ring.attention.auto_comm import CommCosts, choose_comm, crossover_tokens, predict_times, work_fraction
-from megatron_ring.parallel.layout import ParallelLayout
-from megatron_ring.perf.dilated_cost import predict_dilated_point
-from megatron_ring.perf.hardware import DTYPE_BYTES, HardwareProfile
-from megatron_ring.perf.report import fmt_bytes, fmt_time
-
-BWD_COMPUTE_FACTOR = 2.5
-"""Backward attention FLOPs / forward attention FLOPs (5 matmuls against 2, scores recomputed)."""
-
-
-def _int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The sizes of a dense decoder-only transformer that the cost model needs."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    ffn_hidden_size: int
-    num_kv_heads: int = 0
-    """K/V heads (GQA); 0 means ``num_heads``."""
-    head_dim: int = 0
-    """0 means ``hidden_size // num_heads``."""
-    gated_mlp: bool = False
-    vocab_size: int = 0
-    """0 leaves the embeddings out of the memory count."""
-    tie_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size"):
-            _int(f"model.{name}", getattr(self, name))
-        for name in ("num_kv_heads", "head_dim", "vocab_size"):
-            _int(f"model.{name}", getattr(self, name), minimum=0)
-        if self.num_kv_heads == 0:
-            object.__setattr__(self, "num_kv_heads", self.num_heads)
-        if self.head_dim == 0:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(f"model.hidden_size = {self.hidden_size} is not divisible by model.num_heads = "
-                                 f"{self.num_heads}; set model.head_dim")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.num_heads = {self.num_heads} must be a multiple of model.num_kv_heads = "
-                             f"{self.num_kv_heads}")
-
-    def params_per_layer(self) -> int:
-        """Weights of one layer (QKV, output projection, MLP; norms and biases left out)."""
-        d, dh = self.hidden_size, self.head_dim
-        mlp_mats = 3 if self.gated_mlp else 2
-        return d * (self.num_heads + 2 * self.num_kv_heads) * dh + self.num_heads * dh * d + mlp_mats * d * \
-            self.ffn_hidden_size
-
-    def embedding_params(self) -> int:
-        """Input embedding plus output head (one matrix when tied)."""
-        return self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """``batch`` prompts of ``prompt_len`` tokens per data-parallel replica, ``new_tokens`` generated each."""
-
-    batch: int
-    prompt_len: int
-    new_tokens: int = 1
-    micro_batch: int = 1
-    """Sequences per prefill forward pass (bounds activation memory; PP pipelines these)."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "prompt_len", "new_tokens", "micro_batch"):
-            _int(f"workload.{name}", getattr(self, name))
-        if self.batch % self.micro_batch:
-            raise ValueError(f"workload.batch = {self.batch} is not divisible by workload.micro_batch = "
-                             f"{self.micro_batch}")
-
-
-CP_COMMS: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p", "auto")
-"""The planner's ``cp_comm`` choices (ring_attention's ``comm``)."""
-
-
-@dataclass(frozen=True)
-class PlanInput:
-    """One job to plan: model, layout, workload, dtype, mask and the ring's communication."""
-
-    name: str
-    model: ModelDims
-    layout: ParallelLayout
-    workload: Workload
-    dtype: str = "bf16"
-    causal: bool = True
-    cp_comm: str = "p2p"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.cp_comm not in CP_COMMS:
-            raise ValueError(f"cp_comm must be one of {list(CP_COMMS)}, got {self.cp_comm!r}")
-        m, lay = self.model, self.layout
-        problems = []
-        if m.num_layers % lay.pp:
-            problems.append(f"model.num_layers = {m.num_layers} is not divisible by layout.pp = {lay.pp}")
-        for name in ("num_heads", "ffn_hidden_size"):
-            if getattr(m, name) % lay.tp:
-                problems.append(f"model.{name} = {getattr(m, name)} is not divisible by layout.tp = {lay.tp}")
-        if lay.cp > 1 and self.workload.prompt_len % (2 * lay.cp):
-            problems.append(f"workload.prompt_len = {self.workload.prompt_len} is not divisible by 2*layout.cp = "
-                            f"{2 * lay.cp} (zigzag)")
-        if problems:
-            raise ValueError(f"plan {self.name!r}: " + "; ".join(problems))
-
-    @property
-    def element_size(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def label(self) -> str:
-        """``tp=8 pp=2`` style name of the layout (axes of size 1 left out)."""
-        parts = [f"{k}={v}" for k, v in self.layout.sizes().items() if v > 1]
-        return " ".join(parts) or "single"
-
-
-# ---------------------------------------------------------------------------------------------
-# Costs
-
-
-def layer_costs(model: ModelDims, batch: int, seq: int, element_size: int, causal: bool) -> dict[str, dict[str, float]]:
-    """FLOPs and HBM bytes of one layer's forward over ``batch`` x ``seq`` tokens (whole layer, one device)."""
-    d, dh, h, hkv, f = model.hidden_size, model.head_dim, model.num_heads, model.num_kv_heads, model.ffn_hidden_size
-    tok = batch * seq
-    s = element_size
-    mats = 3 if model.gated_mlp else 2
-    qkv_w = d * (h + 2 * hkv) * dh
-    return {
-        "qkv_proj": {"flops": 2.0 * tok * qkv_w, "bytes": s * (qkv_w + tok * d + tok * (h + 2 * hkv) * dh)},
-        "attention": {"flops": work_fraction(causal) * 4.0 * batch * seq * seq * h * dh,
-                      "bytes": s * tok * (2 * h + 2 * hkv) * dh},
-        "out_proj": {"flops": 2.0 * tok * h * dh * d, "bytes": s * (h * dh * d + tok * h * dh + tok * d)},
-        "mlp": {"flops": 2.0 * tok * mats * d * f, "bytes": s * (mats * d * f + 2 * tok * d + 2 * (mats - 1) * tok * f)},
-    }
-
-
-@dataclass
-class RingStep:
-    """One step of the CP ring, per rank, for one prefill micro-batch and one layer."""
-
-    tokens_per_rank: int
-    compute_s: float
-    comm_s: float
-    crossover_tokens: float
-    link: str
-    comm: str
-    exposed_s: float
-    """Ring time of the layer beyond its compute (communication and step latency not hidden)."""
-    comm_times: dict[str, float] = field(default_factory=dict)
-    """Predicted attention forward time of one layer for every comm (``inf``: it cannot run);
-    ``a2a+p2p`` with a2a groups of the CP ranks of one node (Note [All-to-all in the cost model])."""
-
-
-@dataclass
-class Memory:
-    """Bytes per rank (the most loaded pipeline stage)."""
-
-    weights: float
-    kv_cache: float
-    activations: float
-    total: float
-    usable: float
-    fits: bool
-
-
-@dataclass
-class Prediction:
-    """Everything the planner says about one layout."""
-
-    name: str
-    label: str
-    layout: dict[str, int]
-    hardware: str
-    per_layer: dict[str, dict[str, float]]
-    flops_per_token: float
-    ring: RingStep | None
-    memory: Memory
-    prefill_s: float
-    ttft_s: float
-    prefill_tps: float
-    tpot_s: float
-    decode_tps: float
-    e2e_tps: float
-    roofline_prefill_tps: float
-    breakdown_ms: dict[str, float]
-    max_batch: int
-    max_prompt_len: int
-    terms_ms: dict[str, dict[str, float]] = field(default_factory=dict)
-    """``{"ttft": {term: ms}, "tpot": {term: ms}}``: the summands of TTFT and TPOT."""
-    findings: list[str] = field(default_factory=list)
-
-    def dominant(self, metric: str) -> str:
-        """The largest term of ``metric`` ("ttft" or "tpot")."""
-        terms = self.terms_ms[metric]
-        return max(terms, key=terms.__getitem__)
+from megatron_ring.attention.auto_comm import CommCosts, choose_comm, crossover_tokens, predict_times, ring_step_s
+from megatron_ring.attention.traffic import kv_block_bytes
+from megatron_ring.perf.planner.hardware import HardwareProfile
+from megatron_ring.perf.planner.inputs import PlanInput, layer_costs
+from megatron_ring.perf.planner.prediction import Memory, Prediction, RingStep, findings
 
 
 class Planner:
@@ -312,14 +115,12 @@ class Planner:
         costs = self.node_costs(p, cross)
         heads_q, heads_kv = m.num_heads // lay.tp, self._kv_heads_rank(p)
         c = w.prompt_len // lay.cp
-        args = dict(seq_local=c, cp_size=lay.cp, batch=w.micro_batch, heads_q=heads_q, heads_kv=heads_kv,
-                    head_dim=m.head_dim, causal=p.causal, element_size=p.element_size, costs=costs,
-                    a2a_size=self.a2a_size(p))
-        comm = p.cp_comm if p.cp_comm != "auto" else choose_comm(**args).comm
-        times = predict_times(**args)
-        step_compute = work_fraction(p.causal) * 4.0 * w.micro_batch * c * c * heads_q * m.head_dim / costs.flops_per_s
+        shape = dict(seq_local=c, cp_size=lay.cp, batch=w.micro_batch, heads_q=heads_q, heads_kv=heads_kv,
+                     head_dim=m.head_dim, causal=p.causal, element_size=p.element_size)
+        comm = p.cp_comm if p.cp_comm != "auto" else choose_comm(**shape, costs=costs, a2a_size=self.a2a_size(p)).comm
+        times = predict_times(**shape, costs=costs, a2a_size=self.a2a_size(p))
+        step_compute, step_comm = ring_step_s(costs, **shape)
         ring_costs = replace(costs, p2p_bytes_per_s=costs.links(lay.cp)[0])  # the flat ring's slowest link
-        step_comm = 2.0 * w.micro_batch * c * heads_kv * m.head_dim * p.element_size / ring_costs.p2p_bytes_per_s
         c_star = crossover_tokens(ring_costs, heads_q=heads_q, heads_kv=heads_kv, causal=p.causal,
                                   element_size=p.element_size)
         exposed = times[comm] - lay.cp * step_compute if lay.cp > 1 else 0.0
@@ -353,7 +154,7 @@ class Planner:
         kv = 2.0 * w.batch * (w.prompt_len + w.new_tokens) * layers * hkv * m.head_dim * s / lay.cp
         mb, c = w.micro_batch, w.prompt_len // lay.cp
         hq = m.num_heads // lay.tp
-        kv_block = 2.0 * mb * c * hkv * m.head_dim * s
+        kv_block = kv_block_bytes(batch=mb, seq_local=c, heads_kv=hkv, head_dim=m.head_dim, element_size=s)
         ring_buffers = kv_block * (2 if lay.cp > 1 else 1) if p.cp_comm != "all_gather" else kv_block * lay.cp
         attn_phase = mb * c * (hq + 2 * hkv) * m.head_dim * s + ring_buffers + mb * c * hq * (m.head_dim + 1) * 4
         mlp_phase = 2.0 * mb * c * (m.ffn_hidden_size // lay.tp) * s * (2 if m.gated_mlp else 1)
@@ -461,7 +262,7 @@ class Planner:
                       "tpot": {k: 1e3 * v for k, v in tpot_terms.items()}},
             max_batch=self.max_fit(p, "batch"), max_prompt_len=self.max_fit(p, "prompt_len"),
         )
-        pred.findings = self._findings(p, pred)
+        pred.findings = findings(p, pred, hw, self.a2a_size(p))
         return pred
 
     def max_fit(self, p: PlanInput, what: str) -> int:
@@ -481,37 +282,6 @@ class Planner:
             raise ValueError(f"what must be 'batch' or 'prompt_len', got {what!r}")
         return unit * _largest(lambda n: self.memory(make(n)).fits)
 
-    def _findings(self, p: PlanInput, pred: Prediction) -> list[str]:
-        lay, w, hw, mem = p.layout, p.workload, self.hw, pred.memory
-        out = []
-        total_kv = mem.kv_cache * lay.world_size if p.model.num_kv_heads >= lay.tp else None
-        aggregate = hw.memory_bytes * (1 if hw.cpu_cores else lay.world_size)
-        if total_kv is not None and total_kv > aggregate:
-            out.append(f"KV cache of the workload is {fmt_bytes(total_kv)} but the {lay.world_size} ranks hold "
-                       f"{fmt_bytes(aggregate)} in all: it cannot fit on any layout of this size")
-        if not mem.fits:
-            out.append(f"does NOT fit: {fmt_bytes(mem.total)} per rank (weights {fmt_bytes(mem.weights)}, KV cache "
-                       f"{fmt_bytes(mem.kv_cache)}, activations {fmt_bytes(mem.activations)}) > usable {fmt_bytes(mem.usable)}")
-        else:
-            out.append(f"fits: {fmt_bytes(mem.total)} of {fmt_bytes(mem.usable)} usable per rank")
-        out.append(f"what fits at prompt_len={w.prompt_len}: batch <= {pred.max_batch}; "
-                   f"at batch={w.batch}: prompt_len <= {pred.max_prompt_len}")
-        if pred.ring is not None:
-            r = pred.ring
-            bound = "compute-bound, communication hidden" if r.tokens_per_rank >= r.crossover_tokens else \
-                "communication-bound"
-            out.append(f"ring step: L/P = {r.tokens_per_rank} vs c* = {r.crossover_tokens:.0f} on the {r.link} link "
-                       f"({bound}; compute {fmt_time(r.compute_s)}, K/V transfer {fmt_time(r.comm_s)} per step)")
-            best = min(r.comm_times, key=r.comm_times.__getitem__)
-            if best != r.comm and r.comm_times[best] < r.comm_times[r.comm]:
-                out.append(f"CP comm: {best} is predicted faster than {r.comm} ({fmt_time(r.comm_times[best])} vs "
-                           f"{fmt_time(r.comm_times[r.comm])} per layer forward, a2a group {self.a2a_size(p)}); "
-                           "--cp-comm auto picks it")
-        for metric, total in (("ttft", pred.ttft_s), ("tpot", pred.tpot_s)):
-            term = pred.dominant(metric)
-            out.append(f"{metric.upper()} is dominated by {term} ({pred.terms_ms[metric][term] / (1e3 * total):.0%})")
-        return out
-
 
 def _largest(ok: Callable[[int], bool]) -> int:
     """Largest n >= 1 with ok(n) (ok monotone decreasing), 0 when ok(1) is false."""
@@ -526,68 +296,3 @@ def _largest(ok: Callable[[int], bool]) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
-
-
-# ---------------------------------------------------------------------------------------------
-# Alternatives and measured points
-
-
-MAX_TP = 8
-"""Largest tensor-parallel size the alternative baseline uses (one 8-GPU node, as Megatron recommends)."""
-
-
-def alternative_layout(layout: ParallelLayout, hw: HardwareProfile) -> ParallelLayout:
-    """The other scheme at the same world size: a ring of all model-parallel ranks, or TP (in a node) x PP."""
-    ranks = layout.tp * layout.pp * layout.cp
-    if layout.cp == 1:
-        return ParallelLayout(cp=ranks, dp=layout.dp)
-    tp = math.gcd(ranks, min(hw.devices_per_node, MAX_TP))
-    return ParallelLayout(tp=tp, pp=ranks // tp, dp=layout.dp)
-
-
-def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[str, float]:
-    """Predicted time (s) of one bench point (keys as written by ``bench_attention``) on ``hw``.
-
-    Forward uses :func:`~megatron_ring.attention.auto_comm.predict_times`; the backward adds
-    ``BWD_COMPUTE_FACTOR`` x the compute and, for p2p, a second K/V rotation plus the fp32
-    gradient accumulator (the ring's backward, see ring.py). A dilated point (``dilation``) is
-    counted from its schedule (dilated_cost.py).
-    """
-    p, seq = int(point["P"]), int(point["L"])
-    s = DTYPE_BYTES[point.get("dtype", "fp32")]
-    impl = point["impl"]
-    cp = 1 if impl == "single" else p
-    ranks = cp
-    if hw.cpu_cores and point.get("threads"):  # a rank gets min(threads, cores / ranks) cores
-        ranks = max(cp, hw.cpu_cores // int(point["threads"]))
-    costs = hw.comm_costs(point.get("dtype", "fp32"), ranks=ranks)
-    if point.get("dilation"):
-        return predict_dilated_point(point, costs, BWD_COMPUTE_FACTOR)
-    args = dict(seq_local=seq // cp, cp_size=cp, batch=int(point["batch"]), heads_q=int(point["heads"]),
-                heads_kv=int(point["heads_kv"]), head_dim=int(point["head_dim"]), causal=bool(point["causal"]),
-                element_size=s, costs=costs)
-    comm = "all_gather" if impl == "all_gather" else "p2p"
-    fwd = predict_times(**args)[comm]
-    if point["mode"] == "fwd":
-        return {"time_s": fwd}
-    c = seq // cp
-    step_comp = work_fraction(args["causal"]) * 4.0 * args["batch"] * c * c * args["heads_q"] * args["head_dim"] \
-        / costs.flops_per_s * BWD_COMPUTE_FACTOR
-    kv = 2.0 * args["batch"] * c * args["heads_kv"] * args["head_dim"]
-    step_comm = kv * (s + 4) / costs.p2p_bytes_per_s
-    bwd = cp * step_comp if cp == 1 else step_comp + (cp - 1) * max(step_comp, step_comm) + \
-        cp * costs.step_latency_s + step_comm
-    return {"time_s": fwd + bwd}
-
-
-def compare_measured(bench: dict[str, Any], hw: HardwareProfile) -> list[dict[str, Any]]:
-    """One row per bench point: measured median and predicted time, and their ratio."""
-    rows = []
-    for point in bench.get("points", []):
-        if point.get("impl") in ("ulysses", "a2a", "a2a+p2p") or point.get("median_s") is None:  # ring model only
-            continue
-        predicted = predict_attention_point(point, hw)["time_s"]
-        rows.append({k: point[k] for k in ("impl", "mode", "causal", "L", "P", "dtype")} |
-                    {"measured_s": point["median_s"], "predicted_s": predicted,
-                     "measured_over_predicted": point["median_s"] / predicted})
-    return rows

@@ -1,6 +1,6 @@
 """The all-gather's transports on gloo: the collective against the same bytes sent pairwise.
 
-``python -m megatron_ring.perf.bench_gather --ranks 4 --mib 16 --out gather.json`` times, on gloo
+``python -m megatron_ring.perf.bench.gather --ranks 4 --mib 16 --out gather.json`` times, on gloo
 ranks on this machine (one thread each), with nothing overlapping them:
 
 * ``collective``: one ``all_gather_into_tensor`` of ``--mib`` MiB per rank (``transport.gather_stacked``);
@@ -9,14 +9,12 @@ ranks on this machine (one thread each), with nothing overlapping them:
 * ``reduce``: P ``reduce`` calls of that size, one to each rank (the all-gather's gradient path).
 
 Each repeat starts after a barrier; a repeat's time is its slowest rank's. This is the measurement
-behind Note [Pairwise gather on gloo] in attention/allgather.py.
+behind Note [Pairwise gather on gloo] in attention/gather.py.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_ring.attention.gather import start_gather_blocks
 from megatron_ring.attention.transport import gather_stacked
+from megatron_ring.perf.bench.harness import barrier_timed, slowest_median
 from megatron_ring.runtime.args import positive_int
 from megatron_ring.runtime.reporting import write_json_atomic
 
@@ -49,17 +48,15 @@ def gather_worker(nbytes: int, repeats: int, warmup: int) -> dict[str, list[floa
     times: dict[str, list[float]] = {name: [] for name in TRANSPORTS}
     for repeat in range(warmup + repeats):
         for name in TRANSPORTS:
-            dist.barrier()
-            start = time.perf_counter()
-            calls[name]()
+            seconds = barrier_timed(calls[name])
             if repeat >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds)
     return times
 
 
 def summarize(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
     """Median over repeats of the slowest rank's seconds, per transport."""
-    return {name: statistics.median(max(ts) for ts in zip(*(r[name] for r in per_rank))) for name in TRANSPORTS}
+    return {name: slowest_median([r[name] for r in per_rank]) for name in TRANSPORTS}
 
 
 def main(argv: list[str] | None = None) -> int:

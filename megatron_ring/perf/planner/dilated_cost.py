@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ring.attention.auto_comm import CommCosts
+from megatron_ring.attention.auto_comm import BWD_COMPUTE_FACTOR, CommCosts
 from megatron_ring.attention.dilated import check_dilation
 from megatron_ring.attention.dilated_schedule import dilated_schedule_for
-from megatron_ring.perf.hardware import DTYPE_BYTES
+from megatron_ring.attention.traffic import GRAD_ELEMENT_SIZE
+from megatron_ring.perf.planner.hardware import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,9 @@ def dilated_steps(rank: int, size: int, seq: int, heads_q: int, heads_kv: int, p
     return DilatedSteps(tuple(flops), tuple(sent), tuple(received))
 
 
-def predict_dilated_point(point: dict[str, Any], costs: CommCosts, bwd_factor: float) -> dict[str, float]:
+def predict_dilated_point(point: dict[str, Any], costs: CommCosts) -> dict[str, float]:
     """Predicted time (s, the busiest rank) and bytes sent by the busiest rank of one ``bench
-    attention --dilation`` point with one rank's ``costs`` (``bwd_factor``: backward / forward
-    attention FLOPs)."""
+    attention --dilation`` point with one rank's ``costs``."""
     impl, size, seq = point["impl"], int(point["P"]), int(point["L"])
     ranks = 1 if impl == "single" else size
     e, scale = DTYPE_BYTES[point.get("dtype", "fp32")], int(point["batch"]) * int(point["head_dim"])
@@ -64,7 +64,7 @@ def predict_dilated_point(point: dict[str, Any], costs: CommCosts, bwd_factor: f
             moved = [0] + [2 * int(point["heads_kv"]) * (seq // ranks)] * (ranks - 1)
         else:
             moved = [max(s, r) for s, r in zip(steps.sent, steps.received)]
-        passes = ((1.0, e),) + (((bwd_factor, e + 4),) if backward else ())  # bwd: K/V again, dK/dV in fp32
+        passes = ((1.0, e),) + (((BWD_COMPUTE_FACTOR, e + GRAD_ELEMENT_SIZE),) if backward else ())  # K/V, dK/dV
         time = 0.0
         for factor, bytes_per in passes:
             for flops, elems in zip(steps.flops, moved):
@@ -76,5 +76,5 @@ def predict_dilated_point(point: dict[str, Any], costs: CommCosts, bwd_factor: f
             kv_out, grads_out = (ranks - 1) * block, ranks * block if ranks > 1 else 0
         else:
             kv_out, grads_out = sum(steps.sent), sum(steps.received)
-        sent.append(scale * (kv_out * e * (2 if backward else 1) + (grads_out * 4 if backward else 0)))
+        sent.append(scale * (kv_out * e * (2 if backward else 1) + (grads_out * GRAD_ELEMENT_SIZE if backward else 0)))
     return {"time_s": max(times), "bytes_sent_max": float(max(sent))}

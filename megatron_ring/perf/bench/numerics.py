@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_ring.perf.bench.harness import CAUSAL, DTYPES, borrow_pool
+from megatron_ring.perf.report import markdown_table, print_table
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
-
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _global_inputs(cfg: dict[str, Any]) -> list[torch.Tensor]:
@@ -67,10 +68,9 @@ def run_numerics(*, ranks: list[int], dtypes: list[str], causals: list[bool], se
                  progress: Any = print, pools: Callable[[int, int], Any] | None = None) -> list[dict[str, Any]]:
     """Every (P, dtype, causal) point: relative errors of out, dq, dk, dv.
 
-    ``pools(P, threads)`` may supply running gloo pools (see :func:`~megatron_ring.perf.bench_attention.run_sweep`).
+    ``pools(P, threads)`` may supply running gloo pools (see :func:`~megatron_ring.perf.bench.harness.borrow_pool`).
     """
     from megatron_ring.attention.sharding import unshard_sequence
-    from megatron_ring.perf.bench_attention import borrow_pool
     from megatron_ring.attention.reference import rel_err
 
     bad = [d for d in dtypes if d not in DTYPES]
@@ -102,12 +102,43 @@ def run_numerics(*, ranks: list[int], dtypes: list[str], causals: list[bool], se
     return points
 
 
+NUMERICS_COLUMNS = ["dtype", "P", "causal", "fwd rel err", "dq rel err", "dk rel err", "dv rel err"]
+
+
+def numerics_rows(points: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Rows of the numerics table."""
+    return [[p["dtype"], p["P"], "yes" if p["causal"] else "no", f"{p['out']:.2e}", f"{p['dq']:.2e}",
+             f"{p['dk']:.2e}", f"{p['dv']:.2e}"] for p in points]
+
+
+def numerics_pivot(points: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one row per (dtype, causal, quantity), one column per ring size P."""
+    ranks = sorted({p["P"] for p in points})
+    cells = {(p["dtype"], p["causal"], p["P"]): p for p in points}
+    rows = []
+    for dtype in dict.fromkeys(p["dtype"] for p in points):
+        for causal in (True, False):
+            if not any((dtype, causal, r) in cells for r in ranks):
+                continue
+            for key, name in (("out", "out"), ("grads", "max(dq, dk, dv)")):
+                vals = []
+                for r in ranks:
+                    p = cells.get((dtype, causal, r))
+                    if p is None:
+                        vals.append("-")
+                        continue
+                    v = p["out"] if key == "out" else max(p["dq"], p["dk"], p["dv"])
+                    vals.append(f"{v:.2e}")
+                rows.append([dtype, "yes" if causal else "no", name] + vals)
+    return markdown_table(["dtype", "causal", "rel err of"] + [f"P={r}" for r in ranks], rows)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-ring bench numerics", description=__doc__.split("\n")[0])
     ap.add_argument("--P", dest="ranks", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16],
                     help="ring sizes (processes)")
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    ap.add_argument("--causal", choices=["yes", "no", "both"], default="both")
+    ap.add_argument("--causal", choices=list(CAUSAL), default="both")
     ap.add_argument("--L", dest="seq", type=positive_int, default=512,
                     help="global sequence length, divisible by 2*max(P)")
     ap.add_argument("--batch", type=positive_int, default=2)
@@ -123,11 +154,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def bench_numerics_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench numerics``: run, write JSON (and Markdown), print the table."""
-    from megatron_ring.perf import report
-
     parser = _parser()
     args = parser.parse_args(argv)
-    causals = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
+    problem = output_problem({"--out": (args.out, False), "--markdown": (args.markdown, False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
+    causals = CAUSAL[args.causal]
     try:
         points = run_numerics(ranks=args.ranks, dtypes=args.dtype, causals=causals, seq=args.seq, batch=args.batch,
                               heads=args.heads, heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim,
@@ -137,11 +169,10 @@ def bench_numerics_main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"argv": argv if argv is not None else [], "points": points}, indent=2))
-    rows = report.numerics_rows(points)
-    report.print_table(f"relative error vs float64 (L={args.seq}, batch {args.batch}, heads {args.heads}, "
-                       f"head_dim {args.head_dim})", report.NUMERICS_COLUMNS, rows)
+    rows = numerics_rows(points)
+    print_table(f"relative error vs float64 (L={args.seq}, batch {args.batch}, heads {args.heads}, "
+                       f"head_dim {args.head_dim})", NUMERICS_COLUMNS, rows)
     if args.markdown:
-        Path(args.markdown).write_text(report.numerics_pivot(points) + "\n\n" +
-                                       report.markdown_table(report.NUMERICS_COLUMNS, rows) + "\n")
+        Path(args.markdown).write_text(numerics_pivot(points) + "\n\n" + markdown_table(NUMERICS_COLUMNS, rows) + "\n")
     print(f"wrote {out}")
     return 0

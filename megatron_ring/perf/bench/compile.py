@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +28,8 @@ import torch.distributed as dist
 
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.api import ring_attention
+from megatron_ring.perf.bench.harness import barrier_timed, slowest
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.runtime.pool import GlooPool
 
@@ -64,13 +65,6 @@ class AttentionLayer(torch.nn.Module):
         if keep:
             k_cache, v_cache = torch.cat([k_cache, k], 1), torch.cat([v_cache, v], 1)
         return x + self.out(decode_attention(q, k_cache, v_cache).flatten(2)), k_cache, v_cache
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _point(mode: str, seq: int, batch: int, hidden: int, heads: int, heads_kv: int, repeats: int,
@@ -115,14 +109,14 @@ def _point(mode: str, seq: int, batch: int, hidden: int, heads: int, heads_kv: i
                     module(x.requires_grad_()).sum().backward()
             return call
     calls = {name: run(name) for name in ("eager", "compiled")}
-    compile_s = _timed(calls["compiled"])
+    compile_s = barrier_timed(calls["compiled"])
     for _ in range(warmup):
         for call in calls.values():
             call()
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(repeats):
         for name, call in calls.items():
-            times[name].append(_timed(call))
+            times[name].append(barrier_timed(call))
     return {**times, "compile_s": compile_s}
 
 
@@ -140,12 +134,11 @@ def run_bench(*, ranks: int, modes: list[str], seqs: list[int], batch: int, hidd
         for mode in modes:
             for seq in seqs:
                 per_rank = pool.run(_point, mode, seq, batch, hidden, heads, heads_kv, repeats, warmup)
-                slowest = {name: [max(times) for times in zip(*(r[name] for r in per_rank))]
-                           for name in ("eager", "compiled")}
+                times_of = {name: slowest([r[name] for r in per_rank]) for name in ("eager", "compiled")}
                 row: dict[str, Any] = {"mode": mode, "seq": seq, "batch": batch, "hidden": hidden, "heads": heads,
                                        "heads_kv": heads_kv, "ranks": ranks, "threads": threads,
                                        "compile_s": max(r["compile_s"] for r in per_rank)}
-                for name, times in slowest.items():
+                for name, times in times_of.items():
                     row[name] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                                  "max_ms": 1e3 * max(times)}
                 row["speedup"] = row["eager"]["median_ms"] / row["compiled"]["median_ms"]
@@ -173,6 +166,9 @@ def bench_compile_main(argv: list[str] | None = None) -> int:
     """``megatron-ring bench compile``: run, write JSON, print the table."""
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = output_problem({"--out": (args.out, False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     try:
         points = run_bench(ranks=args.ranks, modes=args.mode, seqs=args.seq, batch=args.batch, hidden=args.hidden,
                            heads=args.heads, heads_kv=args.heads_kv, repeats=args.repeats, warmup=args.warmup)

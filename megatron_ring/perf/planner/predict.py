@@ -13,9 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from megatron_ring.perf.cost_model import Planner, PlanInput, Prediction
-from megatron_ring.perf.hardware import HardwareProfile
-from megatron_ring.perf.plan_cli import load_plan_input
+from megatron_ring.perf.planner.cost_model import Planner
+from megatron_ring.perf.planner.hardware import HardwareProfile
+from megatron_ring.perf.planner.inputs import PlanInput
+from megatron_ring.perf.planner.plan_cli import load_plan_input
+from megatron_ring.perf.planner.prediction import Prediction
 
 Predictor = Callable[[Path, int, int, int], dict[str, Any]]
 

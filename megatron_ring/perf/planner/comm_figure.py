@@ -2,8 +2,8 @@
 
 ``megatron-ring plan <config> --comm-figure out.png`` draws, for the config's model and CP size
 and for half that CP size (one node) beside it, the forward attention time per layer the cost
-model predicts for ``p2p``, ``all_gather``, ``a2a`` and ``a2a+p2p`` (Note [All-to-all in the cost
-model] in attention/auto_comm.py), and shades the comm ``comm="auto"`` picks at each length.
+model predicts for each comm of :data:`~megatron_ring.attention.comms.COMMS` (Note [All-to-all in
+the cost model] in attention/auto_comm.py), and shades the comm ``comm="auto"`` picks at each length.
 """
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_ring.parallel.layout import ParallelLayout
-from megatron_ring.perf.cost_model import PlanInput, Planner
+from megatron_ring.attention.comms import COMMS
+from megatron_ring.perf.planner.cost_model import Planner
+from megatron_ring.perf.planner.inputs import PlanInput
 
-COMMS: tuple[str, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p")
-COLORS = {"p2p": "tab:blue", "all_gather": "tab:gray", "a2a": "tab:orange", "a2a+p2p": "tab:green"}
+COLORS = dict(zip(COMMS, ("tab:blue", "tab:gray", "tab:orange", "tab:green")))
+"""Each comm's colour, in the order of ``COMMS``."""
 
 
 def comm_curves(planner: Planner, base: PlanInput, lengths: list[int]) -> dict[str, list[float]]:

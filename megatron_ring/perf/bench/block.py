@@ -1,6 +1,6 @@
 """The local block kernel on one device: exactness of each backend vs float64, and its speed.
 
-``python -m megatron_ring.perf.bench_block --out results/bench_block.json`` on a GPU (or CPU)
+``python -m megatron_ring.perf.bench.block --out results/bench_block.json`` on a GPU (or CPU)
 checks ``block_forward``/``block_backward`` of every usable backend (``math``, ``sdpa``, and
 ``flash_attn`` where the flash-attn package is installed on a CUDA GPU) against a float64
 reference (fp16/bf16/fp32 as the backend allows, causal and not, GQA), the single-rank
@@ -16,15 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 
+from megatron_ring.attention.auto_comm import BWD_COMPUTE_FACTOR, attention_flops
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.reference import attention_reference, rel_err
+from megatron_ring.perf.bench.harness import median_time
 
 
 def _qkv(b: int, s: int, hq: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -78,25 +79,6 @@ def check_entry_points(device: torch.device) -> dict:
             "ring_dk": rel_err(leaves[1].grad.cpu(), ref_in[1].grad), "decode": rel_err(dec.cpu(), dec_ref)}
 
 
-def _time(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn()`` after one warm-up (CUDA events on GPU)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def time_backends(device: torch.device, lengths: list[int], repeats: int) -> list[dict]:
     """Causal bf16 (fp32 on CPU) timings of each backend and of torch SDPA, ``[1, L, 32, 128]`` / 8 K/V heads."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -105,7 +87,7 @@ def time_backends(device: torch.device, lengths: list[int], repeats: int) -> lis
     for length in lengths:
         q, k, v, do = _qkv(1, length, 32, 8, 128, dtype, device)
         qh, kh, vh, doh = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
-        flops = 4 * length * length * 32 * 128 / 2
+        flops = attention_flops(batch=1, q_len=length, k_len=length, heads=32, head_dim=128, causal=True)
         for backend in (*usable, "torch_sdpa"):
             if backend == "torch_sdpa":
                 def fwd():
@@ -122,12 +104,13 @@ def time_backends(device: torch.device, lengths: list[int], repeats: int) -> lis
                     out, lse = block_forward(qh, kh, vh, causal=True, scale=1 / math.sqrt(128), backend=backend)
                     block_backward(doh, qh, kh, vh, out, lse, causal=True, scale=1 / math.sqrt(128), backend=backend)
             try:
-                t_f, t_fb = _time(fwd, device, repeats), _time(fwd_bwd, device, repeats)
+                t_f, t_fb = median_time(fwd, device, repeats), median_time(fwd_bwd, device, repeats)
             except (RuntimeError, torch.OutOfMemoryError) as err:
                 rows.append({"L": length, "backend": backend, "error": str(err).splitlines()[0]})
                 continue
             rows.append({"L": length, "backend": backend, "fwd_ms": 1e3 * t_f, "fwd_bwd_ms": 1e3 * t_fb,
-                         "fwd_tflops": flops / t_f / 1e12, "fwd_bwd_tflops": 3.5 * flops / t_fb / 1e12})
+                         "fwd_tflops": flops / t_f / 1e12,
+                         "fwd_bwd_tflops": (1 + BWD_COMPUTE_FACTOR) * flops / t_fb / 1e12})
     return rows
 
 
@@ -160,7 +143,7 @@ def time_layouts(device: torch.device, repeats: int,
             def fwd_bwd() -> None:
                 out, lse = fwd()
                 block_backward(do, q, k, v, out, lse, causal=causal, scale=0.125, backend="sdpa")
-            times[heads_first] = (_time(fwd, device, repeats), _time(fwd_bwd, device, repeats))
+            times[heads_first] = (median_time(fwd, device, repeats), median_time(fwd_bwd, device, repeats))
         rows.append({"q": q_len, "k": k_len, "heads": heads, "causal": causal,
                      "fwd_ms_heads_first": 1e3 * times[True][0], "fwd_ms_seq_first": 1e3 * times[False][0],
                      "fwd_bwd_ms_heads_first": 1e3 * times[True][1], "fwd_bwd_ms_seq_first": 1e3 * times[False][1],

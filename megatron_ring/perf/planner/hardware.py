@@ -1,4 +1,4 @@
-"""Hardware profiles for the planner: the numbers live in ``megatron_ring/perf/profiles/*.json``.
+"""Hardware profiles for the planner: the numbers live in ``megatron_ring/profiles/*.json``.
 
 A profile is data, not code: copy one of the JSON files, edit the numbers (peak FLOP/s per dtype,
 HBM size and bandwidth, link bandwidths, achieved-efficiency factors, latencies) and pass its path
@@ -6,9 +6,11 @@ to ``megatron-ring plan --hardware my.json``. Unknown keys are rejected with a d
 
 Peak numbers are the vendor's; the ``*_efficiency`` factors turn them into achieved numbers and are
 the knobs to calibrate against measurements (``megatron-ring bench attention`` prints them for CPU).
-``megatron-ring calibrate`` (:mod:`megatron_ring.perf.calibrate`) measures all of them on the
+``megatron-ring calibrate`` (:mod:`megatron_ring.perf.planner.calibrate`) measures all of them on the
 machine it runs on and writes a profile; its optional fields (collective bandwidths, fixed host
-overheads) default to values that leave older profiles' predictions unchanged.
+overheads) default to values that leave older profiles' predictions unchanged. The derivation of
+achieved FLOP/s, link bandwidth and :class:`CommCosts` from these numbers is the core's
+(:func:`~megatron_ring.attention.auto_comm.profile_costs`), which ``comm="auto"`` also uses.
 """
 from __future__ import annotations
 
@@ -16,10 +18,9 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from megatron_ring.attention.auto_comm import CommCosts
+from megatron_ring.attention.auto_comm import PROFILE_DIR, CommCosts, achieved_flops, link_bytes_per_s, profile_costs
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 
-PROFILE_DIR = Path(__file__).with_name("profiles")
 DEFAULT_PROFILE = "h100-sxm"
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -86,14 +87,7 @@ class HardwareProfile(StrictModel):
         On GPU profiles each rank owns a device. On CPU profiles the ``cpu_cores`` are shared:
         a rank gets ``cpu_cores / ranks`` cores (at most all of them).
         """
-        if dtype not in self.peak_flops:
-            raise ValueError(f"dtype {dtype!r} has no peak_flops in profile {self.name!r}; "
-                             f"allowed: {sorted(self.peak_flops)}")
-        if kind not in ("matmul", "attention"):
-            raise ValueError(f"kind must be 'matmul' or 'attention', got {kind!r}")
-        eff = self.matmul_efficiency if kind == "matmul" else self.attention_efficiency
-        share = 1.0 if self.cpu_cores is None else self.cpu_cores / max(1, ranks)
-        return self.peak_flops[dtype] * eff * share
+        return achieved_flops(self.model_dump(), dtype, kind=kind, ranks=ranks)
 
     def hbm(self, *, ranks: int = 1) -> float:
         """Achieved memory bandwidth of one rank when ``ranks`` ranks run at once (CPU ranks share the machine's)."""
@@ -121,8 +115,7 @@ class HardwareProfile(StrictModel):
 
     def link_bytes_per_s(self, *, cross_node: bool) -> float:
         """Achieved bytes/s per direction of one device's link inside a node or between nodes."""
-        peak = self.inter_node_bytes_per_s if cross_node else self.intra_node_bytes_per_s
-        return peak * self.link_efficiency
+        return link_bytes_per_s(self.model_dump(), cross_node=cross_node)
 
     def usable_memory(self, *, ranks: int = 1) -> float:
         """Bytes per rank that tensors may use (CPU profiles share the memory among ``ranks``)."""
@@ -131,12 +124,7 @@ class HardwareProfile(StrictModel):
 
     def comm_costs(self, dtype: str = "bf16", *, cross_node: bool = False, ranks: int = 1) -> CommCosts:
         """The :class:`CommCosts` of this profile, for ``comm="auto"`` and the planner's ring model."""
-        link = self.link_bytes_per_s(cross_node=cross_node)
-        gather = link if cross_node or self.allgather_bytes_per_s is None else self.allgather_bytes_per_s
-        latency = self.collective_latency_s if self.allgather_latency_s is None else self.allgather_latency_s
-        return CommCosts(flops_per_s=self.flops(dtype, kind="attention", ranks=ranks), p2p_bytes_per_s=link,
-                         allgather_bytes_per_s=gather, step_latency_s=self.p2p_latency_s,
-                         collective_latency_s=latency)
+        return profile_costs(self.model_dump(), dtype, cross_node=cross_node, ranks=ranks)
 
 
 def profile_names() -> list[str]:

@@ -1,4 +1,4 @@
-"""``megatron-ring plan <config>``: the cost model (:mod:`megatron_ring.perf.cost_model`) on a config.
+"""``megatron-ring plan <config>``: the cost model (:mod:`megatron_ring.perf.planner.cost_model`) on a config.
 
 It evaluates the job's own layout and the alternative at the same world size (TP x PP baseline
 <-> ring + sequence parallelism, RA+SP) on a hardware profile and prints one table per layout
@@ -15,12 +15,13 @@ from typing import Any
 
 from megatron_ring.runtime.args import non_negative_int, positive_int, usage_error
 from megatron_ring.config.layout import LayoutConfig
-from megatron_ring.config.strict import ConfigError, load_mapping
+from megatron_ring.config.strict import ConfigError, load_mapping, output_problem
 from megatron_ring.parallel.layout import ParallelLayout
-from megatron_ring.perf.cost_model import (
-    CP_COMMS, ModelDims, PlanInput, Planner, Workload, alternative_layout, compare_measured,
-)
-from megatron_ring.perf.hardware import DEFAULT_PROFILE, DTYPE_BYTES, HardwareProfile, profile_names
+from megatron_ring.perf.planner import plan_table
+from megatron_ring.perf.planner.cost_model import Planner
+from megatron_ring.perf.planner.hardware import DEFAULT_PROFILE, DTYPE_BYTES, HardwareProfile, profile_names
+from megatron_ring.perf.planner.inputs import CP_COMMS, ModelDims, PlanInput, Workload, alternative_layout
+from megatron_ring.perf.planner.measured import compare_measured
 
 
 def _gpt_model(m: Any) -> ModelDims:
@@ -137,10 +138,11 @@ def _read_measured(path: str) -> dict[str, Any]:
 
 def plan_main(argv: list[str] | None = None) -> int:
     """``megatron-ring plan``: print (and optionally write) the predictions; 0 on success, 2 on bad input."""
-    from megatron_ring.perf import report
-
     parser = _parser()
     args = parser.parse_args(argv)
+    problem = output_problem({"--json": (args.json_out, False), "--markdown": (args.markdown, False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     try:
         hw = HardwareProfile.load(args.hardware)
         main = _input_from_args(args)
@@ -158,20 +160,20 @@ def plan_main(argv: list[str] | None = None) -> int:
         preds = [Planner(hw).predict(p) for p in inputs]
     except ValueError as err:  # e.g. a --dtype the profile has no numbers for
         return usage_error(parser.prog, err)
-    report.print_plan(inputs, preds, hw)
+    plan_table.print_plan(inputs, preds, hw)
     out: dict[str, Any] = {"hardware": hw.model_dump(), "plans": [asdict(x) for x in preds]}
     if measured is not None:
         rows = compare_measured(measured, hw)
-        report.print_comparison(rows, hw.name)
+        plan_table.print_comparison(rows, hw.name)
         out["measured_vs_predicted"] = rows
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(report.plan_markdown(preds, out.get("measured_vs_predicted")))
+        Path(args.markdown).write_text(plan_table.plan_markdown(preds, out.get("measured_vs_predicted")))
     if args.comm_figure:
-        from megatron_ring.perf.comm_figure import draw_comm_figure
+        from megatron_ring.perf.planner.comm_figure import draw_comm_figure
 
         print(f"wrote {draw_comm_figure(Planner(hw), main, args.comm_figure)}")
     return 0
