@@ -205,9 +205,9 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
         raise TypeError(f"causal must be a bool, got {causal!r}")
     scale = check_scale(softmax_scale, q.shape[-1])
     window = check_window(window_size)
-    pairs = check_dilation(dilation, q.shape[2], {"window_size": window != (-1, -1), "cu_seqlens": cu_seqlens is not None,
-                                                  "key_padding_mask": key_padding_mask is not None,
-                                                  f"comm={comm!r}": comm in A2A_COMMS})
+    pairs = check_dilation(dilation, q.shape[2], {
+        "window_size": window != (-1, -1), "cu_seqlens": cu_seqlens is not None,
+        "key_padding_mask": key_padding_mask is not None, f"comm={comm!r}": comm in A2A_COMMS})
     rank, size, seq_local = place.rank, place.size, q.shape[1]
     docs = None if cu_seqlens is None else doc_lengths(cu_seqlens, seq_local * size, size, sharding)
     schedule = schedule_for(rank, size, seq_local, docs, causal=causal, sharding=sharding, window=window)

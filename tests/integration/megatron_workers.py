@@ -332,7 +332,8 @@ def core_attention_dilated_cases(seq: int = 24, batch: int = 2) -> dict[str, Any
         return shard_sequence(t, rank, size).transpose(0, 1)
 
     errors = {}
-    for layer, ref in ((1, dilated_reference(q, k, v, pairs, causal=True)), (2, attention_reference(q, k, v, causal=True))):
+    refs = {1: dilated_reference(q, k, v, pairs, causal=True), 2: attention_reference(q, k, v, causal=True)}
+    for layer, ref in refs.items():
         ring = build_module(leaf, config=config, layer_number=layer, attn_mask_type=AttnMaskType.causal,
                             attention_type="self")
         out = ring(sbhd_shard(q), sbhd_shard(k), sbhd_shard(v), None)
