@@ -205,7 +205,7 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
         raise TypeError(f"causal must be a bool, got {causal!r}")
     scale = check_scale(softmax_scale, q.shape[-1])
     window = check_window(window_size)
-    pairs = check_dilation(dilation, q.shape[2], {
+    pairs = None if dilation is None else check_dilation(dilation, q.shape[2], {  # plain calls stay out of dilated.py
         "window_size": window != (-1, -1), "cu_seqlens": cu_seqlens is not None,
         "key_padding_mask": key_padding_mask is not None, f"comm={comm!r}": comm in A2A_COMMS})
     rank, size, seq_local = place.rank, place.size, q.shape[1]
@@ -231,7 +231,7 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
               flag_field("gradients", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
                          ("not needed", "needed")),
               field("window_size[0]", window[0]), field("window_size[1]", window[1]),
-              field("cu_seqlens", docs_code, _show_docs), field("dilation", dilation_code(pairs), show_dilation)]
+              field("cu_seqlens", docs_code, _show_docs), field("dilation", 0 if pairs is None else dilation_code(pairs), show_dilation)]
     return (call, (q, k, v, key_padding_mask)), fields  # type: ignore[return-value]
 
 

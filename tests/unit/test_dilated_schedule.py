@@ -123,3 +123,23 @@ def test_check_dilation_takes_one_pair_or_a_sequence():
     assert check_dilation((8, 2), 4, {}) == ((8, 2),)
     assert check_dilation([[8, 2], (16, 4)], 4, {}) == ((8, 2), (16, 4))
     assert check_dilation(None, 4, {"window_size": True}) is None
+
+
+def test_a_plain_call_runs_no_dilated_code():
+    """The dilated machinery stays off the plain path (it only adds one None check there)."""
+    import sys
+
+    q = torch.randn(1, 16, 2, 8, requires_grad=True)
+    ring_attention(q, q, q, causal=True)  # schedules cached, as in a steady state
+    entered = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and "/attention/dilated" in frame.f_code.co_filename:
+            entered.add(frame.f_code.co_filename)
+
+    sys.setprofile(profile)
+    try:
+        ring_attention(q, q, q, causal=True).sum().backward()
+    finally:
+        sys.setprofile(None)
+    assert not entered, entered
