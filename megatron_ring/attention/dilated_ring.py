@@ -31,6 +31,7 @@ def pieces_of(call: RingCall, q: torch.Tensor, k: torch.Tensor) -> tuple[Piece, 
 
 
 def transport_for(call: RingCall, pieces: tuple[Piece, ...]) -> Transport:
+    """The transport of one pass: the pieces' rows point to point (``p2p``), or the whole gather."""
     place = call.place
     kind = DilatedGather if call.comm == "all_gather" else DilatedTransfers
     return kind(place.flat, place.rank, place.size, pieces)
