@@ -27,6 +27,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
                 "run the baseline and ring configs of a pair under the deepspeed launcher, side by side"),
     "sweep": ("megatron_ring.perf.sweep.cli", "sweep_main",
               "baseline vs ring of a pair over prompt lengths (and batches), repeated: sweep.json and plots"),
+    "perplexity": ("megatron_ring.inference.perplexity", "perplexity_main",
+                   "a document's perplexity under the ring at several CP sizes and under DeepSpeed AutoTP"),
     "infer": ("megatron_ring.inference.main", "infer_main",
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
 }

@@ -39,6 +39,7 @@ PAIRS: dict[str, tuple[str, str]] = {
     "long-gqa-tp2": ("long_gqa_sdpa_tp2.json", "long_gqa_ring_cp2.json"),
     "long-cp4": ("long_sdpa_tp2_pp2.json", "long_ring_cp4.json"),
     "long-tp2-cp2": ("long_sdpa_tp2_pp2.json", "long_ring_tp2_cp2.json"),
+    "smollm2-tp2": ("smollm2_autotp_tp2.json", "smollm2_ring_cp2.json"),
 }
 """Pair name -> (baseline, ring) file names of shipped configs (:func:`~megatron_ring.config.shipped.find_config`)."""
 
@@ -161,7 +162,27 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     same = results[0]["generated"] == results[1]["generated"]
     print(f"\ngreedy tokens identical: {'yes' if same else 'NO'} "
           f"({results[0]['workload']['batch']} sequences x {results[0]['workload']['new_tokens']} tokens)")
+    if "generated_text" in results[0] and "generated_text" in results[1]:
+        print(format_answers(results))
     return 0
+
+
+def format_answers(results: list[dict]) -> str:
+    """Both sides' answers to each text prompt, one after the other, and whether they are identical."""
+    lines = []
+    names = [r["name"] for r in results]
+    width = max(len(n) for n in names)
+    for row, prompt in enumerate(results[0]["prompts"]):
+        texts = [r["generated_text"][row] for r in results]
+        lines.append(f"\nprompt {row}: {prompt['source']} ({prompt['document_tokens_kept']} of "
+                     f"{prompt['document_tokens']} document tokens, {prompt['padding']} padding)")
+        if prompt["question"]:
+            lines.append(f"  question: {prompt['question']}")
+        for name, text in zip(names, texts):
+            body = text.strip().replace("\n", "\n  " + " " * (width + 2))
+            lines.append(f"  {name:<{width}}: {body}")
+        lines.append(f"  answers identical: {'yes' if texts[0] == texts[1] else 'NO'}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

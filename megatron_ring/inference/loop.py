@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -45,14 +45,19 @@ class LoopResult:
 
 
 def run_requests(runner: ModelRunner, *, batch: int, prompt_len: int, new_tokens: int, warmup: int,
-                 repeats: int, seed: int, barrier: Callable[[], None], bar: Any) -> LoopResult:
+                 repeats: int, seed: int, barrier: Callable[[], None], bar: Any,
+                 prompt: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None) -> LoopResult:
     """Serve ``warmup + repeats`` identical requests; time and count the last ``repeats``.
 
     barrier: called before each request on every rank (``torch.distributed.barrier``);
-    bar: a progress bar (``update``/``set_postfix_str``), advanced once per prefill and decode step.
+    bar: a progress bar (``update``/``set_postfix_str``), advanced once per prefill and decode step;
+    prompt, attention_mask: int64 ``[batch, prompt_len]`` (text prompts, 0 = left padding);
+    default: :func:`make_prompt` of ``seed``, no padding.
     """
     device = runner.device
-    prompt = make_prompt(batch, prompt_len, runner.vocab_size, seed).to(device)
+    if prompt is None:
+        prompt = make_prompt(batch, prompt_len, runner.vocab_size, seed)
+    prompt = prompt.to(device)
     counter = CommCounter()
     timings: list[RequestTiming] = []
     generated: list[list[int]] = []
@@ -68,7 +73,7 @@ def run_requests(runner: ModelRunner, *, batch: int, prompt_len: int, new_tokens
             counter.phase = "prefill"
             _sync(device)
             start = time.perf_counter()
-            nxt = runner.prefill(prompt)
+            nxt = runner.prefill(prompt, attention_mask)
             _sync(device)
             timing = RequestTiming(prefill_s=time.perf_counter() - start)
             bar.update(1)

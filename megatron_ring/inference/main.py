@@ -27,10 +27,10 @@ import torch.distributed as dist
 from megatron_ring.config import ConfigError, Problems, load_mapping
 from megatron_ring.inference.loop import job_timings, run_requests
 from megatron_ring.inference.metrics import RequestTiming, format_table, median_metrics, request_metrics
+from megatron_ring.inference.prompts import answers, text_prompts
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
 from megatron_ring.integrations.deepspeed import config as ds_config
 from megatron_ring.integrations.deepspeed import process_group as ds_glue
-from megatron_ring.integrations.deepspeed.inference_engine import init_inference
 from megatron_ring.parallel.groups import init_parallel
 from megatron_ring.runtime.faults import PeerMonitor
 from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
@@ -85,8 +85,10 @@ def _rank_info(rank: int, coords: dict[str, int], device: torch.device, loop: An
 
 
 def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: torch.device, backend: str,
-                 dtype: torch.dtype, attention_kernel: str, started: datetime, wall_s: float) -> dict[str, Any]:
-    """The result document from every rank's :func:`_rank_info` (rank order)."""
+                 dtype: torch.dtype, attention_kernel: str, started: datetime, wall_s: float,
+                 text: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The result document from every rank's :func:`_rank_info` (rank order); ``text``: ``prompts``
+    (a record per row) and ``generated_text`` (each row's answer) of text prompts."""
     layout, work = spec.layout, spec.ring.workload
     per_rank = [[RequestTiming(t["prefill_s"], list(t["step_s"])) for t in r["timings"]] for r in ranks]
     requests = [request_metrics(t, sequences=layout.dp * work.batch, prompt_len=work.prompt_len)
@@ -109,6 +111,7 @@ def build_result(spec: InferenceSpec, ranks: list[dict[str, Any]], *, device: to
         "requests": requests,
         "ranks": [{k: v for k, v in r.items() if k not in ("timings", "generated")} for r in ranks],
         "generated": ranks[0]["generated"],
+        **(text or {}),
         "started_at": started.isoformat(timespec="seconds"),
         "wall_s": wall_s,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -149,11 +152,16 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
         runner = runner_module(ring.model.runner).build_runner(
             spec.model, groups, dtype=dtype, device=device, seed=work.seed, batch=work.batch,
             prompt_len=work.prompt_len, new_tokens=work.new_tokens)
-        init_inference(runner.module, spec.deepspeed)
+        runner.init_deepspeed(spec.deepspeed)
+        prompt = mask = records = None
+        if spec.documents is not None:
+            prompt, mask, records = text_prompts(spec.documents, runner.tokenizer, prompt_len=work.prompt_len,
+                                                 chat=work.text.chat_template)
         bar = progress((work.warmup + work.repeats) * work.new_tokens, enabled=rank == 0,
                        desc=f"{spec.name} ({spec.layout.describe()})")
         loop = run_requests(runner, batch=work.batch, prompt_len=work.prompt_len, new_tokens=work.new_tokens,
-                            warmup=work.warmup, repeats=work.repeats, seed=work.seed, barrier=dist.barrier, bar=bar)
+                            warmup=work.warmup, repeats=work.repeats, seed=work.seed, barrier=dist.barrier, bar=bar,
+                            prompt=prompt, attention_mask=mask)
         bar.close()
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, _rank_info(rank, groups.coords, device, loop))
@@ -163,9 +171,11 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
         monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
         raise
     if rank == 0:
+        text = None if records is None else {
+            "prompts": records, "generated_text": answers(runner.tokenizer, ranks[0]["generated"])}
         result = build_result(spec, ranks, device=device, backend=backend, dtype=dtype,
                               attention_kernel=runner.attention_kernel, started=started,
-                              wall_s=time.perf_counter() - t0)
+                              wall_s=time.perf_counter() - t0, text=text)
         print(format_table([result]), flush=True)
         if spec.output:
             print(f"[megatron_ring] result written to {write_json_atomic(spec.output, result)}", flush=True)

@@ -30,14 +30,16 @@ from typing import Any, Optional, Union
 from pydantic import Field
 
 from megatron_ring.attention.sharding import check_divisible
-from megatron_ring.config import ConfigError, Problems, StrictModel, check_writable, load_mapping
+from megatron_ring.config import ConfigError, Problems, StrictModel, TimeoutSeconds, check_writable, load_mapping
 from megatron_ring.config.layout import LayoutConfig
+from megatron_ring.inference.prompts import Document, TextSection, find_file, load_documents
 from megatron_ring.integrations.deepspeed.config import SECTION
 from megatron_ring.parallel.layout import ParallelLayout
 
 RUNNERS: dict[str, str] = {
     "megatron": "megatron_ring.inference.runners.gpt",
     "toy": "megatron_ring.inference.runners.toy",
+    "hf": "megatron_ring.inference.runners.hf",
 }
 """``model.runner`` name -> module providing ``check_model`` and ``build_runner``
 (see :class:`megatron_ring.inference.runners.protocol.RunnerModule`)."""
@@ -65,6 +67,9 @@ class WorkloadSection(StrictModel):
     warmup: int = Field(1, ge=0, description="untimed requests before the measured ones")
     repeats: int = Field(3, ge=1, description="measured requests; metrics are their median")
     seed: int = Field(1234, description="seeds the weights and the prompt tokens")
+    text: Optional[TextSection] = Field(
+        None, description="real text prompts, one document per row, fitted to prompt_len (runners with a "
+        "tokenizer); None: random token ids")
 
 
 class RingSection(StrictModel):
@@ -75,17 +80,20 @@ class RingSection(StrictModel):
     layout: LayoutConfig
     workload: WorkloadSection
     output: Optional[str] = Field(None, description="result JSON path; None prints only")
-    collective_timeout_s: float = Field(300.0, gt=0, description="timeout of every collective")
-    peer_timeout_s: float = Field(
-        20.0, gt=0, description="a peer silent this long is declared lost and the job stops")
+    collective_timeout_s: TimeoutSeconds = Field(300.0, description="timeout of every collective")
+    peer_timeout_s: TimeoutSeconds = Field(
+        20.0, description="a peer silent this long is declared lost and the job stops")
 
 
 class InferenceSpec:
     """A validated config: our section, DeepSpeed's part, the model mapping and its summary."""
 
     def __init__(self, ring: RingSection, deepspeed: dict[str, Any], model: dict[str, Any],
-                 model_summary: dict[str, Any], path: Path | None, output: str | None) -> None:
+                 model_summary: dict[str, Any], path: Path | None, output: str | None,
+                 documents: list[Document] | None = None) -> None:
         self.ring = ring
+        self.documents = documents
+        """The text of each prompt row (``workload.text``), None for random prompts."""
         self.deepspeed = deepspeed
         self.model = model
         self.model_summary = model_summary
@@ -118,16 +126,7 @@ def runner_module(name: str) -> Any:
 def find_model_file(given: str, base: Path | None) -> Path:
     """The model file named by ``model.config``: absolute, else relative to ``base`` (the directory of
     the config file, so configs work from any working directory), then to the working directory."""
-    path = Path(given)
-    if path.is_absolute():
-        tried = [path]
-    else:
-        tried = ([base / path] if base is not None else []) + [Path.cwd() / path]
-    for candidate in tried:
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(f"megatron_ring.model.config = {given!r}: file not found; tried "
-                      f"{', '.join(str(p) for p in tried)}")
+    return find_file(given, base, f"{SECTION}.model.config")
 
 
 def load_model_mapping(section: ModelSection, base: Path | None) -> dict[str, Any]:
@@ -169,11 +168,20 @@ def validate(ring_data: Any, deepspeed: dict[str, Any], *, world_size: int, dtyp
     if target is not None:
         problems.run(check_writable, Path(target), field="--output" if output is not None else f"{SECTION}.output",
                      value=target)
+    documents = None
+    if work.text is not None:
+        documents = problems.run(load_documents, work.text, path.parent if path else None)
+        if documents is not None and len(documents) != work.batch:
+            problems.add(f"{SECTION}.workload.batch = {work.batch} but {SECTION}.workload.text gives "
+                         f"{len(documents)} documents; one row per document: make them equal")
     module = problems.run(runner_module, ring.model.runner)
+    if work.text is not None and module is not None and not getattr(module, "TAKES_TEXT", False):
+        problems.add(f"{SECTION}.workload.text needs a runner with a tokenizer (hf); "
+                     f"{SECTION}.model.runner = {ring.model.runner!r} serves random weights: drop text")
     model = problems.run(load_model_mapping, ring.model, path.parent if path else None)
     summary = None
     if module is not None and model is not None:
         summary = problems.run(module.check_model, model, layout, batch=work.batch, prompt_len=work.prompt_len,
                                new_tokens=work.new_tokens, dtype=dtype)
     problems.raise_if_any()
-    return InferenceSpec(ring, deepspeed, model, summary, path, target)
+    return InferenceSpec(ring, deepspeed, model, summary, path, target, documents)

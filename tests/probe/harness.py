@@ -16,13 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SLOW = os.environ.get("MEGATRON_RING_PROBE_SLOW") == "1"
 slow = pytest.mark.skipif(not SLOW, reason="slow probe case: MEGATRON_RING_PROBE_SLOW=1 (python scripts/probe.py --slow)")
-OWNED = "owned by another change"
-
-
-def owned(detail: str, *, run: bool = True) -> pytest.MarkDecorator:
-    """An issue-27 case in a part another change owns: expected to fail until it lands (``run=False``:
-    it would hang or take minutes today)."""
-    return pytest.mark.xfail(reason=f"{OWNED}: {detail}", run=run, strict=False)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from megatron_ring.config import ConfigError, load_mapping
 from megatron_ring.config.gpt import GPTConfig
-from tests.probe.harness import ROOT, assert_clean, owned, train_config
+from tests.probe.harness import ROOT, assert_clean, train_config
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
@@ -135,7 +135,6 @@ def test_inference_timeout_infinity_is_refused(tmp_path: Path) -> None:
         _load_inference(_inference(tmp_path, collective_timeout_s=float("inf")))
 
 
-@owned("inference/schema.py: collective_timeout_s / peer_timeout_s should use config.TimeoutSeconds")
 def test_inference_timeout_1e300_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="collective_timeout_s"):
         _load_inference(_inference(tmp_path, collective_timeout_s=1e300))

@@ -61,7 +61,7 @@ from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.integrations.megatron.attention import RingAttention
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, shard_of, unwrap
 from megatron_ring.integrations.megatron.state import init_megatron
-from megatron_ring.inference.runners.protocol import block_kernel_name
+from megatron_ring.inference.runners.protocol import DeepSpeedPassThrough, block_kernel_name, refuse_padding
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -194,7 +194,7 @@ def draw_weights(model: torch.nn.Module, seed: int) -> None:
         param.copy_(shard_of(param, full.to(param.device)))
 
 
-class MegatronRunner:
+class MegatronRunner(DeepSpeedPassThrough):
     """:class:`~megatron_ring.inference.runners.protocol.ModelRunner` of a Megatron-core GPT (Note [Sharded KV cache])."""
 
     def __init__(self, cfg: GPTConfig, groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
@@ -299,7 +299,8 @@ class MegatronRunner:
         self._pos, self._step = -1, 0
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, prompt_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        refuse_padding('megatron', attention_mask)
         b, length = prompt_ids.shape
         self.reset()
         ids = shard_sequence(prompt_ids.to(self.device), self.cp_rank, self.cp_size)

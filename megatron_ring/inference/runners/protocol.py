@@ -17,6 +17,8 @@ Implementations:
   decode through :func:`megatron_ring.decode_attention`).
 * :mod:`megatron_ring.inference.runners.toy` — a tiny pure-torch GPT over a CP group; an
   independent reference for tests.
+* :mod:`megatron_ring.inference.runners.hf` — a transformers causal LM from a local checkpoint;
+  TP by DeepSpeed AutoTP, CP by the ring (the transformers adapter).
 
 The config's ``model.runner`` field names a module that provides two functions, together a
 :class:`RunnerModule`: ``check_model`` (validate the model against the layout and workload
@@ -29,6 +31,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import torch
 
 from megatron_ring.attention.block import resolve_backend
+from megatron_ring.integrations.deepspeed.inference_engine import init_inference
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -58,19 +61,28 @@ class ModelRunner(Protocol):
     same kernel on both sides."""
 
     module: torch.nn.Module
-    """This rank's weights. The launcher hands it to ``deepspeed.init_inference``, which converts
-    and places it in place; the runner keeps using it as is."""
+    """This rank's weights (after :meth:`init_deepspeed`, what DeepSpeed made of them)."""
+
+    tokenizer: Any
+    """The checkpoint's tokenizer (transformers' interface), or None for a model without one (random
+    weights): text prompts need one."""
+
+    def init_deepspeed(self, ds_config: dict[str, Any]) -> None:
+        """Hand :attr:`module` to ``deepspeed.init_inference`` with DeepSpeed's part of the config, once,
+        after the process groups exist and before the first request."""
+        ...
 
     def reset(self) -> None:
         """Drop the KV cache; the next call must be :meth:`prefill`."""
         ...
 
-    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, prompt_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the whole prompt and fill this rank's KV cache.
 
         prompt_ids: int64 ``[batch, prompt_len]``, the *global* prompt, same on every rank (a CP
-        runner takes its own zigzag shard). Returns int64 ``[batch]``: the greedy next token after
-        the prompt, same on every rank.
+        runner takes its own zigzag shard); attention_mask: int64 ``[batch, prompt_len]``, 0 on left
+        padding (None: no padding; a runner without padding support raises ValueError for zeros).
+        Returns int64 ``[batch]``: the greedy next token after the prompt, same on every rank.
         """
         ...
 
@@ -86,6 +98,25 @@ class ModelRunner(Protocol):
     def kv_cache_bytes(self) -> int:
         """Bytes this rank's KV cache holds now (allocated capacity, all layers, K and V)."""
         ...
+
+
+class DeepSpeedPassThrough:
+    """:meth:`ModelRunner.init_deepspeed` of a runner whose module does its own tensor parallelism
+    (Megatron's layers) or none: DeepSpeed converts dtype and placement with ``tp_size = 1``. No
+    tokenizer, no padding."""
+
+    module: torch.nn.Module
+    tokenizer: Any = None
+
+    def init_deepspeed(self, ds_config: dict[str, Any]) -> None:
+        init_inference(self.module, ds_config)
+
+
+def refuse_padding(runner: str, attention_mask: Optional[torch.Tensor]) -> None:
+    """ValueError naming ``runner`` when ``attention_mask`` marks padding (a runner without padding support)."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(f"the {runner} runner takes prompts without padding; got an attention_mask with zeros "
+                         "(use the hf runner for padded text prompts)")
 
 
 class RunnerFactory(Protocol):
@@ -121,3 +152,6 @@ class RunnerModule(Protocol):
         ...
 
     build_runner: RunnerFactory
+
+    TAKES_TEXT: bool
+    """Whether its runners carry a tokenizer (``workload.text`` prompts); absent means False."""

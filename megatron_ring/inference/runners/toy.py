@@ -24,7 +24,7 @@ from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
 from megatron_ring.config import Problems, StrictModel
-from megatron_ring.inference.runners.protocol import block_kernel_name
+from megatron_ring.inference.runners.protocol import DeepSpeedPassThrough, block_kernel_name, refuse_padding
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -113,7 +113,7 @@ class ToyGPT(torch.nn.Module):
             self.layers.append(layer)
 
 
-class ToyRunner:
+class ToyRunner(DeepSpeedPassThrough):
     """:class:`ModelRunner` of :class:`ToyGPT` over the CP group: ring prefill, sharded decode.
 
     KV cache per layer: K and V ``[batch, capacity, heads_kv, head_dim]`` with
@@ -166,7 +166,8 @@ class ToyRunner:
         return logits.argmax(dim=-1)
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, prompt_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        refuse_padding('toy', attention_mask)
         b, length = prompt_ids.shape
         if b > self._k[0].shape[0] or length // self.cp_size > self.capacity:
             raise ValueError(f"prompt {tuple(prompt_ids.shape)} exceeds the KV cache built for "

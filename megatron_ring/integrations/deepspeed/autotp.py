@@ -62,10 +62,10 @@ def init_autotp(model: torch.nn.Module, tp_group: dist.ProcessGroup,
     tp = dict(config.get("tensor_parallel") or {})
     if tp.get("tp_size", tp_size) != tp_size:
         raise ValueError(f"tensor_parallel.tp_size={tp['tp_size']} but the TP group has {tp_size} ranks")
-    tp.pop("tp_group", None)
     tp["tp_size"] = tp_size
     if tp_size > 1:
         tp["mpu"] = TPGroup(tp_group)
+        tp["tp_group"] = tp_group
         init_deepspeed_comm()
     config["tensor_parallel"] = tp
     return deepspeed.init_inference(model, config=config).module

@@ -1,0 +1,145 @@
+"""Real text prompts of a workload, through the checkpoint's tokenizer (random ids: ``loop.make_prompt``).
+
+``workload.text`` (:class:`TextSection`) names documents: one per file (``files``), or a JSONL
+file whose lines are ``{"document": ..., "question": ...}`` (``jsonl``; ``document_file`` may
+replace ``document``, a path relative to the JSONL file). Each row of the batch is one document
+followed by its question, optionally through the tokenizer's chat template (one user message), and
+is fitted to exactly ``prompt_len`` tokens::
+
+    [template prefix][document tokens, cut at the end to fit][\\n\\n question][template suffix]
+    [pad ... pad][template prefix][whole document][\\n\\n question][template suffix]   (short: left-padded, mask 0)
+
+The document is cut, never the question or the template; the pieces are tokenized separately
+(a document cut at a token boundary). ``rows`` records, per row, where the text came from, how many
+of the document's tokens were kept and how much padding was added.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from pydantic import Field
+
+from megatron_ring.config import ConfigError, StrictModel
+
+PLACEHOLDER = "\u0000DOCUMENT\u0000"
+
+
+class TextSection(StrictModel):
+    """Real text prompts (see the module docstring); paths relative to the config file, then the working directory."""
+
+    files: list[str] = Field(default_factory=list, description="one document per file")
+    jsonl: Optional[str] = Field(None, description='lines {"document" or "document_file": ..., "question": ...}')
+    question: Optional[str] = Field(None, description="asked after every document of files")
+    chat_template: bool = Field(True, description="wrap each prompt in the tokenizer's chat template")
+
+
+@dataclass
+class Document:
+    """One row's text: the document, its question (may be empty) and where it came from."""
+
+    text: str
+    question: str
+    source: str
+
+
+def find_file(given: str, base: Optional[Path], field: str) -> Path:
+    """``given`` absolute, else relative to ``base`` (the config's directory), then to the working directory."""
+    path = Path(given)
+    tried = [path] if path.is_absolute() else ([base / path] if base is not None else []) + [Path.cwd() / path]
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{field} = {given!r}: file not found; tried {', '.join(str(p) for p in tried)}")
+
+
+def load_documents(section: TextSection, base: Optional[Path]) -> list[Document]:
+    """The documents of ``section`` in order; ConfigError naming the field and the line for bad input."""
+    field = "megatron_ring.workload.text"
+    if bool(section.files) == (section.jsonl is not None):
+        raise ConfigError(f"{field}: give exactly one of 'files' (one document per file) or 'jsonl'; got "
+                          f"files={section.files!r}, jsonl={section.jsonl!r}")
+    if section.files:
+        return [Document(find_file(f, base, f"{field}.files").read_text(), section.question or "", f)
+                for f in section.files]
+    if section.question is not None:
+        raise ConfigError(f"{field}.question is for 'files'; a JSONL line carries its own 'question'")
+    path = find_file(section.jsonl, base, f"{field}.jsonl")
+    docs = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{field}.jsonl {str(path)!r} line {number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where}: not valid JSON: {err.msg}") from None
+        if not isinstance(entry, dict) or set(entry) - {"document", "document_file", "question"} or \
+                ("document" in entry) == ("document_file" in entry):
+            raise ConfigError(f"{where}: must be an object with 'document' or 'document_file' (one of them) and an "
+                              f"optional 'question'; got keys {sorted(entry) if isinstance(entry, dict) else entry!r}")
+        text = entry.get("document")
+        if text is None:
+            text = find_file(entry["document_file"], path.parent, f"{where}: document_file").read_text()
+        docs.append(Document(str(text), str(entry.get("question", "")), f"{path.name}:{number}"))
+    if not docs:
+        raise ConfigError(f"{field}.jsonl {str(path)!r} holds no documents")
+    return docs
+
+
+def _template(tokenizer: Any, question: str, chat: bool) -> tuple[str, str]:
+    """The text before and after the document: the chat template around one user message, or a bare question."""
+    content = f"{PLACEHOLDER}\n\n{question}" if question else PLACEHOLDER
+    if not chat:
+        return "", content[len(PLACEHOLDER):]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("megatron_ring.workload.text.chat_template = true but the checkpoint's tokenizer has no chat "
+                         "template; set it to false")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+    prefix, suffix = rendered.split(PLACEHOLDER)
+    return prefix, suffix
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that fills left padding (masked, so any id is exact): pad, else EOS, else 0."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def text_prompts(documents: list[Document], tokenizer: Any, *, prompt_len: int, chat: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
+    """Ids and mask int64 ``[len(documents), prompt_len]`` (left-padded) and a record per row."""
+    rows, masks, records = [], [], []
+    for doc in documents:
+        prefix, suffix = _template(tokenizer, doc.question, chat)
+        head = tokenizer(prefix, add_special_tokens=not chat)["input_ids"] if prefix or not chat else []
+        tail = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+        body = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+        budget = prompt_len - len(head) - len(tail)
+        if budget < 1:
+            raise ValueError(f"megatron_ring.workload.prompt_len = {prompt_len} leaves no room for the document of "
+                             f"{doc.source}: the template and question take {len(head) + len(tail)} tokens")
+        kept = body[:budget]
+        ids = head + kept + tail
+        pad = prompt_len - len(ids)
+        rows.append([pad_token_id(tokenizer)] * pad + ids)
+        masks.append([0] * pad + [1] * len(ids))
+        records.append({"source": doc.source, "question": doc.question, "document_tokens": len(body),
+                        "document_tokens_kept": len(kept), "padding": pad})
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(masks, dtype=torch.int64), records
+
+
+def answers(tokenizer: Any, generated: list[list[int]]) -> list[str]:
+    """Each row's generated ids as text, up to its first end-of-sequence token (special tokens dropped)."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for row in generated:
+        end = row.index(eos) if eos in row else len(row)
+        out.append(tokenizer.decode(row[:end], skip_special_tokens=True))
+    return out

