@@ -11,6 +11,10 @@ Files (the reading path of one call is in api.py):
 * ``schedule.py``           which queries meet which keys at each ring step, also under a window or
                             packed documents: one ``Schedule`` per call (pure);
 * ``window.py``             ``window_size``: the band of allowed distances, masks (pure);
+* ``dilated.py``            ``dilation``: LongNet's dilated attention, its pieces in compact
+                            coordinates (pure); ``dilated_schedule.py`` their schedules,
+                            ``dilated_transport.py`` how their rows travel, ``dilated_ring.py``
+                            the loops (one ring call, every piece merged);
 * ``ring.py``               the ring's forward and backward loops and their autograd Function;
 * ``transport.py``          the K/V transport protocol, posting, timed waits, ``ring_stats``;
 * ``relay.py``              the relay ring (``comm="p2p"``);

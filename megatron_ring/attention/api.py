@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_ring.attention.alltoall import a2a_attention
 from megatron_ring.attention.call import prepare_ring
 from megatron_ring.attention.comms import A2A_COMMS, RING_COMMS, CPGroups
+from megatron_ring.attention.dilated_ring import run_dilated
 from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.ring import run_ring
 
@@ -26,7 +27,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    causal: bool = False, softmax_scale: float | None = None, sharding: str = "zigzag",
                    comm: str = "p2p", backend: str = "auto", key_padding_mask: torch.Tensor | None = None,
                    window_size: tuple[int, int] = (-1, -1), cu_seqlens: torch.Tensor | None = None,
-                   check_consistency: bool = True) -> torch.Tensor:
+                   dilation: tuple | None = None, check_consistency: bool = True) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
@@ -66,9 +67,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             :func:`~megatron_ring.attention.sharding.shard_sequence` does with ``cu_seqlens``
             (Note [Packed documents (varlen)]). No query sees a key of another document. Its values
             are read on the host once per call.
+        dilation: None, or LongNet's dilated attention: ``(segment_length, dilation)`` or a sequence of
+            such pairs (dilated.py: each pair's segments, its phases by head group, the pairs merged
+            by their softmax denominators); ``dilation <= heads_q``; not with a window, documents,
+            a key padding mask or the all-to-all comms. ``comm="p2p"`` moves only the rows some
+            rank reads (Note [Dilated attention as one ring call]).
         check_consistency: first check, with one small all-gather, that every rank passed the same
             shapes, dtype, device type, causal, sharding, comm, scale, mask presence, whether
-            gradients are needed, window and document boundaries, and raise
+            gradients are needed, window, document boundaries and dilation, and raise
             ValueError on every rank naming what differs (or which rank rejected its inputs):
             Note [Cross-rank handshake] in handshake.py. Must be the same on every rank; with
             False, a rank whose input differs or is rejected aborts or hangs the others.
@@ -81,15 +87,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     options = dict(causal=causal, softmax_scale=softmax_scale, sharding=sharding, comm=comm, backend=backend,
                    window_size=window_size, check_consistency=check_consistency)
-    if torch.compiler.is_compiling() and comm in RING_COMMS and cu_seqlens is None:
+    if torch.compiler.is_compiling() and comm in RING_COMMS and cu_seqlens is None and dilation is None:
         # one opaque custom op: Note [torch.compile] in ops.py
         through_op = call_op("ring_attention", (q, k, v), group, {"key_padding_mask": key_padding_mask}, options)
         if through_op is not None:
             return through_op[0]
     call, (qb, kb, vb, mask) = prepare_ring(q, k, v, group, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
-                                            **options)  # type: ignore[arg-type]
+                                            dilation=dilation, **options)  # type: ignore[arg-type]
     if qb.shape[0] == 0:
         return _empty_batch(q, k, v)
+    if call.dilation is not None:
+        return run_dilated(qb, kb, vb, call)
     if call.comm in A2A_COMMS:
         return a2a_attention(qb, kb, vb, call, mask)
     out = run_ring(qb, kb, vb, call, mask)

@@ -19,6 +19,7 @@ import torch
 from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import resolve_backend
 from megatron_ring.attention.comms import A2A_COMMS, COMM_CHOICES, Comm, CPPlace, cp_place
+from megatron_ring.attention.dilated import Pairs, check_dilation, dilation_code, show_dilation
 from megatron_ring.attention.handshake import (
     DTYPES, Field, agree_place, choice_field, field, flag_field, scale_field, tensor_fields,
 )
@@ -168,6 +169,8 @@ class RingCall:
     masked: bool
     """Whether a key padding mask was given."""
     schedule: Schedule
+    dilation: Pairs | None = None
+    """Dilated attention's ``(segment_length, dilation)`` pairs (dilated.py), or None."""
 
 
 def _docs_code(cu_seqlens: torch.Tensor | None) -> int:
@@ -188,8 +191,8 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, softmax_scale: float | None,
               sharding: str, comm: str, backend: str, key_padding_mask: object = None,
-              window_size: object = (-1, -1),
-              cu_seqlens: torch.Tensor | None = None) -> tuple[tuple[RingCall, Batch], list[Field]]:
+              window_size: object = (-1, -1), cu_seqlens: torch.Tensor | None = None,
+              dilation: object = None) -> tuple[tuple[RingCall, Batch], list[Field]]:
     """Every local check of a ``ring_attention`` call: its record, its inputs as a batch, and its
     handshake fields (``comm`` as requested)."""
     q, k, v, key_padding_mask = packed_as_batch(q, k, v, key_padding_mask, cu_seqlens)
@@ -202,6 +205,9 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
         raise TypeError(f"causal must be a bool, got {causal!r}")
     scale = check_scale(softmax_scale, q.shape[-1])
     window = check_window(window_size)
+    pairs = None if dilation is None else check_dilation(dilation, q.shape[2], {  # plain calls stay out of dilated.py
+        "window_size": window != (-1, -1), "cu_seqlens": cu_seqlens is not None,
+        "key_padding_mask": key_padding_mask is not None, f"comm={comm!r}": comm in A2A_COMMS})
     rank, size, seq_local = place.rank, place.size, q.shape[1]
     docs = None if cu_seqlens is None else doc_lengths(cu_seqlens, seq_local * size, size, sharding)
     schedule = schedule_for(rank, size, seq_local, docs, causal=causal, sharding=sharding, window=window)
@@ -212,12 +218,12 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
                              "'p2p', 'all_gather', 'auto' (which then runs 'p2p')")
     run = comm
     if comm == "auto":  # with a window or documents, p2p moves only the rows the plans read (direct.py)
-        run = "p2p" if schedule.sparse or q.shape[0] == 0 else choose_comm_for_shapes(
+        run = "p2p" if schedule.sparse or pairs or q.shape[0] == 0 else choose_comm_for_shapes(
             tuple(q.shape), tuple(k.shape), size, causal=causal, element_size=q.element_size(),
             device_type=q.device.type, candidates=place.comms(), a2a_size=place.hier[0][2] if place.hier else None)
     masked = key_padding_mask is not None
     kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked or schedule.windowed)
-    call = RingCall(place, run, causal, sharding, scale, kernel, masked, schedule)  # type: ignore[arg-type]
+    call = RingCall(place, run, causal, sharding, scale, kernel, masked, schedule, pairs)  # type: ignore[arg-type]
     docs_code = _docs_code(cu_seqlens)
     fields = [*tensor_fields(q, k, "seq_local"), flag_field("causal", causal),
               choice_field("sharding", sharding, SHARDINGS), choice_field("comm", comm, COMM_CHOICES),
@@ -225,7 +231,7 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
               flag_field("gradients", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
                          ("not needed", "needed")),
               field("window_size[0]", window[0]), field("window_size[1]", window[1]),
-              field("cu_seqlens", docs_code, _show_docs)]
+              field("cu_seqlens", docs_code, _show_docs), field("dilation", 0 if pairs is None else dilation_code(pairs), show_dilation)]
     return (call, (q, k, v, key_padding_mask)), fields  # type: ignore[return-value]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -52,3 +53,51 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.to(torch.float64)
     denom = expected.norm().item()
     return (actual.to(torch.float64) - expected).norm().item() / (denom if denom else 1.0)
+
+
+def dilated_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dilation: Sequence[tuple[int, int]], *,
+                      causal: bool = False, softmax_scale: float | None = None) -> torch.Tensor:
+    """LongNet's dilated attention in float64, from its definition, over global ``[batch, seq, heads,
+    head_dim]`` tensors (GQA aware); differentiable.
+
+    ``dilation``: pairs ``(w, r)``. For each pair the sequence is cut into segments of ``w`` tokens
+    (the last shorter); query head ``h`` has phase ``p = h * r // heads_q``; the query at offset
+    ``i`` and the key at offset ``j`` of one segment meet iff ``i = j = p (mod r)`` (and ``j <= i``
+    with ``causal``). Each pair gives ``(out_k, denominator_k)`` per query and head; the result is
+    ``sum_k out_k * denominator_k / sum_k denominator_k`` (zero for a query no pair covers).
+    """
+    seq, heads = q.shape[1], q.shape[2]
+    pos = torch.arange(seq)
+    outs, lses = [], []
+    for w, r in dilation:
+        seg, off = pos // w, pos % w
+        phase = torch.arange(heads) * r // heads
+        on = (off[None, :] % r) == phase[:, None]  # [heads, seq]
+        meet = on[:, :, None] & on[:, None, :] & (seg[:, None] == seg[None, :])
+        if causal:
+            meet = meet & (pos[:, None] >= pos[None, :])
+        scores = _scores(q, k, softmax_scale).masked_fill(~meet, float("-inf"))
+        lse = _logsumexp(scores, -1)  # [b, h, q]: log of the softmax denominator
+        probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0)[..., None])
+        outs.append(torch.matmul(probs, _heads_first(v, heads)))
+        lses.append(lse)
+    lse = _logsumexp(torch.stack(lses), 0)
+    weights = [torch.exp(x - lse.masked_fill(torch.isneginf(lse), 0.0)) for x in lses]
+    return sum(o * wt[..., None] for o, wt in zip(outs, weights)).transpose(1, 2)
+
+
+def _logsumexp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``logsumexp`` along ``dim``, -inf where every entry is -inf, with finite gradients there."""
+    blind = torch.isneginf(x).all(dim, keepdim=True)
+    return torch.logsumexp(x.masked_fill(blind, 0.0), dim).masked_fill(blind.squeeze(dim), float("-inf"))
+
+
+def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """float64 ``[b, heads, s, d]`` from ``[b, s, heads_x, d]``, K/V heads repeated for GQA."""
+    x64 = x.to(torch.float64).transpose(1, 2)
+    return x64.repeat_interleave(heads // x64.shape[1], dim=1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None) -> torch.Tensor:
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return torch.matmul(_heads_first(q, q.shape[2]), _heads_first(k, q.shape[2]).transpose(-1, -2)) * scale

@@ -306,3 +306,43 @@ def per_layer_comm_types() -> dict[str, Any]:
     return {"comms": [layer.cp_comm_type for layer in layers],
             "hierarchical": [isinstance(layer.ring_group, CPGroups) for layer in layers],
             "same_output": all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)}
+
+
+def core_attention_dilated_cases(seq: int = 24, batch: int = 2) -> dict[str, Any]:
+    """cp = world: RingAttention built from ``get_gpt_layer_ring_spec(dilation={1: pairs})`` vs the
+    float64 dilated reference (layer 1) and plain attention (layer 2, absent from the dict); and
+    the refusals of dilation with a window and with tp > 1."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_ring import shard_sequence
+    from megatron_ring.attention.reference import attention_reference, dilated_reference
+    from megatron_ring.megatron import RingAttention, get_gpt_layer_ring_spec
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    init_megatron(ParallelLayout(cp=size))
+    pairs = ((5, 1), (12, 2), (24, 4))
+    leaf = get_gpt_layer_ring_spec(dilation={1: pairs}).submodules.self_attention.submodules.core_attention
+    config = _attention_config(num_layers=2, context_parallel_size=size)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(batch, seq, 4, 16, generator=gen)
+    k, v = (torch.randn(batch, seq, 2, 16, generator=gen) for _ in range(2))
+
+    def sbhd_shard(t: torch.Tensor) -> torch.Tensor:  # [b, s, h, d] global -> [s_local, b, h, d]
+        return shard_sequence(t, rank, size).transpose(0, 1)
+
+    errors = {}
+    refs = {1: dilated_reference(q, k, v, pairs, causal=True), 2: attention_reference(q, k, v, causal=True)}
+    for layer, ref in refs.items():
+        ring = build_module(leaf, config=config, layer_number=layer, attn_mask_type=AttnMaskType.causal,
+                            attention_type="self")
+        out = ring(sbhd_shard(q), sbhd_shard(k), sbhd_shard(v), None)
+        expected = sbhd_shard(ref).reshape(out.shape)
+        errors[f"layer{layer}"] = rel_max(out, expected)
+    refusals = {
+        "window": _expect_error(lambda: RingAttention(_attention_config(window_size=(4, 0), context_parallel_size=size),
+                                                     1, AttnMaskType.causal, "self", dilation=pairs)),
+        "heads": _expect_error(lambda: RingAttention(_attention_config(context_parallel_size=size), 1,
+                                                     AttnMaskType.causal, "self", dilation=((8, 5),))),
+    }
+    return {"errors": errors, "refusals": refusals}

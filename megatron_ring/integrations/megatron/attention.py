@@ -30,6 +30,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_ring.attention.comms import COMMS, CPGroups
 from megatron_ring.attention.api import ring_attention
+from megatron_ring.attention.dilated import Pairs, check_dilation
 from megatron_ring.attention.sharding import local_positions
 from megatron_ring.integrations.megatron.packed import thd_layout
 
@@ -58,6 +59,11 @@ class RingAttention(MegatronModule):
     sequences need ``"p2p"`` or ``"all_gather"``). ``"a2a+p2p"`` runs over Megatron's hierarchical CP
     groups (``hierarchical_context_parallel_sizes = [a2a, ring]``, from ``pg_collection.hcp`` or
     parallel_state). With cp = 1 it is plain attention.
+
+    ``dilation`` (a spec param: ``get_gpt_layer_ring_spec(dilation=...)``): LongNet's dilated
+    attention, ``(w, r)`` pairs for every layer, or ``{layer_number: pairs or None}`` per layer
+    (global layer numbers, absent = plain); not with windows, packed sequences or tp > 1 (the head
+    phases are defined on all heads).
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class RingAttention(MegatronModule):
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
         layer_cp_comm_type: Optional[str] = None,
+        dilation: Any = None,
     ) -> None:
         super().__init__(config=config)
         self.layer_number = max(1, layer_number)
@@ -95,6 +102,7 @@ class RingAttention(MegatronModule):
                 f"process group has {self.cp_size} ranks; they must agree (RoPE positions depend on it)"
             )
         self.window_size = _window(config, self.layer_number)
+        self.dilation = _dilation(dilation, config, self.layer_number, self.window_size is not None)
         for field, bad in (("softmax_type", config.softmax_type != "vanilla"),
                            ("qk_clip", getattr(config, "qk_clip", False)),
                            ("log_max_attention_logit", getattr(config, "log_max_attention_logit", False))):
@@ -142,7 +150,7 @@ class RingAttention(MegatronModule):
         out = ring_attention(
             query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.ring_group,
             causal=causal, softmax_scale=self.softmax_scale, sharding="zigzag", comm=self.cp_comm_type,
-            window_size=self.ring_window(causal),
+            window_size=self.ring_window(causal), dilation=self.dilation,
         )
         sq, b, heads, dim = query.shape
         return out.transpose(0, 1).reshape(sq, b, heads * dim)
@@ -157,6 +165,9 @@ class RingAttention(MegatronModule):
     def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: Optional[torch.Tensor], params: Any, causal: bool) -> torch.Tensor:
         """Packed documents (Note [THD layout under CP] in packed.py): ``[t, np, hn]`` -> ``[t, np * hn]``."""
+        if self.dilation is not None:
+            raise ValueError(f"dilation = {self.dilation} does not combine with packed sequences (packed_seq_params); "
+                             "allowed there: dilation None")
         layout = thd_layout(params, query.shape[0], self.cp_rank, self.cp_size, self.cp_group)
         if query.dim() != 3:
             raise ValueError(f"with packed_seq_params query must be [t, np, hn], got shape {tuple(query.shape)}")
@@ -213,6 +224,15 @@ def _window(config: TransformerConfig, layer_number: int) -> Optional[tuple[int,
     if not is_layer_window_attention(tuple(window), config.window_attn_skip_freq, layer_number):
         return None
     return int(window[0]), int(window[1])
+
+
+def _dilation(dilation: Any, config: TransformerConfig, layer_number: int, windowed: bool) -> Optional[Pairs]:
+    """This layer's checked dilation pairs (``dilation``: pairs, or ``{layer_number: pairs}``), or None."""
+    pairs = dilation.get(layer_number) if isinstance(dilation, dict) else dilation
+    if pairs is not None and config.tensor_model_parallel_size > 1:
+        raise ValueError(f"dilation = {pairs!r} needs tensor_model_parallel_size = 1 (the head phases span all "
+                         f"heads), got {config.tensor_model_parallel_size}")
+    return check_dilation(pairs, config.num_attention_heads, {"window_size": windowed})
 
 
 def _check_mask_type(mask_type: AttnMaskType) -> AttnMaskType:

@@ -27,12 +27,13 @@ be compared too.
 The ranks' side is :mod:`~megatron_ring.perf.bench.attention_worker`, the tables and plots
 :mod:`~megatron_ring.perf.bench.attention_report`.
 
-Variants (``--window``, ``--docs``): with ``--window W`` every ring implementation (single,
+Variants (``--window``, ``--docs``, ``--dilation``): with ``--window W`` every ring implementation (single,
 ring_p2p, all_gather) also runs with ``window_size=(W, 0)`` (causal; ``(W, W)`` otherwise), and
 with ``--docs N`` as N equal documents of L/N tokens, once packed (one call with ``cu_seqlens``)
 and once one by one (N calls, timed together); with ``--a2a-contiguous`` ``a2a`` also runs on
 contiguous shards, the layout DeepSpeed-Ulysses is given (plain ``a2a`` gets zigzag shards, as
-the ring, and puts the tokens in order after its all-to-all). A point's ``variant`` names it
+the ring, and puts the tokens in order after its all-to-all); with ``--dilation 2048:1,4096:2``
+every ring implementation also runs LongNet's dilated attention with those pairs. A point's ``variant`` names it
 ("" = plain). All variants of a point are interleaved like the implementations.
 """
 from __future__ import annotations
@@ -73,6 +74,7 @@ def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) ->
             "a2a_size")
     return {k: cfg[k] for k in keys} | {
         "variant": _variant_name(cfg), "window": cfg.get("window"), "docs": cfg.get("docs"),
+        "dilation": cfg.get("dilation") if cfg.get("variant") == "dilated" else None,
         "P": ranks, "pool_P": size,
         "median_s": statistics.median(wall), "min_s": min(wall), "max_s": max(wall), "times_s": wall,
         "exposed_fraction": exposed, "bytes_sent": sent or 0,
@@ -90,6 +92,8 @@ def _variant_name(cfg: dict[str, Any]) -> str:
         return f"packed {cfg['docs']} docs"
     if variant == "separate":
         return f"{cfg['docs']} docs one by one"
+    if variant == "dilated":
+        return "dilated " + ",".join(f"{w}:{r}" for w, r in cfg["dilation"])
     return variant
 
 
@@ -113,12 +117,13 @@ def run_attention_bench(*, lengths: list[int], ranks: list[int], impls: list[str
                         repeats: int, warmup: int, backend: str, seed: int = 0, timeout_s: float = 600.0,
                         a2a_size: int = 2, progress: Callable[[str], None] = print,
                         pools: Callable[[int, int], Any] | None = None, own_sessions: bool = True,
-                        window: str | int | None = None, docs: int = 0,
-                        a2a_contiguous: bool = False) -> list[dict[str, Any]]:
+                        window: str | int | None = None, docs: int = 0, a2a_contiguous: bool = False,
+                        dilation: list[tuple[int, int]] | None = None) -> list[dict[str, Any]]:
     """Run every (P, impl, mode, causal, L) point, the implementations of a point interleaved.
 
     ``window`` (tokens, or ``"L/k"``) and ``docs`` add the variants of the module docstring to the
-    ring implementations, ``a2a_contiguous`` the contiguous one to ``a2a``.
+    ring implementations, ``a2a_contiguous`` the contiguous one to ``a2a``, ``dilation`` (pairs
+    ``(w, r)``) LongNet's dilated attention to the ring implementations.
 
     The single-process baseline runs on rank 0 of each P-rank pool (the others idle), with that
     pool's threads per rank, so it is timed under the same load as the points it is compared to.
@@ -172,11 +177,11 @@ def run_attention_bench(*, lengths: list[int], ranks: list[int], impls: list[str
                     for seq in lengths:
                         variants = [("", 0)] + ([("window", windows[seq])] if windows[seq] else []) + (
                             [("packed", 0), ("separate", 0)] if docs else []) + (
-                            [("contiguous", 0)] if a2a_contiguous else [])
+                            [("contiguous", 0)] if a2a_contiguous else []) + ([("dilated", 0)] if dilation else [])
                         cfgs = [dict(impl=impl, mode=mode, causal=causal, L=seq, batch=batch, heads=heads,
                                      heads_kv=heads_kv, head_dim=head_dim, dtype=dtype, threads=threads,
                                      backend=backend, seed=seed, device="cpu", own_session=own_sessions,
-                                     variant=variant, window=w, docs=docs, a2a_size=a2a_size)
+                                     variant=variant, window=w, docs=docs, a2a_size=a2a_size, dilation=dilation)
                                 for impl in p_impls for variant, w in variants
                                 if not variant or impl in VARIANT_IMPLS[variant]]
                         per_rank = pool.run(bench_worker, cfgs, repeats, warmup)
@@ -201,6 +206,17 @@ def window_tokens(window: str | int | None, seq: int) -> int:
     if tokens < 1:
         raise ValueError(f"--window must be a positive number of tokens or 'L/k', got {window!r}")
     return tokens
+
+
+def dilation_pairs(text: str) -> list[tuple[int, int]]:
+    """``--dilation w:r,w:r,...`` as pairs of positive ints."""
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or min(p) < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"--dilation must be pairs w:r of positive ints, e.g. 2048:1,4096:2; got {text!r}")
+    return pairs  # type: ignore[return-value]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -228,6 +244,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also run N equal documents, packed (cu_seqlens) and one by one")
     ap.add_argument("--a2a-contiguous", action="store_true",
                     help="also run a2a on contiguous shards (the layout Ulysses is given), see the docstring")
+    ap.add_argument("--dilation", type=dilation_pairs, default=None,
+                    help="also run the ring with LongNet's dilated attention, pairs w:r (e.g. 2048:1,4096:2)")
     ap.add_argument("--out", default="results/bench_attention.json", help="JSON output")
     ap.add_argument("--plots", default=None, help="directory for PNG plots (default: next to --out)")
     ap.add_argument("--no-plots", action="store_true")
@@ -249,10 +267,11 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
                                      heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, dtype=args.dtype,
                                      repeats=args.repeats, warmup=args.warmup, backend=args.backend,
                                      timeout_s=args.timeout, window=args.window, docs=args.docs,
-                                     a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous)
+                                     a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous,
+                                     dilation=args.dilation)
     except ValueError as err:
         return usage_error(parser.prog, err)
-    plain = args.window is None and not args.docs  # the plots compare implementations, not variants
+    plain = args.window is None and not args.docs and not args.dilation  # the plots compare implementations, not variants
     write_attention_bench(points, machine_before, out=Path(args.out), argv=argv,
                           plots=None if args.no_plots or not plain else Path(args.plots) if args.plots
                           else Path(args.out).parent / "plots", a2a_size=args.a2a_size)

@@ -23,7 +23,7 @@ IMPLS: tuple[str, ...] = (*IMPL_COMM, "ulysses")
 RING_IMPLS: tuple[str, ...] = tuple(impl for impl, comm in IMPL_COMM.items() if comm not in A2A_COMMS)
 """The implementations that take a window and packed documents (the variants)."""
 VARIANT_IMPLS: dict[str, tuple[str, ...]] = {"window": RING_IMPLS, "packed": RING_IMPLS, "separate": RING_IMPLS,
-                                             "contiguous": ("a2a",)}
+                                             "contiguous": ("a2a",), "dilated": RING_IMPLS}
 MODES: tuple[str, ...] = ("fwd", "fwd_bwd")
 
 
@@ -72,12 +72,13 @@ def _make_attention(cfg: dict[str, Any]) -> Callable[..., torch.Tensor]:
             group = init_parallel(ParallelLayout(cp=dist.get_world_size(), cp_a2a=cfg.get("a2a_size", 2))).cp_groups
         window = _window_size(cfg)
         cu = _cu_seqlens(cfg) if cfg.get("variant") == "packed" else None
+        dilation = cfg.get("dilation") if cfg.get("variant") == "dilated" else None
 
         sharding = _sharding(cfg)
 
         def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ring_attention(q, k, v, group, causal=causal, comm=comm, backend=backend, window_size=window,
-                                  cu_seqlens=cu, sharding=sharding)
+                                  cu_seqlens=cu, sharding=sharding, dilation=dilation)
         if cfg.get("variant") == "separate":  # [docs, batch, seq_local, heads, dim]: one call per document
             return lambda q, k, v: torch.stack([ring(q[i], k[i], v[i]) for i in range(q.shape[0])])
         return ring

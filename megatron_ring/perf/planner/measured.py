@@ -6,6 +6,7 @@ from typing import Any
 from megatron_ring.attention.auto_comm import BWD_COMPUTE_FACTOR, predict_times, ring_step_s
 from megatron_ring.attention.comms import A2A_COMMS
 from megatron_ring.attention.traffic import GRAD_ELEMENT_SIZE, kv_block_bytes
+from megatron_ring.perf.planner.dilated_cost import predict_dilated_point
 from megatron_ring.perf.planner.hardware import DTYPE_BYTES, HardwareProfile
 
 def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[str, float]:
@@ -13,7 +14,8 @@ def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[
 
     Forward uses :func:`~megatron_ring.attention.auto_comm.predict_times`; the backward adds
     ``BWD_COMPUTE_FACTOR`` x the compute and, for p2p, a second K/V rotation plus the fp32
-    gradient accumulator (the ring's backward, see ring.py).
+    gradient accumulator (the ring's backward, see ring.py). A dilated point (``dilation``) is
+    counted from its schedule (dilated_cost.py).
     """
     p, seq = int(point["P"]), int(point["L"])
     s = DTYPE_BYTES[point.get("dtype", "fp32")]
@@ -23,6 +25,8 @@ def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[
     if hw.cpu_cores and point.get("threads"):  # a rank gets min(threads, cores / ranks) cores
         ranks = max(cp, hw.cpu_cores // int(point["threads"]))
     costs = hw.comm_costs(point.get("dtype", "fp32"), ranks=ranks)
+    if point.get("dilation"):
+        return predict_dilated_point(point, costs)
     shape = dict(seq_local=seq // cp, cp_size=cp, batch=int(point["batch"]), heads_q=int(point["heads"]),
                  heads_kv=int(point["heads_kv"]), head_dim=int(point["head_dim"]), causal=bool(point["causal"]),
                  element_size=s)
