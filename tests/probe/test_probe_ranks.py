@@ -67,6 +67,19 @@ def test_ring_generate_called_differently_is_a_value_error_on_each(gloo_pool: An
     assert all(e is not None and what in e and "CP ranks [[0], [1]]" in e for e in errors), errors
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 16)])
+@pytest.mark.parametrize("entry", ["ring_forward", "ring_generate"])
+def test_empty_input_ids_are_a_value_error_naming_the_shape(entry: str, shape: tuple[int, int]) -> None:
+    pytest.importorskip("transformers")
+    from megatron_ring import hf
+    from megatron_ring.testing.tiny_hf import tiny_model
+
+    model = tiny_model("llama", attn_implementation="ring")
+    kwargs = {"max_new_tokens": 2} if entry == "ring_generate" else {}
+    with pytest.raises(ValueError, match=rf"input_ids has shape \({shape[0]}, {shape[1]}\); the ring needs batch >= 1"):
+        getattr(hf, entry)(model, torch.zeros(shape, dtype=torch.long), **kwargs)
+
+
 def test_zero_head_dim_is_a_value_error_naming_it(gloo_pool: Any) -> None:
     outcomes = gloo_pool(2).run(workers.zero_sized, "ring", "head_dim", "auto", timeout_s=60)
     assert all(o[0] == "ValueError" and "head_dim" in o[1] for o in outcomes), outcomes
@@ -154,7 +167,6 @@ def test_rank_stopped_at_launch_under_the_deepspeed_launcher(tmp_path: Path) -> 
 OWNED_HANGS = {  # case -> the owning change; placeholders: each change brings its real case in place of one
     "model.generate(max_new_tokens=1) inside cp_context (wrong tokens)": "transformers generate",
     "model(global_ids) inside cp_context (wrong logits)": "transformers cp_context",
-    "input_ids of shape [2, 0] / [0, 16] (reshape error)": "transformers inputs",
     "GPT-2 prompt longer than n_positions (rank 1 aborts)": "model-side error before the ring's check",
     "SIGTERM to compare alone (ranks write after it exits)": "inference compare/sweep signals",
     "SIGTERM to sweep alone (ranks write after it exits)": "inference compare/sweep signals",

@@ -21,6 +21,8 @@ def check_ids(input_ids: object, attention_mask: object) -> tuple[torch.Tensor, 
     """``input_ids`` ``[batch, seq]`` and its padding mask as int64 (all ones if None)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D tensor [batch, seq], got {getattr(input_ids, 'shape', type(input_ids))}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the ring needs batch >= 1 and seq >= 1")
     if attention_mask is None:
         return input_ids, torch.ones_like(input_ids)
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
