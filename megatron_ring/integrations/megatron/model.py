@@ -92,8 +92,9 @@ def layer_spec(cfg: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
         layer = copy.deepcopy(spec)
         attention = layer.submodules.self_attention.submodules
         core = attention.core_attention  # RingAttention, or its ModuleSpec with the dilation
-        params = {**(core.params if isinstance(core, ModuleSpec) else {}), "layer_cp_comm_type": comm}
-        attention.core_attention = ModuleSpec(module=getattr(core, "module", core), params=params)
+        if not isinstance(core, ModuleSpec):
+            core = ModuleSpec(module=core)
+        attention.core_attention = ModuleSpec(module=core.module, params={**core.params, "layer_cp_comm_type": comm})
         layers.append(layer)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)  # the final norm, as Megatron's own
 
