@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional, get_args
 from pydantic import Field
 
 from megatron_ring.attention.comms import Comm
+from megatron_ring.attention.dilated import check_dilation
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
@@ -58,6 +59,9 @@ class GPTModelConfig(StrictModel):
         default=None, min_length=2, max_length=2, description="sliding window (left, right) in tokens, -1 = unbounded; Megatron's window_size")
     window_attn_skip_freq: Optional[int] = Field(
         default=None, ge=1, description="every N-th layer attends fully (Megatron's window_attn_skip_freq)")
+    dilation: Optional[list[list[int]]] = Field(
+        default=None, min_length=1, description="LongNet's dilated attention on every layer: [[segment_length, "
+        "dilation], ...], dilation <= heads (attention ring or sdpa; not with window_size or tp > 1)")
 
     @property
     def kv_channels(self) -> int:
@@ -151,7 +155,7 @@ class GPTConfig(StrictModel):
                 f"model.seq_length = {m.seq_length} is not divisible by 2*parallel.cp = {2 * p.cp} "
                 f"(zigzag sharding over cp = {p.cp}); pad it to a multiple of {2 * p.cp}"
             )
-        problems += self._comm_problems()
+        problems += self._comm_problems() + self._dilation_problems()
         if problems:
             raise ConfigError(*problems, where=where)
 
@@ -183,6 +187,22 @@ class GPTConfig(StrictModel):
                             f"{' / '.join(map(repr, windowed))} on the windowed layers (all-to-all attention takes "
                             "no window); allowed with a window: 'p2p', 'all_gather'")
         return problems
+
+    def _dilation_problems(self) -> list[str]:
+        """``model.dilation`` against the attention, the heads, a window, tp and the comms."""
+        m, p = self.model, self.parallel
+        if m.dilation is None:
+            return []
+        if self.attention == "local":
+            return [f"model.dilation = {m.dilation} needs attention: ring or sdpa, got attention = 'local'"]
+        a2a = sorted({c for c in p.comm_types(m.num_layers) if c in ("a2a", "a2a+p2p")} if p.cp > 1 else set())
+        try:
+            check_dilation(m.dilation, m.num_attention_heads, {
+                "model.window_size": m.window_size is not None, "parallel.tp > 1": p.tp > 1,
+                f"parallel.cp_comm_type {' / '.join(map(repr, a2a))}": bool(a2a)})
+        except ValueError as err:
+            return [f"model.{err}"]
+        return []
 
     def _windowed(self, layer: int) -> bool:
         """Whether 1-based ``layer`` uses ``model.window_size`` (Megatron's ``window_attn_skip_freq``:

@@ -346,3 +346,13 @@ def core_attention_dilated_cases(seq: int = 24, batch: int = 2) -> dict[str, Any
                                                      AttnMaskType.causal, "self", dilation=((8, 5),))),
     }
     return {"errors": errors, "refusals": refusals}
+
+
+def dilated_model_layers(cfg_data: dict[str, Any]) -> list[Any]:
+    """Build ``cfg_data``'s model on this rank; every RingAttention's ``(dilation, cp_comm_type)``."""
+    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.megatron import RingAttention, build_gpt_model
+
+    cfg = GPTConfig.parse(cfg_data)
+    init_megatron(cfg.check_world_size(dist.get_world_size()))
+    return [(m.dilation, m.cp_comm_type) for m in build_gpt_model(cfg).modules() if isinstance(m, RingAttention)]

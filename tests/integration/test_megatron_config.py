@@ -76,6 +76,13 @@ def test_local_and_ring_tiny_configs_differ_only_in_attention_and_cp() -> None:
     ({"model.seq_length": 64.0}, ["model.seq_length = 64.0", "valid integer"]),
     ({"parallel.tp": "2"}, ["parallel.tp = '2'", "valid integer"]),
     ({"model.tie_embeddings": "yes"}, ["model.tie_embeddings = 'yes'", "valid boolean"]),
+    ({"model.dilation": [[8, 2]]}, ["model.dilation = [[8, 2]] needs attention: ring or sdpa"]),
+    ({"attention": "ring", "model.dilation": [[8, 9]]}, ["dilation pair (8, 9)", "exceeds heads_q (4)"]),
+    ({"attention": "ring", "model.dilation": [[8]]}, ["model.dilation must be a pair (segment_length, dilation)"]),
+    ({"attention": "ring", "model.dilation": [[8, 2]], "model.window_size": [4, 0], "parallel.tp": 2},
+     ["dilation does not combine with model.window_size, parallel.tp > 1"]),
+    ({"attention": "ring", "parallel.cp": 2, "parallel.cp_comm_type": "a2a", "model.dilation": [[8, 2]]},
+     ["dilation does not combine with parallel.cp_comm_type 'a2a'"]),
 ])
 def test_bad_config_names_field_and_value(changes: dict, needles: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
@@ -108,3 +115,8 @@ def test_window_with_a2a_only_on_full_attention_layers_is_fine() -> None:
     cfg = GPTConfig.parse(_with(**{"attention": "ring", "parallel.cp": 2, "parallel.cp_comm_type": ["p2p", "a2a"],
                                    "model.window_size": [8, 0], "model.window_attn_skip_freq": 2}))
     assert cfg.parallel.comm_types(2) == ["p2p", "a2a"]
+
+
+def test_dilation_on_a_ring_config_is_fine() -> None:
+    cfg = GPTConfig.parse(_with(**{"attention": "ring", "parallel.cp": 2, "model.dilation": [[8, 1], [16, 2]]}))
+    assert cfg.model.dilation == [[8, 1], [16, 2]]

@@ -80,7 +80,8 @@ def layer_spec(cfg: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
     kwargs = {"normalization": cfg.model.normalization}
     if cfg.attention == "local":
         return get_gpt_layer_local_spec(**kwargs)
-    spec = get_gpt_layer_ring_spec(**kwargs)
+    dilation = None if cfg.model.dilation is None else tuple(tuple(pair) for pair in cfg.model.dilation)
+    spec = get_gpt_layer_ring_spec(dilation=dilation, **kwargs)
     comms = cfg.parallel.cp_comm_type
     if not isinstance(comms, list) or cfg.parallel.cp == 1:
         return spec
@@ -90,7 +91,10 @@ def layer_spec(cfg: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
     for comm in comms[first:first + per_stage]:
         layer = copy.deepcopy(spec)
         attention = layer.submodules.self_attention.submodules
-        attention.core_attention = ModuleSpec(module=attention.core_attention, params={"layer_cp_comm_type": comm})
+        core = attention.core_attention  # RingAttention, or its ModuleSpec with the dilation
+        if not isinstance(core, ModuleSpec):
+            core = ModuleSpec(module=core)
+        attention.core_attention = ModuleSpec(module=core.module, params={**core.params, "layer_cp_comm_type": comm})
         layers.append(layer)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)  # the final norm, as Megatron's own
 
