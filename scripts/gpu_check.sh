@@ -12,8 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash scripts/gpu_check.sh OUT_DIR [--cpu-dry-run]}
 shift
-python=${PYTHON:-python3}
-if [ -x .venv/bin/python ]; then python=.venv/bin/python; fi
+python=${PYTHON:-}
+if [ -z "$python" ]; then if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi; fi
 if compgen -G "wheels/*.whl" >/dev/null; then "$python" -m pip install -q --no-deps wheels/*.whl; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 status=0

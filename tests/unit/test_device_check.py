@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ CHECKS = {"kernels", "block_vs_sdpa", "decomposition", "decode", "masked", "two_
 
 def test_dry_run_writes_every_check_and_passes_its_exactness_targets(tmp_path: Path) -> None:
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu-dry-run",
-                           "--repeats", "1"], capture_output=True, text=True, timeout=600)
+                           "--repeats", "1"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "device_check.json").read_text())
     rows = result["rows"]
