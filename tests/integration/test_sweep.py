@@ -57,7 +57,8 @@ def test_sweep_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     for point in summary.points:
         base, ring_run = (json.loads((out / side.runs[0]).read_text()) for side in (point.baseline, point.ring))
         assert base["workload"] == ring_run["workload"] == {
-            "batch": 2, "prompt_len": point.prompt_len, "new_tokens": 4, "warmup": 0, "repeats": 1, "seed": 5}
+            "batch": 2, "prompt_len": point.prompt_len, "new_tokens": 4, "warmup": 0, "repeats": 1, "seed": 5,
+            "text": None}
         assert base["generated"] == ring_run["generated"], "same weights and prompts, greedy: same tokens"
         assert point.baseline.ttft_s.median > 0 and point.ring.peak_mem_bytes.median > 0
         assert point.ratio.tps == pytest.approx(point.ring.tps.median / point.baseline.tps.median)
