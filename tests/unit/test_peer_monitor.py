@@ -157,14 +157,15 @@ def test_heartbeat_moves_while_main_thread_runs_torch_ops() -> None:
 
 
 STARTUP_WORKER = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     from datetime import timedelta
     import torch.distributed as dist
     from megatron_ring.runtime.faults import PeerMonitor
 
     rank, victim, how, timeout_s = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
     if rank == victim:  # before any store exists
-        if how == "exit":
+        if how == "exit":  # after the survivor's monitor has started: one that exits before is not seen
+            time.sleep(8)
             sys.exit(1)
         os.kill(os.getpid(), signal.SIGSTOP)
     PeerMonitor(timeout_s=timeout_s, interval_s=0.1).start()
