@@ -91,8 +91,9 @@ def test_text_prompts_under_the_deepspeed_launcher(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("tp, cp", [(1, 2), (1, 4), (2, 1)], ids=["cp2", "cp4", "tp2"])
-def test_perplexity_equals_the_models_loss(gloo_pool, checkpoint, tp, cp):
-    """``megatron-ring perplexity``'s per-rank work (ring_nll on the hf runner's model) = transformers' own loss."""
+def test_perplexity_equals_the_models_loss(checkpoint, tp, cp):
+    """``megatron-ring perplexity``'s per-rank work (ring_nll on the hf runner's model) = transformers' own loss
+    (in fresh processes, as test_hf_runner_matches_generate)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_ring.inference.perplexity import TOLERANCE, rank_nll
@@ -101,6 +102,8 @@ def test_perplexity_equals_the_models_loss(gloo_pool, checkpoint, tp, cp):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         expected = float(model(ids, labels=ids).loss)
-    for nll, count in gloo_pool(tp * cp).run(rank_nll, {"checkpoint": checkpoint}, tp, cp, ids, timeout_s=TIMEOUT_S):
+    with GlooPool(tp * cp, timeout_s=TIMEOUT_S) as pool:
+        per_rank = pool.run(rank_nll, {"checkpoint": checkpoint}, tp, cp, ids, timeout_s=TIMEOUT_S)
+    for nll, count in per_rank:
         assert count == 60
         assert abs(nll / count - expected) <= TOLERANCE * expected
