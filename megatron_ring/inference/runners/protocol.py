@@ -103,7 +103,7 @@ class ModelRunner(Protocol):
 class DeepSpeedPassThrough:
     """:meth:`ModelRunner.init_deepspeed` of a runner whose module does its own tensor parallelism
     (Megatron's layers) or none: DeepSpeed converts dtype and placement with ``tp_size = 1``. No
-    tokenizer, no padding."""
+    padding; no tokenizer unless the runner sets one."""
 
     module: torch.nn.Module
     tokenizer: Any = None
@@ -153,5 +153,7 @@ class RunnerModule(Protocol):
 
     build_runner: RunnerFactory
 
-    TAKES_TEXT: bool
-    """Whether its runners carry a tokenizer (``workload.text`` prompts); absent means False."""
+    def takes_text(self, model: dict[str, Any]) -> bool:
+        """Whether the runner of ``model`` carries a tokenizer (``workload.text`` prompts); a module
+        without this function takes none."""
+        ...

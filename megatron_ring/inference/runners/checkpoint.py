@@ -1,0 +1,56 @@
+"""A transformers checkpoint behind a runner (hf, megatron): where it is, its config, its weights.
+
+Both runners name a checkpoint with the same keys (:class:`~megatron_ring.config.checkpoint.CheckpointSource`):
+a directory, a ``.gguf`` file, or ``package:<module>``. :func:`locate` finds it or raises a
+ConfigError naming the key; :func:`read_config` reads its config without the weights (validation);
+:func:`load_checkpoint` loads model and tokenizer on every rank, a GGUF file converted once by rank 0
+first (Note [GGUF conversion cache] in ``integrations/hf/checkpoint.py``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.config import ConfigError
+from megatron_ring.config.checkpoint import CheckpointSource
+from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, load_config, prepare_gguf, \
+    resolve_checkpoint
+
+
+def locate(source: CheckpointSource, where: str) -> tuple[Path, Optional[tuple[Path, str]]]:
+    """The checkpoint path and its GGUF location (None for a directory), or a ConfigError naming the key."""
+    try:
+        path = resolve_checkpoint(source.checkpoint)
+        return path, gguf_location(path, source.gguf_file)
+    except ValueError as err:
+        raise ConfigError(str(err), where=where) from None
+
+
+def _cache_dir(source: CheckpointSource) -> Optional[Path]:
+    return Path(source.cache_dir) if source.cache_dir else None
+
+
+def read_config(source: CheckpointSource, where: str) -> dict[str, Any]:
+    """The checkpoint's transformers config as a mapping (``PretrainedConfig.to_dict()``), weights unread;
+    ConfigError naming ``checkpoint`` when it cannot be read."""
+    path, _ = locate(source, where)
+    try:
+        return load_config(path, source.gguf_file, _cache_dir(source)).to_dict()
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"checkpoint = {source.checkpoint!r}: its config cannot be read ({err})", where=where) from None
+
+
+def load_checkpoint(source: CheckpointSource, *, dtype: torch.dtype, attn_implementation: str,
+                    where: str) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` on every rank (eval mode, on CPU); a GGUF file is converted by rank 0 while the
+    others wait, so a job converts it once."""
+    path, location = locate(source, where)
+    if location is not None:
+        if dist.get_rank() == 0:
+            prepare_gguf(*location, _cache_dir(source))
+        dist.barrier()
+    return load_causal_lm(path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation=attn_implementation,
+                          cache_dir=_cache_dir(source))

@@ -1,0 +1,116 @@
+"""A transformers Llama / Qwen2 / Mistral state dict as the unsharded state dict of Megatron-core's GPTModel.
+
+::
+
+    weights = HFWeights(hf_model.config.to_dict(), hf_model.state_dict())   # checks names and shapes
+    load_full_state_dict(model, weights)   # this rank's TP shard and PP stage (integrations/megatron/model.py)
+
+:class:`HFWeights` is a read-only mapping from Megatron's global parameter names (tp = pp = 1) to
+tensors, each built from the checkpoint's tensors when first read, so a pipeline stage converts its
+own layers only. The architecture is checked by
+:func:`~megatron_ring.integrations.megatron.hf_config.model_fields`; every tensor's presence and
+shape is checked when the mapping is made, before anything is converted: a missing tensor, one of
+the wrong shape, or one the conversion has no place for is a ValueError naming it.
+
+Note [Fused QKV per query group]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Megatron's ``linear_qkv`` holds one block of rows per K/V head (query group) ``g``: the
+``heads / groups`` query heads of that group, then its key head, then its value head::
+
+    [q(g0,h0) q(g0,h1) k(g0) v(g0) | q(g1,h2) q(g1,h3) k(g1) v(g1) | ...]      (rows of head_dim each)
+
+transformers keeps ``q_proj``, ``k_proj``, ``v_proj`` apart, query heads in order (head h belongs to
+group ``h // (heads / groups)``). Because whole groups are contiguous, the contiguous TP split of the
+fused matrix gives each TP rank ``groups / tp`` complete groups: its query heads with their own K/V.
+Q/K/V biases (Qwen2) are fused the same way. RoPE needs no permutation: transformers' checkpoints
+rotate the two halves of a head (``rotate_half``), as Megatron's non-interleaved RoPE does.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from megatron_ring.integrations.megatron.hf_config import model_fields
+
+
+class HFWeights(Mapping[str, torch.Tensor]):
+    """Megatron's global parameter name -> its unsharded tensor, made from a transformers state dict.
+
+    ``config``: ``PretrainedConfig.to_dict()``; ``tensors``: the model's ``state_dict()`` (with tied
+    embeddings it may or may not list ``lm_head.weight``; Megatron's output layer then reads the
+    embedding). Raises ValueError for an architecture :func:`model_fields` refuses and for a missing,
+    misshapen or unused tensor.
+    """
+
+    def __init__(self, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        self.fields = model_fields(config)
+        self.tensors = tensors
+        self.sources, shapes = _layout(self.fields)
+        for name, shape in shapes.items():
+            if name not in tensors:
+                owner = next(key for key, parts in self.sources.items() if name in parts)
+                raise ValueError(f"checkpoint tensor {name!r} is missing: Megatron's {owner} is made of "
+                                 f"{list(self.sources[owner])}")
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensors[name].shape)}; the config "
+                                 f"({config.get('model_type')}) gives {shape}")
+        ignorable = {"lm_head.weight"} if self.fields["tie_embeddings"] else set()
+        unused = sorted(set(tensors) - set(shapes) - ignorable)
+        if unused:
+            raise ValueError(f"checkpoint tensors {unused} have no place in Megatron's GPTModel of this config "
+                             f"(model_type {config.get('model_type')!r}); they would be dropped")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        parts = [self.tensors[name] for name in self.sources[key]]
+        if key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            return fused_qkv(*parts, groups=self.fields["num_query_groups"])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]  # fc1: [gate; up] (Note [Gated fc1 shards])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.sources
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+
+def fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, groups: int) -> torch.Tensor:
+    """Megatron's ``linear_qkv`` rows from separate Q, K, V rows (Note [Fused QKV per query group]);
+    weights ``[rows, hidden]`` or biases ``[rows]``."""
+    per_group = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
+    return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+
+def _layout(fields: Mapping[str, Any]) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[int, ...]]]:
+    """(Megatron name -> the checkpoint tensors it is made of, in order; checkpoint tensor -> its shape)."""
+    h, vocab, ffn = fields["hidden_size"], fields["vocab_size"], fields["ffn_hidden_size"]
+    q_rows = fields["num_attention_heads"] * fields["head_dim"]
+    kv_rows = fields["num_query_groups"] * fields["head_dim"]
+    sources: dict[str, tuple[str, ...]] = {"embedding.word_embeddings.weight": ("model.embed_tokens.weight",),
+                                           "decoder.final_layernorm.weight": ("model.norm.weight",)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not fields["tie_embeddings"]:
+        sources["output_layer.weight"] = ("lm_head.weight",)
+        shapes["lm_head.weight"] = (vocab, h)
+    for i in range(fields["num_layers"]):
+        ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
+        attn, mlp = theirs + "self_attn.", theirs + "mlp."
+        layer = {
+            "input_layernorm.weight": {theirs + "input_layernorm.weight": (h,)},
+            "self_attention.linear_qkv.weight": {attn + "q_proj.weight": (q_rows, h), attn + "k_proj.weight": (kv_rows, h),
+                                                 attn + "v_proj.weight": (kv_rows, h)},
+            "self_attention.linear_proj.weight": {attn + "o_proj.weight": (h, q_rows)},
+            "pre_mlp_layernorm.weight": {theirs + "post_attention_layernorm.weight": (h,)},
+            "mlp.linear_fc1.weight": {mlp + "gate_proj.weight": (ffn, h), mlp + "up_proj.weight": (ffn, h)},
+            "mlp.linear_fc2.weight": {mlp + "down_proj.weight": (h, ffn)},
+        }
+        if fields["add_qkv_bias"]:
+            layer["self_attention.linear_qkv.bias"] = {attn + "q_proj.bias": (q_rows,), attn + "k_proj.bias": (kv_rows,),
+                                                       attn + "v_proj.bias": (kv_rows,)}
+        for name, parts in layer.items():
+            sources[ours + name] = tuple(parts)
+            shapes.update(parts)
+    return sources, shapes
