@@ -32,7 +32,7 @@ CASES = {  # name: (family, overrides, the overrides without the feature under t
     "qwen2-window8": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
                       {"use_sliding_window": False}),
     "llama-rope-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
-                          {}),
+                          {"rope_parameters": {"rope_theta": 10000.0}}),
     "llama-rope-llama3": ("llama", {"rope_parameters": LLAMA3}, {"rope_parameters": {"rope_theta": 500000.0}}),
 }
 
@@ -99,7 +99,8 @@ def test_runner_tokens_equal_generate(gloo_pool: Any, checkpoints: dict[str, str
     per_rank = gloo_pool(layout.world_size).run(generate_with_runner, model, layout, batch=2, prompt_len=PROMPT_LEN,
                                                 new_tokens=NEW_TOKENS, seed=SEED, timeout_s=300)
     prompt = torch.randint(0, VOCAB_SIZE, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(SEED))
-    expected = reference(checkpoints[which], prompt, None, NEW_TOKENS).tolist()
+    # An explicit mask: generate would take the random prompt's <pad> ids (258) for padding.
+    expected = reference(checkpoints[which], prompt, torch.ones_like(prompt), NEW_TOKENS).tolist()
     assert len(set(expected[0])) > 1, "degenerate generation"
     for rank, tokens in enumerate(per_rank):
         assert tokens == expected, f"{name} rank {rank}: {tokens} != {expected}"

@@ -213,6 +213,8 @@ def draw_weights(model: torch.nn.Module, seed: int) -> None:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     for name, param in inner.named_parameters():
         key = global_name(inner, name)
+        if key == "output_layer.weight" and inner.share_embeddings_and_output_weights:
+            key = "embedding.word_embeddings.weight"  # the last stage's copy of tied embeddings (pp > 1)
         shape = list(param.shape)
         if getattr(param, "tensor_model_parallel", False):
             shape[param.partition_dim] *= tp

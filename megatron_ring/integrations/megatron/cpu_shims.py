@@ -8,7 +8,9 @@ Megatron-core assumes CUDA in a few places that a GPT forward/backward touches:
 * ``get_default_causal_mask`` and ``get_sliding_window_causal_mask`` (the torch softmax path)
   build their masks on ``"cuda"``;
 * the CUDA RNG tracker (``get_cuda_rng_tracker().fork()`` around attention dropout) needs CUDA
-  generator states.
+  generator states;
+* ``LanguageModule.setup_embeddings_and_output_layer`` moves tied embeddings to CUDA for the
+  all-reduce that gives the last pipeline stage the first stage's copy (tied embeddings, pp > 1).
 
 :func:`apply_cpu_shims` replaces exactly these with device-agnostic equivalents (same numbers).
 It is applied by :func:`megatron_ring.integrations.megatron.state.init_megatron` on CPU only
@@ -69,6 +71,27 @@ def _sliding_window_causal_mask(sq: int, skv: int, window_size: tuple[int, int])
     return ~keep.tril(diagonal=skv - sq + window_size[1])
 
 
+def _setup_on_own_device(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``LanguageModule.setup_embeddings_and_output_layer`` with its all-reduce of tied embeddings on the
+    weight's own device: the original is told it is outside the embedding group (so it skips its
+    ``.cuda()`` and all-reduce), and the all-reduce follows if the real answer was yes."""
+    def setup(self: Any) -> None:
+        asked: list[bool] = []
+
+        def in_group() -> bool:
+            asked.append(type(self)._is_in_embd_group(self))
+            return False
+
+        self._is_in_embd_group = in_group
+        try:
+            original(self)
+        finally:
+            del self._is_in_embd_group
+        if any(asked):
+            torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+    return setup
+
+
 def apply_cpu_shims() -> None:
     """Patch megatron-core's CUDA-only calls listed in the module docstring (idempotent)."""
     global _APPLIED
@@ -76,6 +99,7 @@ def apply_cpu_shims() -> None:
         return
     from megatron.core import utils as mcore_utils
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -85,6 +109,8 @@ def apply_cpu_shims() -> None:
     mcore_utils.GlobalMemoryBuffer.get_tensor = _get_tensor
     fused_softmax.get_default_causal_mask = _default_causal_mask
     fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask
+    LanguageModule.setup_embeddings_and_output_layer = _setup_on_own_device(
+        LanguageModule.setup_embeddings_and_output_layer)
     # The inference tracker's fork() is a no-op context: no CUDA generator is touched.
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _APPLIED = True
