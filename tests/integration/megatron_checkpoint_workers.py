@@ -25,3 +25,18 @@ def converted_logits(family: str, overrides: dict[str, Any], ids: torch.Tensor, 
     load_full_state_dict(model, weights)
     with torch.no_grad():
         return model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), None)
+
+
+def serve(model: dict[str, Any], sizes: dict[str, int], ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, bool]:
+    """Greedy ids ``[batch, new_tokens]`` of the megatron runner of ``model`` under the layout ``sizes``, and
+    whether the runner carries a tokenizer."""
+    from megatron_ring.inference.runners.gpt import build_runner
+    from megatron_ring.parallel.groups import init_parallel
+
+    groups = init_parallel(ParallelLayout(**sizes))
+    runner = build_runner(model, groups, dtype=torch.float32, device=torch.device("cpu"), seed=0, batch=ids.shape[0],
+                          prompt_len=ids.shape[1], new_tokens=new_tokens)
+    tokens = [runner.prefill(ids)]
+    for _ in range(new_tokens - 1):
+        tokens.append(runner.decode(tokens[-1]))
+    return torch.stack(tokens, dim=1), runner.tokenizer is not None
