@@ -61,7 +61,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence
 from megatron_ring.config import ConfigError, Problems
-from megatron_ring.config.gpt import GPTCheckpointConfig, GPTConfig, parse_model_file
+from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
 from megatron_ring.integrations.megatron.hf_config import model_fields
 from megatron_ring.integrations.megatron.hf_weights import HFWeights
@@ -78,19 +78,17 @@ WHERE = "megatron model config (megatron_ring.model.config)"
 
 
 def _parse(model: dict[str, Any]) -> GPTConfig:
-    """The model file's :class:`GPTConfig`; a checkpoint's sizes are read from its config (weights unread)."""
+    """The model file's :class:`GPTConfig`; a checkpoint's sizes are read from its config (weights unread),
+    what cannot be converted is a ConfigError naming the checkpoint."""
     file = parse_model_file(model, where=WHERE)
     if isinstance(file, GPTConfig):
         return file
-    return file.with_model(_fields(read_config(file, WHERE), file), where=WHERE)
-
-
-def _fields(hf_config: dict[str, Any], file: GPTCheckpointConfig) -> dict[str, Any]:
-    """The checkpoint's ``model`` fields, or a ConfigError naming what cannot be converted."""
+    hf_config = read_config(file, WHERE)
     try:
-        return model_fields(hf_config)
+        fields = model_fields(hf_config)
     except ValueError as err:
         raise ConfigError(f"checkpoint = {file.checkpoint!r}: {err}", where=WHERE) from None
+    return file.with_model(fields, where=WHERE)
 
 
 def takes_text(model: dict[str, Any]) -> bool:
@@ -378,10 +376,9 @@ def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.
     if isinstance(file, GPTConfig):
         return MegatronRunner(file, groups, **sizes)
     hf_model, tokenizer = load_checkpoint(file, dtype=torch.float32, attn_implementation="eager", where=WHERE)
-    hf_config = hf_model.config.to_dict()
-    cfg = file.with_model(_fields(hf_config, file), where=WHERE)
     try:
-        weights = HFWeights(hf_config, hf_model.state_dict())
+        weights = HFWeights(hf_model.config.to_dict(), hf_model.state_dict())
     except ValueError as err:
         raise ConfigError(f"checkpoint = {file.checkpoint!r}: {err}", where=WHERE) from None
-    return MegatronRunner(cfg, groups, weights=weights, tokenizer=tokenizer, **sizes)
+    return MegatronRunner(file.with_model(weights.fields, where=WHERE), groups, weights=weights, tokenizer=tokenizer,
+                          **sizes)
