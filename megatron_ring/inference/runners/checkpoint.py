@@ -3,8 +3,10 @@
 Both runners name a checkpoint with the same keys (:class:`~megatron_ring.config.checkpoint.CheckpointSource`):
 a directory, a ``.gguf`` file, or ``package:<module>``. :func:`locate` finds it or raises a
 ConfigError naming the key; :func:`read_config` reads its config without the weights (validation);
-:func:`load_checkpoint` loads model and tokenizer on every rank, a GGUF file converted once by rank 0
-first (Note [GGUF conversion cache] in ``integrations/hf/checkpoint.py``).
+:func:`gpt_config` turns a ``configs/megatron`` mapping, sizes or checkpoint, into its
+:class:`~megatron_ring.config.gpt.GPTConfig` (the megatron runner, the planner); :func:`load_checkpoint`
+loads model and tokenizer on every rank, a GGUF file converted once by rank 0 first (Note [GGUF
+conversion cache] in ``integrations/hf/checkpoint.py``). Nothing here imports megatron-core.
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import torch.distributed as dist
 
 from megatron_ring.config import ConfigError
 from megatron_ring.config.checkpoint import CheckpointSource
+from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, load_config, prepare_gguf, \
     resolve_checkpoint
+from megatron_ring.integrations.megatron.hf_config import model_fields
 
 
 def locate(source: CheckpointSource, where: str) -> tuple[Path, Optional[tuple[Path, str]]]:
@@ -41,6 +45,21 @@ def read_config(source: CheckpointSource, where: str) -> dict[str, Any]:
         return load_config(path, source.gguf_file, _cache_dir(source)).to_dict()
     except (OSError, ValueError) as err:
         raise ConfigError(f"checkpoint = {source.checkpoint!r}: its config cannot be read ({err})", where=where) from None
+
+
+def gpt_config(model: Any, *, where: str) -> GPTConfig:
+    """The :class:`GPTConfig` of a ``configs/megatron`` mapping: its ``model`` section, or a checkpoint's
+    sizes read from its config (weights unread); what cannot be converted is a ConfigError naming the
+    checkpoint and the field."""
+    file = parse_model_file(model, where=where)
+    if isinstance(file, GPTConfig):
+        return file
+    hf_config = read_config(file, where)
+    try:
+        fields = model_fields(hf_config)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint = {file.checkpoint!r}: {err}", where=where) from None
+    return file.with_model(fields, where=where)
 
 
 def load_checkpoint(source: CheckpointSource, *, dtype: torch.dtype, attn_implementation: str,

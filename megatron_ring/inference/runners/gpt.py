@@ -63,32 +63,17 @@ from megatron_ring.attention.sharding import local_positions, shard_sequence
 from megatron_ring.config import ConfigError, Problems
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
-from megatron_ring.integrations.megatron.hf_config import model_fields
 from megatron_ring.integrations.megatron.hf_weights import HFWeights
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, is_gated_fc1, \
     load_full_state_dict, shard_of, unwrap
 from megatron_ring.integrations.megatron.state import init_megatron
-from megatron_ring.inference.runners.checkpoint import load_checkpoint, read_config
+from megatron_ring.inference.runners.checkpoint import gpt_config, load_checkpoint
 from megatron_ring.inference.runners.protocol import DeepSpeedPassThrough, block_kernel_name, refuse_padding
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 WHERE = "megatron model config (megatron_ring.model.config)"
-
-
-def _parse(model: dict[str, Any]) -> GPTConfig:
-    """The model file's :class:`GPTConfig`; a checkpoint's sizes are read from its config (weights unread),
-    what cannot be converted is a ConfigError naming the checkpoint."""
-    file = parse_model_file(model, where=WHERE)
-    if isinstance(file, GPTConfig):
-        return file
-    hf_config = read_config(file, WHERE)
-    try:
-        fields = model_fields(hf_config)
-    except ValueError as err:
-        raise ConfigError(f"checkpoint = {file.checkpoint!r}: {err}", where=WHERE) from None
-    return file.with_model(fields, where=WHERE)
 
 
 def takes_text(model: dict[str, Any]) -> bool:
@@ -103,7 +88,7 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
     A checkpoint's config is read (Note [GGUF conversion cache]: a GGUF file not yet converted is
     parsed, seconds); its tensors are checked when the runner loads them.
     """
-    cfg = _parse(model)
+    cfg = gpt_config(model, where=WHERE)
     problems = Problems(where=f"model config {cfg.name!r}")
     for axis in ("tp", "pp", "cp"):
         if getattr(cfg.parallel, axis) != getattr(layout, axis):

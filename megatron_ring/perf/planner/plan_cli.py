@@ -28,7 +28,7 @@ def _gpt_model(m: Any) -> ModelDims:
     """ModelDims from a :class:`megatron_ring.config.gpt.GPTModelConfig`."""
     return ModelDims(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
                      ffn_hidden_size=m.ffn_hidden_size, num_kv_heads=m.query_groups, head_dim=m.kv_channels,
-                     vocab_size=m.vocab_size, tie_embeddings=m.tie_embeddings)
+                     vocab_size=m.vocab_size, tie_embeddings=m.tie_embeddings, gated_mlp=m.activation == "swiglu")
 
 
 def load_plan_input(path: str | Path, *, batch: int | None = None, prompt_len: int | None = None,
@@ -38,7 +38,7 @@ def load_plan_input(path: str | Path, *, batch: int | None = None, prompt_len: i
     Megatron configs carry no workload: ``batch`` defaults to 1 and ``prompt_len`` to the model's
     ``seq_length``. Keyword arguments override the file's workload.
     """
-    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.inference.runners.checkpoint import gpt_config
 
     path = Path(path)
     data = load_mapping(path)
@@ -52,9 +52,9 @@ def load_plan_input(path: str | Path, *, batch: int | None = None, prompt_len: i
             model_path = Path(model_cfg)
             if not model_path.is_file():
                 model_path = path.parent / model_cfg
-            gpt = GPTConfig.load(model_path)
+            gpt = gpt_config(load_mapping(model_path), where=f"config {str(model_path)!r}")
         elif isinstance(model_cfg, dict):
-            gpt = GPTConfig.parse(model_cfg, where=f"{path}: megatron_ring.model.config")
+            gpt = gpt_config(model_cfg, where=f"{path}: megatron_ring.model.config")
         else:
             raise ConfigError(f"{path}: megatron_ring.model.config must be a path or a mapping, got {model_cfg!r}")
         layout = LayoutConfig.parse(section["layout"], where=f"{path}: megatron_ring.layout").layout()
@@ -64,7 +64,7 @@ def load_plan_input(path: str | Path, *, batch: int | None = None, prompt_len: i
         dtype = str(data.get("dtype", gpt.dtype)).replace("bfloat16", "bf16").replace("float16", "fp16")
         name = path.stem
     else:
-        gpt = GPTConfig.load(path)
+        gpt = gpt_config(data, where=f"config {str(path)!r}")
         layout = gpt.parallel.layout()
         file_workload = {"batch": 1, "prompt_len": gpt.model.seq_length, "new_tokens": 1}
         dtype = gpt.dtype
