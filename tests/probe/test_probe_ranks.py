@@ -168,8 +168,6 @@ OWNED_HANGS = {  # case -> the owning change; placeholders: each change brings i
     "model.generate(max_new_tokens=1) inside cp_context (wrong tokens)": "transformers generate",
     "model(global_ids) inside cp_context (wrong logits)": "transformers cp_context",
     "GPT-2 prompt longer than n_positions (rank 1 aborts)": "model-side error before the ring's check",
-    "SIGTERM to compare alone (ranks write after it exits)": "inference compare/sweep signals",
-    "SIGTERM to sweep alone (ranks write after it exits)": "inference compare/sweep signals",
 }
 
 
