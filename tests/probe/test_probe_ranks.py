@@ -205,3 +205,11 @@ def test_a_model_error_on_one_rank_reaches_the_other_at_once(gloo_pool: Any) -> 
     assert first[0] == "IndexError" and "the other ranks of the CP group were told" in first[1], first
     assert second[0] == "ValueError" and "rejected on rank [0] (rank 0: IndexError" in second[1], second
     assert max(first_s, second_s) < 20, (first_s, second_s)
+
+
+def test_checkpoint_save_on_a_full_file_system_names_the_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once "iostream error" or "Parent directory ... does not exist"; `latest` stays on the last complete step."""
+    pytest.importorskip("deepspeed")
+    from tests.integration.test_train_checkpoint import test_write_failures_name_the_real_cause as case
+
+    case(tmp_path, monkeypatch)
