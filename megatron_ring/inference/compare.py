@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ring.config import ConfigError, load_mapping
+from megatron_ring.config import ConfigError, load_mapping, output_problem
 from megatron_ring.runtime.args import usage_error
 from megatron_ring.runtime.job import Interrupted, interruptible, run_job
 from megatron_ring.inference.metrics import format_table
@@ -139,6 +139,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-kernel-mismatch", action="store_true",
                         help="run a pair whose sides use different attention kernels (refused by default)")
     args = parser.parse_args(argv)
+    problem = output_problem({"--out-dir": (args.out_dir, True)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     try:
         baseline_cfg, ring_cfg = resolve_pair(args.configs)
         if not args.allow_kernel_mismatch:
