@@ -64,3 +64,25 @@ def gpt2_past_its_positions(n_positions: int, prompt: int) -> tuple[Outcome, flo
     start = time.monotonic()
     outcome, _ = _outcome(lambda: ring_forward(model, ids))
     return outcome, time.monotonic() - start
+
+
+def decode_handshakes(new_tokens: int) -> list[list[bool]]:
+    """``check_consistency`` of every ``decode_attention`` call of a ``ring_generate``, per layer in order."""
+    from megatron_ring.hf import ring_generate
+    from megatron_ring.integrations.hf import attention
+
+    model = tiny_model("llama", attn_implementation="ring")
+    calls: list[bool] = []
+    real = attention.decode_attention
+
+    def recording(*args: Any, check_consistency: bool = True, **kwargs: Any) -> torch.Tensor:
+        calls.append(check_consistency)
+        return real(*args, check_consistency=check_consistency, **kwargs)
+
+    attention.decode_attention = recording
+    try:
+        ring_generate(model, sample_prompts()["padded"][0], sample_prompts()["padded"][1], max_new_tokens=new_tokens)
+    finally:
+        attention.decode_attention = real
+    layers = model.config.num_hidden_layers
+    return [calls[i:i + layers] for i in range(0, len(calls), layers)]

@@ -213,3 +213,12 @@ def test_checkpoint_save_on_a_full_file_system_names_the_cause(tmp_path: Path, m
     from tests.integration.test_train_checkpoint import test_write_failures_name_the_real_cause as case
 
     case(tmp_path, monkeypatch)
+
+
+def test_decode_runs_the_handshake_on_its_first_step_only(gloo_pool: Any) -> None:
+    """Note [Decode handshake once] in integrations/hf/cache.py: later steps repeat the first one's call."""
+    pytest.importorskip("transformers")
+    from tests.probe import hf_workers
+
+    for steps in gloo_pool(2).run(hf_workers.decode_handshakes, 4, timeout_s=120):
+        assert len(steps) == 4 and all(steps[0]) and not any(flag for step in steps[1:] for flag in step), steps

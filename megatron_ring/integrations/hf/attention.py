@@ -134,7 +134,10 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         q, k, v = _mask_keys(q, k, v, key_mask.bool(), scale)
     if ctx.phase == "decode":
         positions = _decode_positions(ctx, module.layer_idx, q.shape[1], columns, q.device) if window != (-1, -1) else {}
-        out = decode_attention(q, k, v, ctx.group, softmax_scale=scale, window_size=window, **positions)
+        layer = ctx.cache.layers[module.layer_idx]
+        out = decode_attention(q, k, v, ctx.group, softmax_scale=scale, window_size=window,
+                               check_consistency=not layer.agreed, **positions)  # Note [Decode handshake once]
+        layer.agreed = True
     else:
         out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING,
                              window_size=window)

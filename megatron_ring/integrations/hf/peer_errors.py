@@ -32,8 +32,11 @@ from megatron_ring.integrations.hf.context import CPContext
 
 
 def _peers_wait_in_a_handshake(ctx: CPContext, layers: int) -> bool:
-    """Whether the other ranks now wait in the handshake of this rank's next attention call."""
-    return ctx.size > 1 and not ctx.in_attention and (ctx.attention_calls == 0 or ctx.attention_calls % layers != 0)
+    """Whether the other ranks now wait in the handshake of this rank's next attention call (decode
+    steps after the first have none: Note [Decode handshake once] in cache.py)."""
+    if ctx.size == 1 or ctx.in_attention or (ctx.attention_calls and ctx.attention_calls % layers == 0):
+        return False
+    return ctx.phase != "decode" or ctx.cache is None or not ctx.cache.layers[ctx.attention_calls % layers].agreed
 
 
 @contextlib.contextmanager
