@@ -3,7 +3,7 @@ and the fp32 log-sum-exp merge of such partial results.
 
 Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q``
 heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in
-memory by the math backend, nor by ``sdpa`` outside the causal diagonal block (Note [GQA without repeats]).
+memory (Note [GQA without repeats]).
 
 Backends:
 
@@ -35,8 +35,11 @@ the attention itself. A block without a causal mask (every off-diagonal ring blo
 step) does not need it: the ``g = heads_q / heads_kv`` query heads of one K/V head are folded into
 the query-length axis, ``[b, hq, s, d] -> [b, hkv, g * s, d]`` (query head ``h`` uses K/V head
 ``h // g``), the kernel runs on ``hkv`` heads, and out/lse unfold back. dK/dV then come out already
-summed over the group. Only the causal diagonal block still repeats K/V: folding would break the
-position-based mask.
+summed over the group. Folding would break the causal diagonal block's position-based mask, so
+there ``sdpa`` makes one kernel call per head slice ``q[:, j::g]`` (query heads ``j, j + g, ...``
+use K/V heads ``0, 1, ...``: as many as K/V has), writing into one output, and sums dK/dV over the
+slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). The math
+backend groups heads in its matmuls instead.
 
 ``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
 sees keys 0..i.

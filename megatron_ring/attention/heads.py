@@ -1,5 +1,5 @@
-"""GQA head bookkeeping of the block kernels (block.py, masked_block.py): grouping, repeating and
-folding query heads onto their K/V head (Note [GQA without repeats] in block.py). Pure torch.
+"""GQA head bookkeeping of the block kernels (block.py, sdpa_backend.py): grouping and folding
+query heads onto their K/V head (Note [GQA without repeats] in block.py). Pure torch.
 
 Layout ``[batch, heads, seq, ...]``; query head ``h`` uses K/V head ``h // (heads_q / heads_kv)``.
 """
@@ -12,14 +12,6 @@ def grouped(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """``[b, hq, s, d]`` -> ``[b, hkv, hq/hkv, s, d]`` (a view): query heads grouped by their K/V head."""
     b, hq, s, d = q.shape
     return q.reshape(b, heads_kv, hq // heads_kv, s, d)
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[b, hkv, s, d]`` -> ``[b, hkv*groups, s, d]`` (a copy, for kernels without GQA support)."""
-    if groups == 1:
-        return x
-    b, h, s, d = x.shape
-    return x.unsqueeze(2).expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
 def fold_queries(t: torch.Tensor, heads_kv: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ kernel's backward wants the lse of every head padded to a multiple of 32 queries
 its own forward's lse; heads 8-aligned). A query that sees no key gets lse -inf and a zero
 output; its gradients are zero (lse -inf is passed as 0, so every ``exp(score - lse)`` is 0).
 GQA folds the query heads of a K/V head into the query axis (Note [GQA without repeats] in block.py;
-a ``visible`` bias is then repeated per folded head), except under ``causal``, where K/V repeat.
+a ``visible`` bias is then repeated per folded head); under ``causal`` each head slice is a call.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from typing import Callable
 
 import torch
 
-from megatron_ring.attention.heads import fold_queries, repeat_kv, unfold_queries
+from megatron_ring.attention.heads import fold_queries, unfold_queries
 
 BIAS_ELEMENTS = 1 << 24
 """Most bias elements one kernel call gets (32 MiB in bf16; Note [Masks as a bias, tile by tile])."""
@@ -223,15 +223,21 @@ def _sliced(key_mask: torch.Tensor | None, visible: torch.Tensor | None, rows: s
 
 def _tile_forward(kernel: BiasKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                   key_mask: torch.Tensor | None, visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel call: ``(out [b, hq, q, d] in q's dtype, lse [b, hq, q] in the kernel's dtype)``."""
+    """One kernel call (one per head slice under ``causal``): ``(out [b, hq, q, d] in q's dtype,
+    lse [b, hq, q] in the kernel's dtype)``."""
     heads_q, groups, q_len = q.shape[1], q.shape[1] // k.shape[1], q.shape[2]
-    fold = groups > 1 and not causal
+    if groups > 1 and causal:  # Note [GQA without repeats] in block.py: head slices
+        out, lse = torch.empty_like(q), None
+        for j in range(groups):
+            o, l = _tile_forward(kernel, q[:, j::groups], k, v, causal, scale, key_mask, visible)
+            lse = torch.empty(q.shape[:3], dtype=l.dtype, device=q.device) if lse is None else lse
+            out[:, j::groups], lse[:, j::groups] = o, l
+            del o, l  # one slice's output alive at a time
+        return out, lse
+    fold = groups > 1
     if fold:
         q = fold_queries(q, k.shape[1])
-    else:
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    out, lse = kernel.forward(q, k, v, _bias(key_mask, visible, groups if fold else 1, q.dtype, kernel.align),
-                              causal, scale)
+    out, lse = kernel.forward(q, k, v, _bias(key_mask, visible, groups, q.dtype, kernel.align), causal, scale)
     if fold:
         out, lse = unfold_queries(out, heads_q), unfold_queries(lse, heads_q)
     blind = _blind(key_mask, visible, q_len, causal)
@@ -244,21 +250,26 @@ def _tile_forward(kernel: BiasKernel, q: torch.Tensor, k: torch.Tensor, v: torch
 def _tile_backward(kernel: BiasKernel, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, key_mask: torch.Tensor | None,
                    visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One kernel call's ``(dq [b, hq, q, d], dk, dv [b, hkv, k, d])``; ``lse`` without -inf."""
+    """One kernel call's (one per head slice under ``causal``) ``(dq [b, hq, q, d], dk, dv [b, hkv, k,
+    d])``; ``lse`` without -inf."""
     heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
-    b, hkv, k_len, d = k.shape
-    fold = groups > 1 and not causal
+    if groups > 1 and causal:  # head slices, as in _tile_forward; dK/dV summed over them
+        ct = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk, dv = (torch.zeros(k.shape, dtype=ct, device=q.device) for _ in range(2))
+        for j in range(groups):
+            dq[:, j::groups], dk_j, dv_j = _tile_backward(kernel, dout[:, j::groups], q[:, j::groups], k, v,
+                                                          out[:, j::groups], lse[:, j::groups], causal, scale,
+                                                          key_mask, visible)
+            dk += dk_j
+            dv += dv_j
+        return dq, dk, dv
+    fold = groups > 1
     if fold:
-        q, dout, out, lse = (fold_queries(t, hkv) for t in (q, dout, out, lse))
-    else:
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    bias = _bias(key_mask, visible, groups if fold else 1, q.dtype, kernel.align)
+        q, dout, out, lse = (fold_queries(t, k.shape[1]) for t in (q, dout, out, lse))
+    bias = _bias(key_mask, visible, groups, q.dtype, kernel.align)
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, bias, causal, scale)
-    if fold:
-        return unfold_queries(dq, heads_q), dk, dv
-    if groups > 1:
-        dk, dv = dk.reshape(b, hkv, groups, k_len, d).sum(2), dv.reshape(b, hkv, groups, k_len, d).sum(2)
-    return dq, dk, dv
+    return (unfold_queries(dq, heads_q) if fold else dq), dk, dv
 
 
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
