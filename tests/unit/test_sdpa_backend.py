@@ -153,8 +153,8 @@ def _kernel_run(kernel, q, k, v, dout, *, causal, key_mask, visible):
     scale = q.shape[-1] ** -0.5
     o, l = sdpa_backend.sdpa_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask, visible=visible,
                                      kernel=kernel)
-    out = torch.zeros(o.shape, dtype=torch.float32)
-    lse = torch.full(l.shape, float("-inf"))
+    out = torch.zeros(o.shape, dtype=torch.float32, device=o.device)
+    lse = torch.full(l.shape, float("-inf"), device=o.device)
     merge_into(out, lse, o, l)
     grads = sdpa_backend.sdpa_backward(dout, q, k, v, out.to(q.dtype), lse, causal=causal, scale=scale,
                                        key_mask=key_mask, visible=visible, kernel=kernel)
@@ -232,3 +232,16 @@ def test_masked_sdpa_on_cuda_needs_its_dtypes():
         resolve_backend("sdpa", CUDA, torch.float32, 128, masked=True)
     assert resolve_backend("sdpa", CUDA, torch.bfloat16, 128, masked=True) == "sdpa"
     assert resolve_backend("auto", CUDA, torch.bfloat16, 100, masked=True) == "math"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(CASES))
+def test_real_cuda_kernels_match_float64(name):
+    """On a GPU: each masked CUDA kernel of this device vs float64 (the stand-in's cases, bf16)."""
+    tensors, masks, reference = _case(name, torch.bfloat16, (4, 2))
+    moved = [t.cuda() for t in tensors]
+    masks = {key: (m.cuda() if isinstance(m, torch.Tensor) else m) for key, m in masks.items()}
+    default = sdpa_backend.kernel_for(CUDA, masked=True)
+    for kernel in {default, "efficient"}:
+        out, grads = _kernel_run(kernel, *moved, **masks)
+        _check((out.cpu(), [g.cpu() for g in grads]), _expected(*tensors, **reference), torch.bfloat16)
