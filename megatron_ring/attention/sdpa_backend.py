@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -59,10 +59,10 @@ BIAS_ELEMENTS = 1 << 24
 _aten = torch.ops.aten
 """The ATen op namespace the kernels call through (a CPU stand-in of the CUDA ops in tests)."""
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", bool, float],
-                   tuple[torch.Tensor, torch.Tensor]]
-Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                     "torch.Tensor | None", bool, float], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Tensor = torch.Tensor
+Forward = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], bool, float], tuple[Tensor, Tensor]]
+Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor], bool, float],
+                    tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -81,22 +81,26 @@ def _full(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.
     return None if bias is None else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-def _cpu_forward(q, k, v, bias, causal, scale):
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
+                 scale: float) -> tuple[Tensor, Tensor]:
     return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
 
 
-def _cpu_backward(dout, q, k, v, out, lse, bias, causal, scale):
+def _cpu_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
 
 
-def _cudnn_forward(q, k, v, bias, causal, scale):
+def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
+                   scale: float) -> tuple[Tensor, Tensor]:
     out, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, _full(bias, q, k), True, 0.0, causal, False,
                                                          scale=scale)[:2]
     return out, lse.reshape(q.shape[:3])
 
 
-def _cudnn_backward(dout, q, k, v, out, lse, bias, causal, scale):
+def _cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     # Not varlen (no cumulative lengths), no dropout (zero RNG state); lse as [b, h, q, 1].
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     return _aten._scaled_dot_product_cudnn_attention_backward(
@@ -104,11 +108,13 @@ def _cudnn_backward(dout, q, k, v, out, lse, bias, causal, scale):
         _full(bias, q, k), None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
 
 
-def _flash_forward(q, k, v, bias, causal, scale):
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
+                   scale: float) -> tuple[Tensor, Tensor]:
     return _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
 
 
-def _flash_backward(dout, q, k, v, out, lse, bias, causal, scale):
+def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     # Not varlen: no cumulative lengths, max lengths = the block's, zero dropout RNG state.
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
@@ -117,13 +123,15 @@ def _flash_backward(dout, q, k, v, out, lse, bias, causal, scale):
         scale=scale)
 
 
-def _efficient_forward(q, k, v, bias, causal, scale):
+def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
+                       scale: float) -> tuple[Tensor, Tensor]:
     out, lse = _aten._scaled_dot_product_efficient_attention(q, k, v, _full(bias, q, k), True, 0.0, causal,
                                                              scale=scale)[:2]
     return out, lse[..., :q.shape[2]]  # the kernel pads each head's lse to a multiple of 32
 
 
-def _efficient_backward(dout, q, k, v, out, lse, bias, causal, scale):
+def _efficient_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     b, h, s = lse.shape
     padded = torch.zeros(b, h, 32 * math.ceil(s / 32), dtype=torch.float32, device=lse.device)
     padded[..., :s] = lse

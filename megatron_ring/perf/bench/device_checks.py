@@ -20,7 +20,7 @@ from megatron_ring.attention.ring import ring_backward, ring_forward
 from megatron_ring.attention.schedule import schedule_for
 from megatron_ring.attention.sdpa_backend import kernel_for, sdpa_backward, sdpa_forward
 from megatron_ring.attention.sharding import shard_sequence
-from megatron_ring.attention.transport import Block, BlockAndGrads, add_pieces
+from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces
 from megatron_ring.perf.bench.harness import measure_peak, median_time
 
 Row = dict[str, Any]
@@ -113,7 +113,7 @@ class LocalBlocks:
         """The same blocks in backward; the own block's gradient pieces are added into ``dkv``, the
         others' dropped (their owners are not here)."""
         for src, k_src, v_src in self.blocks(k, v):
-            pieces: list = []
+            pieces: GradPieces = []
             yield src, k_src, v_src, pieces
             if src == self.rank:
                 add_pieces(dkv, pieces)
@@ -182,8 +182,12 @@ def _sdpa_pass(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                                 visible=None, kernel=kernel)]
 
 
+MaskedCase = tuple[Callable[[bool], list[torch.Tensor]], dict[str, Any], int]
+"""``run(backward)``, the reference's keyword arguments, the visible (query, key) pairs."""
+
+
 def _masked_cases(device: torch.device, dtype: torch.dtype, seq: int, heads: tuple[int, int], dim: int
-                  ) -> tuple[list[torch.Tensor], dict[str, tuple[Callable[[bool], list[torch.Tensor]], dict[str, Any], int]]]:
+                  ) -> tuple[list[torch.Tensor], dict[str, MaskedCase]]:
     """q, k, v, dout ``[1, seq, h, dim]`` and, per case, ``run(backward)`` on heads-first copies, the
     reference's keyword arguments and the visible (query, key) pairs: a padded batch (the last 10 %
     of keys padding, one causal block, each masked kernel), a causal window of seq/8 (the ring's
@@ -201,7 +205,7 @@ def _masked_cases(device: torch.device, dtype: torch.dtype, seq: int, heads: tup
 
     windowed, packed = ring((width, 0), None), ring((width, 0), (seq // 2, seq // 2))
     padded_pairs = sum(min(i, real - 1) + 1 for i in range(seq))
-    cases: dict[str, tuple[Callable[[bool], list[torch.Tensor]], dict[str, Any], int]] = {
+    cases: dict[str, MaskedCase] = {
         f"padding 10% {kernel}": (
             lambda backward, kernel=kernel: _sdpa_pass(kernel, qh, kh, vh, dh if backward else None, keep),
             dict(causal=True, key_padding_mask=keep.cpu()), padded_pairs)
@@ -220,9 +224,10 @@ def _masked_cases(device: torch.device, dtype: torch.dtype, seq: int, heads: tup
 def masked(device: torch.device, dtype: torch.dtype, seq: int, err_seq: int, heads: tuple[int, int], dim: int,
            repeats: int) -> Iterator[Row]:
     """Masked calls as the ring makes them (:func:`_masked_cases`): error of out, dq, dk, dv vs
-    float64 at ``err_seq`` (8:2 heads) and of a decode step windowed on positions, then at ``seq`` with ``heads`` the time per visible pair and
-    the peak memory, forward and forward+backward, relative to unmasked causal SDPA (GQA without
-    repeats). No case builds an ``L x L`` matrix (Note [Masks as a bias, tile by tile])."""
+    float64 at ``err_seq`` (8:2 heads) and of a decode step windowed on positions; then at ``seq``
+    with ``heads`` the time per visible pair and the peak memory, forward and forward+backward,
+    relative to unmasked causal SDPA (GQA without repeats). No case builds an ``L x L`` matrix
+    (Note [Masks as a bias, tile by tile] in attention/sdpa_backend.py)."""
     on_gpu = device.type == "cuda"
     (q, k, v, dout), cases = _masked_cases(device, dtype, err_seq, (8, 2), dim)
     for name, (run, reference, _) in cases.items():
