@@ -226,6 +226,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, key_mask: torch.Tensor | None,
 
 def _sliced(key_mask: torch.Tensor | None, visible: torch.Tensor | None, rows: slice,
             cols: slice) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The masks of one tile: ``key_mask[:, cols]``, ``visible[rows, cols]``."""
     return (None if key_mask is None else key_mask[:, cols]), (None if visible is None else visible[rows, cols])
 
 
@@ -281,8 +282,8 @@ def _tile_backward(kernel: BiasKernel, dout: torch.Tensor, q: torch.Tensor, k: t
 
 
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
-                   key_mask: torch.Tensor | None, visible: torch.Tensor | None,
-                   kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 key_mask: torch.Tensor | None, visible: torch.Tensor | None,
+                 kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` under the masks (None: none), on
     ``kernel`` (default :func:`kernel_for` q's device). Returns ``(out [b, hq, sq, d] in q's dtype, lse [b, hq,
     sq] in the kernel's dtype)``; a query that sees no key gets a zero output and lse -inf."""
@@ -302,9 +303,9 @@ def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
 
 
 def sdpa_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, *, causal: bool, scale: float, key_mask: torch.Tensor | None,
-                    visible: torch.Tensor | None,
-                    kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor, *, causal: bool, scale: float, key_mask: torch.Tensor | None,
+                  visible: torch.Tensor | None,
+                  kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the merged ``out`` (q's dtype) and ``lse`` (fp32, fp64 for fp64
     inputs) of these queries: ``(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d])`` in the kernel's dtypes."""
     chosen = KERNELS[kernel or kernel_for(q.device, key_mask is not None or visible is not None)]
