@@ -2,9 +2,9 @@
 
 Note [Padding]
 ~~~~~~~~~~~~~~
-The core's ``key_padding_mask`` runs on the ``math`` and CPU ``sdpa`` kernels only (the CUDA fused
-kernels take no mask), so this adapter applies padding in a way every kernel takes, exactly, by
-one extra head dimension: queries get a 1, keys get 0 (kept) or ``-big`` (padding),
+The core's ``key_padding_mask`` runs on ``math`` and ``sdpa`` (an additive bias; on CUDA not yet run on
+a GPU) but not on ``flash_attn``, so this adapter applies padding in a way every kernel takes, exactly,
+by one extra head dimension: queries get a 1, keys get 0 (kept) or ``-big`` (padding),
 values get 0, so a padded key's score is ``score - scale * big`` and its softmax weight underflows
 to exactly 0 (real keys' scores gain an exact 0). The extra dims are padded with zeros to keep
 ``head_dim`` a multiple of 8 for the fused kernels. It runs only for batches that have padding, and
