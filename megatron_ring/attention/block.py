@@ -3,26 +3,29 @@ and the fp32 log-sum-exp merge of such partial results.
 
 Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q``
 heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in
-memory by the math backend, nor by ``sdpa`` outside the causal diagonal block (Note [GQA without repeats]).
+memory (Note [GQA without repeats]).
 
 Backends:
 
 * ``"math"``: pure torch, always available, scores and softmax in fp32 (fp64 for fp64 inputs).
 * ``"sdpa"``: torch's fused attention kernels, which return the log-sum-exp the ring needs, with
-  their fused backward: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype);
-  on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256) cuDNN's kernel on Hopper and newer (about
-  1.9x faster than flash there, measured on an H200) and the flash kernel before Hopper.
+  their fused backward (sdpa_backend.py): ``_scaled_dot_product_flash_attention_for_cpu`` on CPU
+  (any float dtype); on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256) cuDNN's kernel on
+  Hopper and newer (about 1.9x faster than flash there, measured on an H200), before Hopper the
+  flash kernel, and the memory-efficient kernel for masked blocks.
 * ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16,
   head_dim a multiple of 8 up to 256, sm_8x and sm_90; native GQA, so K/V are never repeated
   (flash_attn_backend.py).
 * ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the
-  inputs; otherwise ``"sdpa"`` where its kernel takes them (cuDNN on Hopper), ``"math"`` elsewhere.
+  inputs (unmasked calls only); otherwise ``"sdpa"`` where its kernels take them (cuDNN on
+  Hopper), ``"math"`` elsewhere.
 
 The CUDA kernel paths follow the op schemas of torch's CUDA build and flash-attn's interface;
 this project's CI has no GPU, so they run only where one is present
 (``tests/gloo/test_ring_numerics.py`` covers CPU; ``tests/unit/test_flash_attn_backend.py`` checks the
 flash-attn adapter against a CPU stand-in of the package's interface, and against float64 on a GPU
-with flash-attn installed).
+with flash-attn installed; ``tests/unit/test_sdpa_backend.py`` does the same for the masked CUDA
+kernel calls of ``sdpa``).
 
 Note [GQA without repeats]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -32,8 +35,11 @@ the attention itself. A block without a causal mask (every off-diagonal ring blo
 step) does not need it: the ``g = heads_q / heads_kv`` query heads of one K/V head are folded into
 the query-length axis, ``[b, hq, s, d] -> [b, hkv, g * s, d]`` (query head ``h`` uses K/V head
 ``h // g``), the kernel runs on ``hkv`` heads, and out/lse unfold back. dK/dV then come out already
-summed over the group. Only the causal diagonal block still repeats K/V: folding would break the
-position-based mask.
+summed over the group. Folding would break the causal diagonal block's position-based mask, so
+there ``sdpa`` makes one kernel call per head slice ``q[:, j::g]`` (query heads ``j, j + g, ...``
+use K/V heads ``0, 1, ...``: as many as K/V has), writing into one output, and sums dK/dV over the
+slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). The math
+backend groups heads in its matmuls instead.
 
 ``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
 sees keys 0..i.
@@ -41,10 +47,11 @@ sees keys 0..i.
 ``key_mask`` (bool ``[batch, k_len]``, True = a real key, False = padding) hides keys from every
 query; a query that sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the
 merge). ``visible`` (bool ``[q_len, k_len]``, True = the query may see the key: a sliding
-window's band, or decode's positions) hides pairs the same way and combines with both. Only
-``math`` and the CPU ``sdpa`` kernel (an additive bias) take masks; ``resolve_backend`` with
-``masked=True`` picks or checks accordingly. With a ``visible`` mask the GQA fold still applies
-(the mask is repeated over the folded query heads).
+window's band, or decode's positions) hides pairs the same way and combines with both. ``math``
+and ``sdpa`` take masks (``sdpa`` as an additive bias, never an ``Lq x Lk`` matrix of floats:
+Note [Masks as a bias, tile by tile] in sdpa_backend.py), ``flash_attn`` does not;
+``resolve_backend`` with ``masked=True`` picks or checks accordingly. With a ``visible`` mask the
+GQA fold still applies (the mask is repeated over the folded query heads).
 
 Note [Log-sum-exp merge]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -64,6 +71,8 @@ from __future__ import annotations
 import torch
 
 from megatron_ring.attention.flash_attn_backend import flash_attn_problem, flash_backward, flash_forward
+from megatron_ring.attention.heads import grouped
+from megatron_ring.attention.sdpa_backend import kernel_for, sdpa_backward, sdpa_forward, without_neginf
 
 BACKENDS: tuple[str, ...] = ("auto", "math", "sdpa", "flash_attn")
 
@@ -81,27 +90,27 @@ all masked, so older torch uses ``math`` with a mask."""
 
 
 def _sdpa_takes_a_mask(device: torch.device) -> bool:
-    """Whether the ``sdpa`` kernel on ``device`` applies a key mask (an additive bias, CPU only)."""
-    return device.type == "cpu" and _CPU_KERNEL_TAKES_A_MASK
+    """Whether the ``sdpa`` kernels on ``device`` apply a mask (an additive bias; sdpa_backend.py)."""
+    return device.type == "cuda" or (device.type == "cpu" and _CPU_KERNEL_TAKES_A_MASK)
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                     masked: bool = False) -> str:
-    """The concrete backend for ``backend`` and these inputs (``masked``: a key padding mask is
-    given); ValueError for an unknown or unusable one."""
+    """The concrete backend for ``backend`` and these inputs (``masked``: blocks may carry a mask,
+    a key padding mask or a window's); ValueError for an unknown or unusable one."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if masked:
         if backend == "flash_attn" or (backend == "sdpa" and not _sdpa_takes_a_mask(device)):
             raise ValueError(f"backend {backend!r} cannot take a key_padding_mask on device={device} with torch "
-                             f"{torch.__version__}, nor a window_size; use 'math' or 'auto' (which picks 'sdpa' on "
-                             "CPU with torch >= 2.5 and 'math' elsewhere)")
+                             f"{torch.__version__}, nor a window_size; use 'math' or 'auto' (which picks 'sdpa' where "
+                             "its kernels take a mask: CPU with torch >= 2.5, CUDA fp16/bf16)")
         if backend == "auto":
-            return "sdpa" if _sdpa_takes_a_mask(device) else "math"
+            return "sdpa" if _sdpa_takes_a_mask(device) and _sdpa_takes(device, dtype, head_dim) else "math"
     if backend == "auto":
         # flash_attn_problem is None only on CUDA, so the capability query is safe.
         if device.type == "cuda" and flash_attn_problem(device, dtype, head_dim) is None \
-                and _cuda_kernel(device) == "flash":
+                and kernel_for(device, masked=False) == "flash":
             return "flash_attn"
         return "sdpa" if _sdpa_takes(device, dtype, head_dim) else "math"
     if backend == "flash_attn":
@@ -122,47 +131,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _cuda_kernel(device: torch.device) -> str:
-    """``"cudnn"`` on Hopper (sm_90) and newer, ``"flash"`` before."""
-    return "cudnn" if torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
-
-
 def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     """True where query i must not see key j (j > i)."""
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu_(1)
-
-
-def _grouped(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """``[b, hq, s, d]`` -> ``[b, hkv, hq/hkv, s, d]`` (a view): query heads grouped by their K/V head."""
-    b, hq, s, d = q.shape
-    return q.reshape(b, heads_kv, hq // heads_kv, s, d)
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[b, hkv, s, d]`` -> ``[b, hkv*groups, s, d]`` (a copy, for kernels without GQA support)."""
-    if groups == 1:
-        return x
-    b, h, s, d = x.shape
-    return x.unsqueeze(2).expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
-
-
-def _fold_queries(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """``[b, hq, s, ...]`` -> ``[b, hkv, (hq/hkv) * s, ...]`` (Note [GQA without repeats])."""
-    b, hq, s = t.shape[:3]
-    return t.reshape(b, heads_kv, (hq // heads_kv) * s, *t.shape[3:])
-
-
-def _unfold_queries(t: torch.Tensor, heads_q: int) -> torch.Tensor:
-    """Inverse of :func:`_fold_queries`: ``[b, hkv, g * s, ...]`` -> ``[b, heads_q, s, ...]``."""
-    b, hkv, gs = t.shape[:3]
-    return t.reshape(b, heads_q, gs // (heads_q // hkv), *t.shape[3:])
 
 
 def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
                  key_mask: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
     """Scaled scores ``[b, hkv, g, q, k]`` in the compute dtype, masked with -inf."""
     ct = compute_dtype(q.dtype)
-    scores = torch.matmul(_grouped(q, k.shape[1]).to(ct), k.to(ct).unsqueeze(2).transpose(-1, -2)) * scale
+    scores = torch.matmul(grouped(q, k.shape[1]).to(ct), k.to(ct).unsqueeze(2).transpose(-1, -2)) * scale
     if causal:
         scores.masked_fill_(_causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     if key_mask is not None:
@@ -172,51 +150,11 @@ def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
     return scores
 
 
-def _without_neginf(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with -inf (a query that sees no key) replaced by 0, so ``exp(-inf - lse)`` is 0, not NaN."""
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-
-
-def _bias(key_mask: torch.Tensor | None, visible: torch.Tensor | None, groups: int,
-          dtype: torch.dtype) -> torch.Tensor | None:
-    """Additive ``[b or 1, 1, q or 1, k]`` bias, -inf where a key is padding or not visible;
-    ``visible`` repeated ``groups`` times along q for folded query heads (Note [GQA without repeats])."""
-    hidden = None if key_mask is None else ~key_mask[:, None, :]
-    if visible is not None:
-        shown = visible.repeat(groups, 1) if groups > 1 else visible
-        hidden = ~shown[None] if hidden is None else hidden | ~shown[None]
-    if hidden is None:
-        return None
-    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(hidden, float("-inf"))[:, None]
-
-
-def _blind(key_mask: torch.Tensor | None, visible: torch.Tensor | None, q_len: int,
-           causal: bool) -> torch.Tensor | None:
-    """``[b or 1, q]``: the queries that see no key of the block (None when every query sees one)."""
-    if visible is None:
-        return None if key_mask is None else ~_sees_a_key(key_mask, q_len, causal)
-    sees = visible[None] if key_mask is None else visible[None] & key_mask[:, None, :]
-    return ~sees.any(-1)
-
-
-def _with_causal(visible: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor | None, bool]:
-    """A ``visible`` mask absorbs the causal flag (one mask for the kernel)."""
-    if visible is None or not causal:
-        return visible, causal
-    return visible & ~_causal_mask(*visible.shape, visible.device), False
-
-
 def _check_mask_backend(masked: bool, backend: str, device: torch.device) -> None:
     """A mask reaches only the kernels that apply it (resolve_backend(masked=True) picks them)."""
     if masked and not (backend == "math" or (backend == "sdpa" and _sdpa_takes_a_mask(device))):
-        raise ValueError(f"backend {backend!r} on {device} cannot apply a key mask or a visibility mask; resolve it with masked=True")
-
-
-def _sees_a_key(key_mask: torch.Tensor, q_len: int, causal: bool) -> torch.Tensor:
-    """``[b, q]``: whether each query sees at least one real key of the block (causal: keys 0..i)."""
-    if causal:
-        return key_mask.cumsum(-1) > 0
-    return key_mask.any(-1, keepdim=True).expand(-1, q_len)
+        raise ValueError(f"backend {backend!r} on {device} cannot apply a key mask or a visibility mask; "
+                         "resolve it with masked=True")
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
@@ -232,34 +170,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         out, lse = flash_forward(q, k, v, causal=causal, scale=scale)
         return out, lse.to(compute_dtype(q.dtype))
     if backend == "sdpa":
-        visible, causal = _with_causal(visible, causal)
-        heads_q, groups, q_len = q.shape[1], q.shape[1] // k.shape[1], q.shape[2]
-        fold = groups > 1 and not causal
-        blind = None
-        if fold:
-            q = _fold_queries(q, k.shape[1])
-        else:
-            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        if q.device.type == "cuda" and _cuda_kernel(q.device) == "cudnn":
-            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-            lse = lse.reshape(q.shape[:3])
-        elif q.device.type == "cuda":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
-        else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, causal, attn_mask=_bias(key_mask, visible, groups if fold else 1, q.dtype), scale=scale
-            )
-            blind = _blind(key_mask, visible, q_len, causal)
-        if fold:
-            out, lse = _unfold_queries(out, heads_q), _unfold_queries(lse, heads_q)
-        if blind is not None:  # the kernel reports lse 0 for a query that sees no key
-            lse = lse.masked_fill(blind[:, None, :], float("-inf"))
-            out = out.masked_fill(blind[:, None, :, None], 0.0)
+        out, lse = sdpa_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask, visible=visible)
         return out, lse.to(compute_dtype(q.dtype))
     scores = _math_scores(q, k, causal, scale, key_mask, visible)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - _without_neginf(lse).unsqueeze(-1))
+    probs = torch.exp(scores - without_neginf(lse).unsqueeze(-1))
     out = torch.matmul(probs, v.to(scores.dtype).unsqueeze(2))
     b, hq, sq, d = q.shape
     return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
@@ -281,51 +196,19 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
         return dq.to(ct), dk.to(ct), dv.to(ct)
     if backend == "sdpa":
-        visible, causal = _with_causal(visible, causal)
-        heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
-        b, hkv, sk, d = k.shape
-        dout, out = dout.to(q.dtype), out.to(q.dtype)
-        lse = lse.float() if q.dtype != torch.float64 else lse
-        fold = groups > 1 and not causal
-        if fold:
-            q, dout, out, lse = (_fold_queries(t, hkv) for t in (q, dout, out, lse))
-        else:
-            k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        if q.device.type == "cuda" and _cuda_kernel(q.device) == "cudnn":
-            # No bias, no cumulative lengths (not varlen), zero dropout RNG state; lse as [b, h, s, 1].
-            seed = torch.zeros((), dtype=torch.int64, device=q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dout.contiguous(), q, k, v, out.contiguous(), lse.reshape(*lse.shape, 1).contiguous(), seed, seed,
-                None, None, None, q.shape[2], sk, 0.0, causal, scale=scale,
-            )
-        elif q.device.type == "cuda":
-            # Non-varlen call: no cumulative lengths, max lengths = the block's, zero dropout RNG state.
-            seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
-            offset = torch.zeros((), dtype=torch.uint64, device=q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], sk, 0.0, causal, seed, offset, scale=scale,
-            )
-        else:  # with a mask, a query that sees no key has lse -inf: made 0 so its gradients are 0
-            bias = _bias(key_mask, visible, groups if fold else 1, q.dtype)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse if bias is None else _without_neginf(lse), 0.0, causal,
-                attn_mask=bias, scale=scale,
-            )
-        if fold:
-            return _unfold_queries(dq, heads_q).to(ct), dk.to(ct), dv.to(ct)
-        if groups > 1:
-            dk, dv = dk.reshape(b, hkv, groups, sk, d).sum(2), dv.reshape(b, hkv, groups, sk, d).sum(2)
+        dq, dk, dv = sdpa_backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(compute_dtype(q.dtype)),
+                                   causal=causal, scale=scale, key_mask=key_mask, visible=visible)
         return dq.to(ct), dk.to(ct), dv.to(ct)
     hkv = k.shape[1]
     scores = _math_scores(q, k, causal, scale, key_mask, visible)
-    probs = torch.exp(scores - _grouped(_without_neginf(lse).to(ct).unsqueeze(-1), hkv))
-    g_out = _grouped(dout.to(ct), hkv)
-    delta = (g_out * _grouped(out.to(ct), hkv)).sum(-1, keepdim=True)
+    probs = torch.exp(scores - grouped(without_neginf(lse).to(ct).unsqueeze(-1), hkv))
+    g_out = grouped(dout.to(ct), hkv)
+    delta = (g_out * grouped(out.to(ct), hkv)).sum(-1, keepdim=True)
     dv = torch.matmul(probs.transpose(-1, -2), g_out).sum(2)
     dprobs = torch.matmul(g_out, v.to(ct).unsqueeze(2).transpose(-1, -2))
     dscores = probs * (dprobs - delta) * scale
     dq = torch.matmul(dscores, k.to(ct).unsqueeze(2)).reshape(q.shape)
-    dk = torch.matmul(dscores.transpose(-1, -2), _grouped(q.to(ct), hkv)).sum(2)
+    dk = torch.matmul(dscores.transpose(-1, -2), grouped(q.to(ct), hkv)).sum(2)
     return dq, dk, dv
 
 

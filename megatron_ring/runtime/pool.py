@@ -80,14 +80,31 @@ class GlooPool:
             )
             for r in range(world_size)
         ]
-        for proc in self._procs:
-            proc.start()
+        try:
+            for proc in self._procs:
+                proc.start()
+        except BaseException:  # a signal while starting: the ranks already started must not run on
+            self.close(force=True)
+            raise
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
         for tasks in self._tasks:
             tasks.put((fn, args, kwargs))
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        try:
+            got = self._collect(fn.__name__, timeout_s or self.timeout_s)
+        except BaseException:  # a timeout, a dead rank, or a signal while the ranks work: none may run on
+            self.close(force=True)
+            raise
+        failed = {r: v for r, (ok, v) in got.items() if not ok}
+        if failed:
+            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+            raise WorkerError(f"{fn.__name__} failed on ranks {sorted(failed)}:\n{text}")
+        return [got[r][1] for r in range(self.world_size)]
+
+    def _collect(self, name: str, timeout_s: float) -> dict[int, tuple[bool, Any]]:
+        """Every rank's (ok, value) of the running call; WorkerError when a rank dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
         got: dict[int, tuple[bool, Any]] = {}
         while len(got) < self.world_size:
             try:
@@ -98,14 +115,9 @@ class GlooPool:
                 pass
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
             if dead or time.monotonic() > deadline:
-                self.close(force=True)
-                why = f"ranks {dead} died" if dead else f"timed out after {timeout_s or self.timeout_s:.0f}s"
-                raise WorkerError(f"{fn.__name__}: {why}; finished ranks: {sorted(got)}")
-        failed = {r: v for r, (ok, v) in got.items() if not ok}
-        if failed:
-            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
-            raise WorkerError(f"{fn.__name__} failed on ranks {sorted(failed)}:\n{text}")
-        return [got[r][1] for r in range(self.world_size)]
+                why = f"ranks {dead} died" if dead else f"timed out after {timeout_s:.0f}s"
+                raise WorkerError(f"{name}: {why}; finished ranks: {sorted(got)}")
+        return got
 
     def alive(self) -> bool:
         """Whether every worker process is still running."""
@@ -117,6 +129,8 @@ class GlooPool:
             if proc.is_alive() and not force:
                 tasks.put(None)
         for proc in self._procs:
+            if proc.pid is None:  # never started
+                continue
             proc.join(timeout=0 if force else 10)
             if proc.is_alive():
                 proc.kill()

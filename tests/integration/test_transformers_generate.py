@@ -87,10 +87,15 @@ def test_single_process_ring_matches_generate(eager):
         assert torch.equal(generate(ring, name, ring=True), generate(eager, name, ring=False)), name
 
 
-def test_generate_inside_a_bare_cp_context_points_to_ring_generate():
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_generate_inside_a_bare_cp_context_points_to_ring_generate(new_tokens: int):
+    """With one new token there is no second step whose shapes would not fit: it once returned wrong tokens."""
     model = tiny_model("llama", attn_implementation="ring")
-    with pytest.raises(ValueError, match=r"1 local queries but 17 keys.*ring_generate"), cp_context():
-        model.generate(prompts()["plain"][0], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"model.generate on a model with attn_implementation='ring' must run "
+                                         r"through megatron_ring.hf.ring_generate"), cp_context():
+        model.generate(prompts()["plain"][0], max_new_tokens=new_tokens)
+    with pytest.raises(ValueError, match=r"must run through megatron_ring.hf.ring_generate"):
+        model.generate(prompts()["plain"][0], max_new_tokens=new_tokens)
 
 
 @pytest.mark.parametrize("kwargs, match", [

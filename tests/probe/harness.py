@@ -48,10 +48,10 @@ def assert_no_leftover(session: int) -> None:
     import psutil
 
     left = []
-    for proc in psutil.process_iter(["pid"]):
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
-            if os.getsid(proc.pid) == session:
-                left.append(proc.pid)
+            if os.getsid(proc.pid) == session and proc.info["status"] != psutil.STATUS_ZOMBIE:  # exited, unreaped
+                left.append((proc.pid, " ".join(proc.info["cmdline"] or ())[-120:]))
         except (ProcessLookupError, PermissionError):
             continue
     if left:

@@ -56,6 +56,14 @@ def test_sweep_out_dir_under_a_file_fails_before_running() -> None:
     assert_usage_error(run_cli(*argv, timeout_s=30), "--out-dir")
 
 
+def test_compare_out_dir_under_a_file_fails_before_running() -> None:
+    assert_usage_error(run_cli("compare", "cpu", "--out-dir", str(ROOT / "README.md" / "d"), timeout_s=30), "--out-dir")
+
+
+def test_perplexity_out_under_a_file_fails_before_running() -> None:
+    assert_usage_error(run_cli("perplexity", "--out", str(ROOT / "README.md" / "p.json"), timeout_s=30), "--out")
+
+
 def test_plan_markdown_under_a_file_is_a_usage_error() -> None:
     argv = ["plan", str(ROOT / "configs" / "deepspeed" / "cpu_ring_cp4.json"), "--markdown",
             str(ROOT / "README.md" / "plan.md")]

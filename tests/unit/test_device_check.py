@@ -25,7 +25,7 @@ def test_dry_run_writes_every_check_and_passes_its_exactness_targets(tmp_path: P
     assert {r["check"] for r in rows} == CHECKS
     assert not [r for r in rows if r["ok"] is False]
     exact = [r for r in rows if "err" in r["metric"]]
-    assert len(exact) == 15 and all(r["ok"] for r in exact)  # 8 kernels, 2 masked, 4 comms and decode
+    assert len(exact) == 17 and all(r["ok"] for r in exact)  # 8 kernels, 4 masked, 4 comms and decode
     assert result["versions"]["cpu_dry_run"] is True
     table = (tmp_path / "device_check.md").read_text().split("\n\n", 1)[1].strip()
     assert "| two_rank_ring | a2a+p2p bf16 causal cp=2 |" in table and table in done.stdout

@@ -36,6 +36,7 @@ from megatron_ring.integrations.hf.attention import register
 from megatron_ring.integrations.hf.cache import RingCache
 from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
+from megatron_ring.integrations.hf.peer_errors import telling_peers
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -123,7 +124,7 @@ class HFRunner:
         with cp_context(self.groups.cp) as ctx:
             local, pad = local_inputs(self.module, ctx, ids, mask, generate_positions(mask))
             columns = local_columns(ctx, seq + pad, self.device) - pad  # padding: negative columns, dropped
-            with cache.prefill(columns, seq):
+            with cache.prefill(columns, seq), telling_peers(ctx, self.module):
                 logits = self.module(**local, cache=cache, use_cache=True, logits_to_keep=1).logits
             last = last_token(ctx, logits)
         cache.start_decode()
@@ -141,8 +142,9 @@ class HFRunner:
             self.mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
         with cp_context(self.groups.cp) as ctx:
             ctx.phase, ctx.cache = "decode", self.cache
-            logits = self.module(input_ids=ids, attention_mask=self.mask, position_ids=self.positions,
-                                 cache=self.cache, use_cache=True).logits
+            with telling_peers(ctx, self.module):
+                logits = self.module(input_ids=ids, attention_mask=self.mask, position_ids=self.positions,
+                                     cache=self.cache, use_cache=True).logits
         self.positions = self.positions + 1
         return logits[:, -1].float().argmax(dim=-1)
 

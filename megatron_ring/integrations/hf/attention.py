@@ -2,9 +2,9 @@
 
 Note [Padding]
 ~~~~~~~~~~~~~~
-The core's ``key_padding_mask`` runs on the ``math`` and CPU ``sdpa`` kernels only (the CUDA fused
-kernels take no mask), so this adapter applies padding in a way every kernel takes, exactly, by
-one extra head dimension: queries get a 1, keys get 0 (kept) or ``-big`` (padding),
+The core's ``key_padding_mask`` runs on ``math`` and ``sdpa`` (an additive bias; on CUDA not yet run on
+a GPU) but not on ``flash_attn``, so this adapter applies padding in a way every kernel takes, exactly,
+by one extra head dimension: queries get a 1, keys get 0 (kept) or ``-big`` (padding),
 values get 0, so a padded key's score is ``score - scale * big`` and its softmax weight underflows
 to exactly 0 (real keys' scores gain an exact 0). The extra dims are padded with zeros to keep
 ``head_dim`` a multiple of 8 for the fused kernels. It runs only for batches that have padding, and
@@ -43,12 +43,13 @@ import functools
 from typing import Any, Callable
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.api import ring_attention
-from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, CPContext, active
+from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, CPContext, active, generating
+from megatron_ring.integrations.hf.shard_check import check_shard_positions
 
 
 def _big(scale: float, dtype: torch.dtype) -> float:
@@ -107,6 +108,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     changes the shapes that the ranks exchange.
     """
     ctx = active()
+    ctx.in_attention = True  # from here an error is raised alike on every rank, or reported by the core
     window = _check_module_call(module, dropout, kwargs)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -117,7 +119,9 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                          "ring_generate did not build (model.generate inside a bare cp_context?); generate with "
                          "megatron_ring.hf.ring_generate")
     if ctx.cu_seqlens is not None:
-        return _packed_prefill(ctx, q, k, v, attention_mask, scale, window), None
+        return _returned(ctx, _packed_prefill(ctx, q, k, v, attention_mask, scale, window)), None
+    if ctx.phase == "prefill" and not ctx.sharded and getattr(module, "layer_idx", 0) == 0:
+        check_shard_positions(ctx, kwargs.get("position_ids"), attention_mask, q.shape[0], q.shape[1])
     key_mask = attention_mask
     columns = ctx.cache.layers[module.layer_idx].columns if ctx.phase == "decode" else None
     if key_mask is not None:
@@ -130,11 +134,21 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         q, k, v = _mask_keys(q, k, v, key_mask.bool(), scale)
     if ctx.phase == "decode":
         positions = _decode_positions(ctx, module.layer_idx, q.shape[1], columns, q.device) if window != (-1, -1) else {}
-        out = decode_attention(q, k, v, ctx.group, softmax_scale=scale, window_size=window, **positions)
+        layer = ctx.cache.layers[module.layer_idx]
+        out = decode_attention(q, k, v, ctx.group, softmax_scale=scale, window_size=window,
+                               check_consistency=not layer.agreed, **positions)  # Note [Decode handshake once]
+        layer.agreed = True
     else:
         out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING,
                              window_size=window)
-    return out[..., :d], None
+    return _returned(ctx, out[..., :d]), None
+
+
+def _returned(ctx: CPContext, out: torch.Tensor) -> torch.Tensor:
+    """``out``, once the attention call is counted as done (Note [A model error on one rank] in peer_errors.py)."""
+    ctx.in_attention = False
+    ctx.attention_calls += 1
+    return out
 
 
 def _decode_positions(ctx: CPContext, layer_idx: int, q_len: int, columns: torch.Tensor | None,
@@ -178,6 +192,8 @@ def register() -> None:
     checker = PreTrainedModel._check_and_adjust_attn_implementation
     if not getattr(checker, "_refuses_ring", False):
         PreTrainedModel._check_and_adjust_attn_implementation = _refusing_ring(checker)
+    if not getattr(GenerationMixin.generate, "_refuses_ring", False):
+        GenerationMixin.generate = _refusing_bare_generate(GenerationMixin.generate)
 
 
 def _refusing_ring(checker: Callable[..., str]) -> Callable[..., str]:
@@ -190,6 +206,26 @@ def _refusing_ring(checker: Callable[..., str]) -> Callable[..., str]:
         return checker(self, attn_implementation, *args, **kwargs)
     check._refuses_ring = True  # type: ignore[attr-defined]
     return check
+
+
+def _refusing_bare_generate(generate: Callable[..., Any]) -> Callable[..., Any]:
+    """``generate``, refused for a ``"ring"`` model unless :func:`ring_generate` runs it.
+
+    Called directly (in a bare ``cp_context``), ``generate`` picks each rank's next token from the
+    last position of that rank's shard: wrong tokens, different on each rank. Its second step
+    failed on a shape check, but ``max_new_tokens=1`` has none. Every rank raises the same error.
+    """
+    @functools.wraps(generate)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and not generating():
+            raise ValueError(
+                f"model.generate on a model with attn_implementation={ATTN_IMPLEMENTATION!r} must run through "
+                "megatron_ring.hf.ring_generate(model, input_ids, ...) with the global prompt on every rank: called "
+                "directly it would take each rank's next token from the end of that rank's own shard"
+            )
+        return generate(self, *args, **kwargs)
+    checked._refuses_ring = True  # type: ignore[attr-defined]
+    return checked
 
 
 register()

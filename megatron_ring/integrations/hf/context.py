@@ -33,6 +33,15 @@ class CPContext:
     phase: str = "prefill"
     cache: "RingCache | None" = None
     cu_seqlens: torch.Tensor | None = None
+    sharded: bool = False
+    """This rank's prefill inputs were cut by the adapter (``local_inputs``), so they are a zigzag
+    shard; otherwise a prefill's positions are checked first (Note [Checking a user's shard] in shard_check.py)."""
+    generating: bool = False
+    """``ring_generate`` runs ``model.generate`` in this context; anywhere else ``generate`` is refused."""
+    attention_calls: int = 0
+    """Attention calls of this context that returned (Note [A model error on one rank] in peer_errors.py)."""
+    in_attention: bool = False
+    """An attention call (with its handshake) is running: an error now is the core's to report."""
 
 
 _ACTIVE: list[CPContext] = []
@@ -69,3 +78,8 @@ def active() -> CPContext:
             "megatron_ring.hf.ring_forward / ring_generate, or inside `with megatron_ring.hf.cp_context(group):`"
         )
     return _ACTIVE[-1]
+
+
+def generating() -> bool:
+    """Whether the innermost context is one in which ``ring_generate`` runs ``model.generate``."""
+    return bool(_ACTIVE) and _ACTIVE[-1].generating

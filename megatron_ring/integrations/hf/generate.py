@@ -39,6 +39,7 @@ from megatron_ring.integrations.hf.inputs import (
     check_ids, gather_seq, generate_positions, local_columns, local_inputs, pad_id,
 )
 from megatron_ring.integrations.hf.packed import is_packed, pack_rows
+from megatron_ring.integrations.hf.peer_errors import telling_peers
 from megatron_ring.integrations.hf.recompute import ring_prefill_every_call
 
 
@@ -72,7 +73,8 @@ def ring_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
         return _packed_forward(model, input_ids, attention_mask, position_ids, group, gather_logits)
     with cp_context(group) as ctx:
         local, pad = local_inputs(model, ctx, input_ids, attention_mask, position_ids)
-        logits = model(**local, use_cache=False).logits
+        with telling_peers(ctx, model):
+            logits = model(**local, use_cache=False).logits
         if not gather_logits:
             return logits
         return gather_seq(ctx, logits)[:, pad:]
@@ -88,7 +90,8 @@ def _packed_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
         row = pack_rows(input_ids, position_ids, chunks_per_rank(SHARDING) * ctx.size, pad_id(model))
         ctx.cu_seqlens = row.cu_seqlens
         local_ids, local_pos = row.shard(ctx.rank, ctx.size)
-        logits = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits
+        with telling_peers(ctx, model):
+            logits = model(input_ids=local_ids, position_ids=local_pos, use_cache=False).logits
         if not gather_logits:
             return logits
         return gather_seq(ctx, logits)[0, row.index]
@@ -180,7 +183,7 @@ def _prefill_cache(model: PreTrainedModel, ctx: CPContext, input_ids: torch.Tens
     cache = RingCache(model.config.get_text_config().num_hidden_layers, ctx.rank, ctx.size)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     columns = local_columns(ctx, seq + pad, input_ids.device) - pad  # the padding gets negative columns: dropped
-    with cache.prefill(columns, seq):
+    with cache.prefill(columns, seq), telling_peers(ctx, model):
         model(**local, cache=cache, use_cache=True, **extra)
     cache.forget_last()
     if expand > 1:  # generate repeats input_ids and mask for beams / return sequences, not a cache it is given
@@ -209,12 +212,14 @@ def ring_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     config = _generation_config(model, generation_config, kwargs)
     with cp_context(group) as ctx:
         _check_same_call(ctx, input_ids, attention_mask, config)
+        ctx.generating = True
         if config.use_cache is False:
-            with ring_prefill_every_call(model, ctx):
+            with ring_prefill_every_call(model, ctx), telling_peers(ctx, model):
                 return model.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config,
                                       **kwargs)
         expand = max(config.num_beams or 1, config.num_return_sequences or 1)
         ctx.cache = _prefill_cache(model, ctx, input_ids, attention_mask, expand)
         ctx.phase = "decode"
-        return model.generate(input_ids, attention_mask=attention_mask, cache=ctx.cache,
-                              generation_config=generation_config, **kwargs)
+        with telling_peers(ctx, model):
+            return model.generate(input_ids, attention_mask=attention_mask, cache=ctx.cache,
+                                  generation_config=generation_config, **kwargs)

@@ -61,11 +61,13 @@ def pad_left(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids
 
 def local_inputs(model: PreTrainedModel, ctx: CPContext, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor) -> tuple[dict[str, torch.Tensor | None], int]:
-    """This rank's model inputs for a ring prefill of global ``[batch, seq]`` tensors, and the pad width.
+    """This rank's model inputs for a ring prefill of global ``[batch, seq]`` tensors, and the pad width
+    (``ctx`` is marked as holding inputs cut here: ``CPContext.sharded``).
 
     The mask is None on every rank when the padded global mask has no padding (the attention
     function's masked path changes what the ranks exchange, so all ranks must agree).
     """
+    ctx.sharded = True
     ids, mask, pos, pad = pad_left(input_ids, attention_mask, position_ids, chunks_per_rank(SHARDING) * ctx.size,
                                    pad_id(model))
     local_ids, local_mask, local_pos = (shard_sequence(t, ctx.rank, ctx.size, dim=1, sharding=SHARDING)

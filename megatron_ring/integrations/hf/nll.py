@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from megatron_ring.integrations.hf.attention import check_model
 from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import check_ids, local_columns, local_inputs
+from megatron_ring.integrations.hf.peer_errors import telling_peers
 
 
 @torch.no_grad()
@@ -35,7 +36,8 @@ def ring_nll(model: PreTrainedModel, input_ids: torch.Tensor, *, group: dist.Pro
     positions = torch.arange(seq, device=ids.device).expand_as(ids)
     with cp_context(group) as ctx:
         local, pad = local_inputs(model, ctx, ids, mask, positions)
-        hidden = model.get_decoder()(**local, use_cache=False).last_hidden_state  # [batch, seq_local, hidden]
+        with telling_peers(ctx, model):
+            hidden = model.get_decoder()(**local, use_cache=False).last_hidden_state  # [batch, seq_local, hidden]
         columns = local_columns(ctx, seq + pad, ids.device) - pad  # global index of each local position
         valid = (columns >= 0) & (columns < seq - 1)
         targets = ids[:, (columns + 1).clamp(0, seq - 1)]

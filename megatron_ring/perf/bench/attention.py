@@ -39,9 +39,9 @@ every ring implementation also runs LongNet's dilated attention with those pairs
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +52,8 @@ from megatron_ring.perf.bench.harness import CAUSAL, DTYPES, borrow_pool, machin
 from megatron_ring.perf.report import print_table
 from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import non_negative_int, positive_float, positive_int, usage_error
+from megatron_ring.runtime.job import Interrupted, interruptible
+from megatron_ring.runtime.reporting import write_json_atomic
 
 
 def summarize(cfg: dict[str, Any], per_rank: list[dict[str, Any]], size: int) -> dict[str, Any]:
@@ -262,15 +264,19 @@ def bench_attention_main(argv: list[str] | None = None) -> int:
     causals = CAUSAL[args.causal]
     machine_before = machine_description()
     try:
-        points = run_attention_bench(lengths=args.lengths, ranks=args.ranks, impls=args.impl, modes=args.mode,
-                                     causals=causals, batch=args.batch, heads=args.heads,
-                                     heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, dtype=args.dtype,
-                                     repeats=args.repeats, warmup=args.warmup, backend=args.backend,
-                                     timeout_s=args.timeout, window=args.window, docs=args.docs,
-                                     a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous,
-                                     dilation=args.dilation)
+        with interruptible():
+            points = run_attention_bench(lengths=args.lengths, ranks=args.ranks, impls=args.impl, modes=args.mode,
+                                         causals=causals, batch=args.batch, heads=args.heads,
+                                         heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                                         repeats=args.repeats, warmup=args.warmup, backend=args.backend,
+                                         timeout_s=args.timeout, window=args.window, docs=args.docs,
+                                         a2a_size=args.a2a_size, a2a_contiguous=args.a2a_contiguous,
+                                         dilation=args.dilation)
     except ValueError as err:
         return usage_error(parser.prog, err)
+    except Interrupted as stop:
+        print(f"[bench] {stop}: the ranks were stopped; nothing written", file=sys.stderr)
+        return stop.exit_code
     plain = args.window is None and not args.docs and not args.dilation  # the plots compare implementations, not variants
     write_attention_bench(points, machine_before, out=Path(args.out), argv=argv,
                           plots=None if args.no_plots or not plain else Path(args.plots) if args.plots
@@ -285,7 +291,7 @@ def write_attention_bench(points: list[dict[str, Any]], machine: dict[str, Any],
     result = {"machine": machine, "loadavg_after": list(os.getloadavg()), "argv": argv or [], "points": points,
               "bytes_per_rank_per_layer": [dict(zip(("L", "P", "comm", "fwd", "fwd_bwd"), row))
                                            for row in attention_report.bytes_rows(points, a2a_size)]}
-    out.write_text(json.dumps(result, indent=2))
+    write_json_atomic(out, result)
     first = points[0] if points else {}
     print_table(f"attention bench ({machine['cpu']}, {machine['cores']} cores, {first.get('dtype')}, batch "
                 f"{first.get('batch')}, heads {first.get('heads')}/{first.get('heads_kv')}, head_dim "

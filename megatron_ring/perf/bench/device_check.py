@@ -31,9 +31,10 @@ from megatron_ring.runtime.reporting import write_json_atomic
 
 SIZES: dict[str, dict[str, Any]] = {
     "gpu": dict(kernel_seq=4096, seqs=[8192, 32768, 65536], dims=[64, 128], ring_seq=65536, sizes=[2, 4, 8, 16],
-                batches=[1, 32, 128], cached=[8192, 131072], masked_seq=32768, pair_seq=4096, trace_seq=16384),
+                batches=[1, 32, 128], cached=[8192, 131072], masked_seq=32768, masked_err_seq=2048, masked_heads=(32, 8),
+                pair_seq=4096, trace_seq=16384),
     "cpu": dict(kernel_seq=64, seqs=[128], dims=[32], ring_seq=256, sizes=[2, 4], batches=[1, 2], cached=[64],
-                masked_seq=128, pair_seq=64, trace_seq=64),
+                masked_seq=128, masked_err_seq=64, masked_heads=(4, 1), pair_seq=64, trace_seq=64),
 }
 COLUMNS = ("check", "case", "metric", "value", "target", "ok")
 
@@ -48,7 +49,8 @@ def _checks(device: torch.device, sizes: dict[str, Any], repeats: int,
         "decomposition": lambda: checks.decomposition(device, low, sizes["ring_seq"], sizes["sizes"],
                                                       sizes["dims"][-1], repeats),
         "decode": lambda: checks.decode(device, low, sizes["batches"], sizes["cached"], sizes["dims"][-1], repeats),
-        "masked": lambda: checks.masked(device, low, sizes["masked_seq"], sizes["dims"][-1], repeats),
+        "masked": lambda: checks.masked(device, low, sizes["masked_seq"], sizes["masked_err_seq"], sizes["masked_heads"],
+                                        sizes["dims"][-1], repeats),
         "two_rank_ring": lambda: two_rank_ring(device.type == "cpu", sizes["pair_seq"], sizes["trace_seq"], out),
     }
 

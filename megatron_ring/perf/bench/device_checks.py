@@ -16,10 +16,11 @@ from megatron_ring.attention.call import RingCall
 from megatron_ring.attention.comms import CPPlace
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.reference import attention_reference, rel_err
-from megatron_ring.attention.ring import ring_forward
+from megatron_ring.attention.ring import ring_backward, ring_forward
 from megatron_ring.attention.schedule import schedule_for
+from megatron_ring.attention.sdpa_backend import kernel_for, sdpa_backward, sdpa_forward
 from megatron_ring.attention.sharding import shard_sequence
-from megatron_ring.attention.transport import Block
+from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces
 from megatron_ring.perf.bench.harness import measure_peak, median_time
 
 Row = dict[str, Any]
@@ -108,6 +109,15 @@ class LocalBlocks:
             src = (self.rank - step) % size
             yield src, self.ks[src], self.vs[src]
 
+    def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
+        """The same blocks in backward; the own block's gradient pieces are added into ``dkv``, the
+        others' dropped (their owners are not here)."""
+        for src, k_src, v_src in self.blocks(k, v):
+            pieces: GradPieces = []
+            yield src, k_src, v_src, pieces
+            if src == self.rank:
+                add_pieces(dkv, pieces)
+
 
 def decomposition(device: torch.device, dtype: torch.dtype, seq: int, sizes: Sequence[int], dim: int,
                   repeats: int) -> Iterator[Row]:
@@ -145,38 +155,118 @@ def decode(device: torch.device, dtype: torch.dtype, batches: Sequence[int], cac
             yield row("decode", f"batch={batch} cached={n}", "K/V bytes read/s vs copy bandwidth", read / copy_rate)
 
 
-def masked(device: torch.device, dtype: torch.dtype, seq: int, dim: int, repeats: int) -> Iterator[Row]:
-    """Masked calls as the ring makes them, causal, GQA 8:2: a padded batch (10 % padding, one block
-    with a key mask) and a window of L/8 (the schedule's band tiles, P = 1): error vs float64, time
-    per visible pair and peak memory relative to unmasked causal SDPA."""
-    q, k, v = _qkv(1, seq, 8, 2, dim, dtype, device)
-    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-    kr, vr = (t.repeat_interleave(4, dim=1) for t in (kh, vh))
+def _masked_kernels(device: torch.device) -> list[str]:
+    """The sdpa_backend kernels that take a mask on ``device`` (the default first): on Hopper both
+    CUDA candidates, so the measurement can choose between them."""
+    default = kernel_for(device, masked=True)
+    return [default, "efficient"] if default == "cudnn" else [default]
+
+
+def _ring_pass(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None
+               ) -> list[torch.Tensor]:
+    """One rank's ring (P = 1, this call's schedule and kernel): out, and dq, dk, dv with ``dout``."""
+    out, lse = ring_forward(call, LocalBlocks([k], [v], 0), q, k, v, None)
+    if dout is None:
+        return [out]
+    return [out, *ring_backward(call, LocalBlocks([k], [v], 0), q, k, v, out.to(q.dtype), lse, dout, None)]
+
+
+def _sdpa_pass(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None,
+               key_mask: torch.Tensor) -> list[torch.Tensor]:
+    """One causal block with a key padding mask on ``kernel``: out, and dq, dk, dv with ``dout``."""
+    scale = q.shape[-1] ** -0.5
+    out, lse = sdpa_forward(q, k, v, causal=True, scale=scale, key_mask=key_mask, visible=None, kernel=kernel)
+    if dout is None:
+        return [out]
+    return [out, *sdpa_backward(dout, q, k, v, out, lse.float(), causal=True, scale=scale, key_mask=key_mask,
+                                visible=None, kernel=kernel)]
+
+
+MaskedCase = tuple[Callable[[bool], list[torch.Tensor]], dict[str, Any], int]
+"""``run(backward)``, the reference's keyword arguments, the visible (query, key) pairs."""
+
+
+def _masked_cases(device: torch.device, dtype: torch.dtype, seq: int, heads: tuple[int, int], dim: int
+                  ) -> tuple[list[torch.Tensor], dict[str, MaskedCase]]:
+    """q, k, v, dout ``[1, seq, h, dim]`` and, per case, ``run(backward)`` on heads-first copies, the
+    reference's keyword arguments and the visible (query, key) pairs: a padded batch (the last 10 %
+    of keys padding, one causal block, each masked kernel), a causal window of seq/8 (the ring's
+    band tiles, P = 1) and two packed documents under that window."""
+    q, k, v = _qkv(1, seq, *heads, dim, dtype, device)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    qh, kh, vh, dh = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
     real, width = seq - seq // 10, seq // 8
     keep = torch.arange(seq, device=device)[None, :] < real
     backend = resolve_backend("auto", device, dtype, dim, masked=True)
-    schedule = schedule_for(0, 1, seq, None, causal=True, sharding="zigzag", window=(width, 0))
-    call = RingCall(CPPlace(0, 1, None, True, None), "p2p", True, "zigzag", dim ** -0.5, backend, False, schedule)
-    cases: dict[str, tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], dict[str, Any], int]] = {
-        "padding 10%": (lambda: block_forward(qh, kh, vh, causal=True, scale=dim ** -0.5, backend=backend,
-                                              key_mask=keep),
-                        dict(causal=True, key_padding_mask=keep.cpu()), sum(min(i, real - 1) + 1 for i in range(seq))),
-        f"window {width}": (lambda: ring_forward(call, LocalBlocks([kh], [vh], 0), qh, kh, vh, None),
-                            dict(causal=True, window_size=(width, 0)), sum(min(i, width) + 1 for i in range(seq))),
-    }
-    full = median_time(lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True), device, repeats)
-    per_full_pair = full / (seq * (seq + 1) / 2)
-    full_memory = measure_peak(lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True), device) \
-        if device.type == "cuda" else 0
-    for name, (run, reference, pairs) in cases.items():
-        out, _ = run()
-        err = rel_err(out.transpose(1, 2).cpu(), attention_reference(q.cpu(), k.cpu(), v.cpu(), **reference))
-        on_gpu = device.type == "cuda"
-        yield row("masked", f"{backend} {name}", "rel. err vs float64", err, f"<= {TOLERANCE[dtype]:g}",
-                  err <= TOLERANCE[dtype])
-        ratio = median_time(run, device, repeats) / pairs / per_full_pair
-        yield row("masked", f"{backend} {name}", "time per visible pair vs unmasked SDPA", ratio,
-                  "<= 1.25 (>= 0.8x its speed)", ratio <= 1.25 if on_gpu else None)
-        memory = measure_peak(run, device) / full_memory if on_gpu else float("nan")
-        yield row("masked", f"{backend} {name}", "peak memory vs unmasked SDPA", memory, "<= 1.2",
-                  memory <= 1.2 if on_gpu else None)
+
+    def ring(window: tuple[int, int], docs: tuple[int, ...] | None) -> RingCall:
+        schedule = schedule_for(0, 1, seq, docs, causal=True, sharding="zigzag", window=window)
+        return RingCall(CPPlace(0, 1, None, True, None), "p2p", True, "zigzag", dim ** -0.5, backend, False, schedule)
+
+    windowed, packed = ring((width, 0), None), ring((width, 0), (seq // 2, seq // 2))
+    padded_pairs = sum(min(i, real - 1) + 1 for i in range(seq))
+    cases: dict[str, MaskedCase] = {
+        f"padding 10% {kernel}": (
+            lambda backward, kernel=kernel: _sdpa_pass(kernel, qh, kh, vh, dh if backward else None, keep),
+            dict(causal=True, key_padding_mask=keep.cpu()), padded_pairs)
+        for kernel in _masked_kernels(device)}
+    cases[f"window {width} {backend}"] = (lambda backward: _ring_pass(windowed, qh, kh, vh, dh if backward else None),
+                                          dict(causal=True, window_size=(width, 0)),
+                                          sum(min(i, width) + 1 for i in range(seq)))
+    half = seq // 2
+    cases[f"documents 2 + window {width} {backend}"] = (
+        lambda backward: _ring_pass(packed, qh, kh, vh, dh if backward else None),
+        dict(causal=True, window_size=(width, 0), cu_seqlens=torch.tensor([0, half, seq])),
+        2 * sum(min(i, width) + 1 for i in range(half)))
+    return [q, k, v, dout], cases
+
+
+def masked(device: torch.device, dtype: torch.dtype, seq: int, err_seq: int, heads: tuple[int, int], dim: int,
+           repeats: int) -> Iterator[Row]:
+    """Masked calls as the ring makes them (:func:`_masked_cases`): error of out, dq, dk, dv vs
+    float64 at ``err_seq`` (8:2 heads) and of a decode step windowed on positions; then at ``seq``
+    with ``heads`` the time per visible pair and the peak memory, forward and forward+backward,
+    relative to unmasked causal SDPA (GQA without repeats). No case builds an ``L x L`` matrix
+    (Note [Masks as a bias, tile by tile] in attention/sdpa_backend.py)."""
+    on_gpu = device.type == "cuda"
+    (q, k, v, dout), cases = _masked_cases(device, dtype, err_seq, (8, 2), dim)
+    for name, (run, reference, _) in cases.items():
+        leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+        kwargs = dict(reference)
+        if "cu_seqlens" in kwargs:  # the reference takes packed documents as [tokens, heads, head_dim]
+            ref = attention_reference(*(t[0] for t in leaves), **kwargs)[None]
+        else:
+            ref = attention_reference(*leaves, **kwargs)
+        expected = [ref, *torch.autograd.grad(ref, leaves, dout.cpu().double())]
+        got = run(True)
+        worst = max(rel_err(g.transpose(1, 2).cpu(), e) for g, e in zip(got, expected))
+        yield row("masked", f"{name} L={err_seq}", "max rel. err (out, dq, dk, dv) vs float64", worst,
+                  f"<= {TOLERANCE[dtype]:g}", worst <= TOLERANCE[dtype])
+    width, order = err_seq // 8, torch.randperm(err_seq, generator=torch.Generator().manual_seed(2))
+    got = decode_attention(q[:, -1:], k[:, order.to(device)], v[:, order.to(device)], window_size=(width, 0),
+                           q_positions=torch.tensor([err_seq - 1]), k_positions=order, check_consistency=False)
+    ref = attention_reference(q.cpu().double(), k.cpu().double(), v.cpu().double(), causal=True,
+                              window_size=(width, 0))[:, -1:]
+    err = rel_err(got.cpu(), ref)
+    yield row("masked", f"decode, window {width} on positions in any order L={err_seq}", "rel. err vs float64", err,
+              f"<= {TOLERANCE[dtype]:g}", err <= TOLERANCE[dtype])
+    (q, k, v, dout), cases = _masked_cases(device, dtype, seq, heads, dim)
+    qh, kh, vh = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    dh = dout.transpose(1, 2).contiguous()
+    causal_pairs = seq * (seq + 1) / 2
+
+    def unmasked(backward: bool) -> None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        if backward:
+            torch.autograd.grad(out, (qh, kh, vh), dh)
+
+    for mode, backward in (("fwd", False), ("fwd+bwd", True)):
+        per_pair = median_time(lambda: unmasked(backward), device, repeats) / causal_pairs
+        memory = measure_peak(lambda: unmasked(backward), device) if on_gpu else 0
+        for name, (run, _, pairs) in cases.items():
+            case = f"{name} L={seq} {heads[0]}:{heads[1]} {mode}"
+            ratio = median_time(lambda: run(backward), device, repeats) / pairs / per_pair
+            yield row("masked", case, "time per visible pair vs unmasked SDPA", ratio,
+                      "<= 1.25 (>= 0.8x its speed)", ratio <= 1.25 if on_gpu else None)
+            peak = measure_peak(lambda: run(backward), device) / memory if on_gpu else float("nan")
+            yield row("masked", case, "peak memory vs unmasked SDPA", peak, "<= 1.2", peak <= 1.2 if on_gpu else None)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ from megatron_ring.perf.bench import harness
 from megatron_ring.perf.report import fmt_bytes, fmt_time, print_table
 from megatron_ring.config import output_problem
 from megatron_ring.runtime.args import int_at_least, positive_float, usage_error
+from megatron_ring.runtime.job import Interrupted, interruptible
 
 DTYPES: dict[str, torch.dtype] = {name: harness.DTYPES[name] for name in ("fp32", "bf16")}
 """The dtypes measured: fp32 and bf16 GEMMs and attention."""
@@ -321,11 +323,15 @@ def calibrate_main(argv: list[str] | None = None) -> int:
         return usage_error(parser.prog, problem)
     machine = harness.machine_description()
     try:
-        fields, raw = calibrate(ranks=args.ranks, quick=args.quick, timeout_s=args.timeout)
+        with interruptible():
+            fields, raw = calibrate(ranks=args.ranks, quick=args.quick, timeout_s=args.timeout)
         profile = build_profile(fields, name=args.name, machine=machine, memory_bytes=_memory_bytes())
         HardwareProfile.parse(profile, where="the calibrated profile")
     except ValueError as err:  # ConfigError included
         return usage_error(parser.prog, err)
+    except Interrupted as stop:
+        print(f"[calibrate] {stop}: the ranks were stopped; nothing written", file=sys.stderr)
+        return stop.exit_code
     out = Path(args.out)
     raw_path = out.with_suffix(".raw.json")
     write_json_atomic(out, profile)

@@ -25,9 +25,10 @@ from typing import Sequence
 from megatron_ring.config import ConfigError, output_problem
 from megatron_ring.inference import compare
 from megatron_ring.perf.planner.predict import make_predictor
-from megatron_ring.perf.sweep.run import repredict, run_sweep
+from megatron_ring.perf.sweep.run import STAGING, repredict, run_sweep
 from megatron_ring.perf.sweep.table import format_sweep_table
 from megatron_ring.runtime.args import positive_int, usage_error
+from megatron_ring.runtime.job import Interrupted, interruptible
 
 
 def sweep_main(argv: Sequence[str] | None = None) -> int:
@@ -70,15 +71,20 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     try:
         baseline, ring = compare.resolve_pair(args.configs)
-        summary = run_sweep(baseline, ring, lengths=args.lengths, batches=args.batches, repeats=args.repeats,
-                            new_tokens=args.new_tokens, out_dir=out_dir, launcher=args.launcher,
-                            predict=make_predictor(args.predict) if args.predict else None, settle_s=args.settle,
-                            command=shlex.join(["megatron-ring", "sweep", *argv]))
+        with interruptible():
+            summary = run_sweep(baseline, ring, lengths=args.lengths, batches=args.batches, repeats=args.repeats,
+                                new_tokens=args.new_tokens, out_dir=out_dir, launcher=args.launcher,
+                                predict=make_predictor(args.predict) if args.predict else None, settle_s=args.settle,
+                                command=shlex.join(["megatron-ring", "sweep", *argv]))
     except ConfigError as err:
         return usage_error(parser.prog, err)
     except RuntimeError as err:
         print(f"[sweep] {err}", file=sys.stderr)
         return 1
+    except Interrupted as stop:
+        print(f"[sweep] {stop}: the running job was stopped; {out_dir} keeps the last complete sweep (this one's "
+              f"finished runs are in {out_dir / STAGING})", file=sys.stderr)
+        return stop.exit_code
     print()
     print(format_sweep_table(summary))
     print(f"\n[sweep] {out_dir / 'sweep.json'} and plots written")

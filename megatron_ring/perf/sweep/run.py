@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,11 +28,18 @@ from megatron_ring.perf.sweep.summary import Predict, crossovers, predictions, r
 from megatron_ring.runtime.reporting import progress, write_json_atomic
 
 
+RUNS, STAGING = "runs", "runs.partial"
+"""Where a sweep's run results end up (``sweep.json`` names them ``runs/<name>.json``), and where they
+are written until the sweep is complete (Note [A sweep replaces the last one whole])."""
+
+
 def run_points(derived: dict[tuple[str, SweepPoint], Path], points: Sequence[SweepPoint], *, repeats: int,
                out_dir: Path, launcher: str) -> Runs:
-    """Point by point, repeat by repeat: the baseline, then the ring config."""
+    """Point by point, repeat by repeat: the baseline, then the ring config (results in ``out_dir/runs.partial``)."""
     runs: Runs = {key: [] for key in derived}
-    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    staging = out_dir / STAGING
+    shutil.rmtree(staging, ignore_errors=True)  # a stopped sweep's runs
+    staging.mkdir(parents=True)
     bar = progress(len(points) * repeats * len(SIDES), enabled=True, desc="sweep")
     for point in points:
         for rep in range(repeats):
@@ -39,8 +47,8 @@ def run_points(derived: dict[tuple[str, SweepPoint], Path], points: Sequence[Swe
                 config = derived[side, point]
                 bar.set_postfix_str(f"{side} L={point.prompt_len} b={point.batch} r{rep}")
                 name = f"{config.stem}_r{rep}"
-                result = compare.run_config(config, out_dir / "runs", launcher=launcher, name=name)
-                runs[side, point].append((f"runs/{name}.json", result))
+                result = compare.run_config(config, staging, launcher=launcher, name=name)
+                runs[side, point].append((f"{RUNS}/{name}.json", result))
                 bar.update()
     bar.close()
     return runs
@@ -109,8 +117,25 @@ def run_sweep(baseline: Path, ring: Path, *, lengths: Sequence[int], batches: Se
         print(f"[sweep] WARNING: noisy machine: 1-minute load average {load_before[0]:.2f} before, "
               f"{load_after[0]:.2f} after the sweep, on {machine.cpu_count} cores; timings are unreliable",
               file=sys.stderr, flush=True)
+    publish_runs(out_dir)
     write_outputs(summary, out_dir)
     return summary
+
+
+def publish_runs(out_dir: Path) -> None:
+    """Replace the last sweep's ``sweep.json`` and ``runs/`` by this sweep's staged runs.
+
+    Note [A sweep replaces the last one whole]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Runs go to ``runs.partial/`` while the sweep runs, so a sweep stopped half-way (a signal, a
+    failed run) leaves the last complete sweep in ``out_dir`` as it was. Once every run is done,
+    the old ``sweep.json`` goes first, then the old ``runs/``, then the staged runs take its name,
+    and the new ``sweep.json`` is written (atomically) last: whatever moment a stop hits, the
+    folder never holds a ``sweep.json`` with runs of another sweep.
+    """
+    (out_dir / "sweep.json").unlink(missing_ok=True)
+    shutil.rmtree(out_dir / RUNS, ignore_errors=True)
+    (out_dir / STAGING).rename(out_dir / RUNS)
 
 
 def write_outputs(summary: SweepResult, out_dir: Path) -> None:

@@ -1,0 +1,148 @@
+"""Probe sweep, interrupted commands: a signal to ``compare``, ``sweep`` or ``calibrate`` alone (not to
+its process group) stops every process of the job within 15 s, the command exits ``128 + signal``,
+and no result file is half-written or left over from another run (Note [Stopping a launched job]
+in megatron_ring/runtime/job.py)."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from megatron_ring.runtime.reporting import write_json_atomic
+from tests.probe.harness import ROOT, assert_clean, assert_no_leftover, assert_no_partial_files, slow
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+BOUND_S = 15.0
+TOY = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 64, "vocab_size": 64}
+
+
+def toy_pair(folder: Path) -> tuple[Path, Path]:
+    """A baseline (cp 1) and a ring (cp 2) toy config whose runs take minutes (many repeats)."""
+    paths = []
+    for name, cp in (("toy_base", 1), ("toy_ring_cp2", 2)):
+        cfg = {"dtype": "fp32", "replace_with_kernel_inject": False,
+               "megatron_ring": {"model": {"runner": "toy", "config": TOY}, "layout": {"cp": cp},
+                                 "workload": {"batch": 1, "prompt_len": 8, "new_tokens": 64, "warmup": 0,
+                                              "repeats": 100000}}}
+        paths.append(write_json_atomic(folder / f"{name}.json", cfg))
+    return paths[0], paths[1]
+
+
+def job_processes(marker: str) -> list[int]:
+    """Pids of the processes whose command line names ``marker`` (a path only this case uses)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(marker in arg for arg in proc.info["cmdline"] or ()):
+            found.append(proc.info["pid"])
+    return found
+
+
+def interrupt(argv: list[str], started: Callable[[], bool], sig: signal.Signals, marker: str,
+              ready_s: float = 240) -> tuple[int, float, str]:
+    """Run ``megatron-ring ARGV`` in a session of its own, send ``sig`` to the command alone once
+    ``started()``; return (exit status, seconds from the signal to the exit, stderr). Afterwards no
+    process of the session nor any naming ``marker`` may run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_ring.cli", *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ready_s
+        while not started():
+            assert proc.poll() is None, f"exited {proc.returncode} before the signal:\n{proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the job never got going"
+            time.sleep(0.2)
+        time.sleep(2.0)  # into the work
+        proc.send_signal(sig)
+        sent = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=BOUND_S + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"`megatron-ring {' '.join(argv)}` still ran {BOUND_S + 30:.0f} s after {sig.name}")
+        elapsed = time.monotonic() - sent
+        left = job_processes(marker)
+        assert not left, f"job processes left {elapsed:.1f} s after {sig.name}: {left}"
+    finally:
+        for pid in job_processes(marker):
+            os.kill(pid, signal.SIGKILL)
+        assert_no_leftover(proc.pid)
+    return proc.returncode, elapsed, err
+
+
+def ranks_running(marker: str, count: int) -> Callable[[], bool]:
+    """True once ``count`` ranks of the inference entry point with ``marker`` on their command line run."""
+    import psutil
+
+    def check() -> bool:
+        ranks = []
+        for pid in job_processes(marker):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                cmdline = psutil.Process(pid).cmdline()
+                if "megatron_ring.inference.main" in cmdline and any(a.startswith("--local_rank") for a in cmdline):
+                    ranks.append(pid)
+        return len(ranks) >= count
+    return check
+
+
+def check_stopped(code: int, elapsed: float, err: str, sig: signal.Signals, command: str) -> None:
+    assert code == 128 + sig, f"exit {code}, not {128 + sig}:\n{err[-3000:]}"
+    assert elapsed < BOUND_S, f"{elapsed:.1f} s from {sig.name} to the exit"
+    assert f"[{command}] stopped by {sig.name}" in err, err[-3000:]
+    assert_clean(err)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=slow)], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_compare_alone_stops_its_ranks(tmp_path: Path, sig: signal.Signals) -> None:
+    """The issue's case: the ranks ran on for 16-18 s and wrote their results after compare had exited."""
+    base, ring = toy_pair(tmp_path / "configs")
+    out = tmp_path / "out"
+    out.mkdir()
+    write_json_atomic(out / "toy_ring_cp2.json", {"left": "by an earlier compare"})
+    code, elapsed, err = interrupt(["compare", str(base), str(ring), "--out-dir", str(out)],
+                                   ranks_running(str(tmp_path), 1), sig, str(tmp_path))
+    check_stopped(code, elapsed, err, sig, "compare")
+    assert not (out / "toy_base.json").exists() and not (out / "toy_ring_cp2.json").exists(), \
+        "a result of a stopped run, or an old one that would pair with the new"
+    assert_no_partial_files(out)
+
+
+@needs_deepspeed
+@slow
+def test_signal_to_sweep_alone_stops_its_ranks_and_keeps_the_last_sweep(tmp_path: Path) -> None:
+    base, ring = toy_pair(tmp_path / "configs")
+    out = tmp_path / "out"
+    old = {"sweep.json": {"points": "of the last complete sweep"}, "runs/toy_base_L8_b1_r0.json": {"old": True}}
+    for name, data in old.items():
+        write_json_atomic(out / name, data)
+    code, elapsed, err = interrupt(["sweep", str(base), str(ring), "--lengths", "8", "--repeats", "1",
+                                    "--out-dir", str(out)], ranks_running(str(tmp_path), 1), signal.SIGTERM,
+                                   str(tmp_path))
+    check_stopped(code, elapsed, err, signal.SIGTERM, "sweep")
+    for name, data in old.items():
+        assert json.loads((out / name).read_text()) == data, f"{name} of the last sweep changed"
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["toy_base_L8_b1_r0.json"], "old and new runs mixed"
+    assert_no_partial_files(out)
+
+
+def test_signal_to_calibrate_alone_stops_its_ranks(tmp_path: Path) -> None:
+    import psutil
+
+    out = tmp_path / "profile.json"
+
+    def workers_started() -> bool:  # the command and its 2 gloo ranks
+        return any(len(psutil.Process(pid).children()) >= 2 for pid in job_processes(str(out)))
+    code, elapsed, err = interrupt(["calibrate", "--quick", "--out", str(out)], workers_started, signal.SIGTERM,
+                                   str(out))
+    check_stopped(code, elapsed, err, signal.SIGTERM, "calibrate")
+    assert not list(tmp_path.iterdir()), "calibrate wrote something after the signal"
