@@ -136,7 +136,14 @@ class GPTConfig(GPTSetup):
 
     @classmethod
     def parse(cls, data: Any, *, where: Optional[str] = "config", key: str = "") -> "GPTConfig":
-        """Validate fields, then the rules between them; raise :class:`ConfigError` naming the field."""
+        """Validate fields, then the rules between them; raise :class:`ConfigError` naming the field.
+
+        A file naming a ``checkpoint`` is refused with that reason: only the inference runner (and the
+        planner) read a checkpoint's sizes (:func:`parse_model_file`)."""
+        if isinstance(data, dict) and "checkpoint" in data:
+            raise ConfigError(f"checkpoint = {data['checkpoint']!r}: this entry point builds a GPT of the sizes in "
+                              "model (random weights); a model file naming a transformers checkpoint is served by the "
+                              "megatron inference runner", where=where)
         cfg = super().parse(data, where=where, key=key)
         cfg.check(where=where)
         return cfg

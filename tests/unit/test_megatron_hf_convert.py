@@ -108,6 +108,8 @@ def test_a_model_file_names_model_or_checkpoint() -> None:
     assert isinstance(file, GPTCheckpointConfig) and file.gguf_file == "m.gguf"
     cfg = file.with_model(model_fields(config()))
     assert cfg.parallel.cp == 2 and cfg.model.activation == "swiglu" and cfg.name == "x"
+    with pytest.raises(ConfigError, match="checkpoint = '/ckpt': this entry point builds a GPT of the sizes"):
+        GPTConfig.parse({**setup, "checkpoint": "/ckpt"})  # training, the equivalence check
     with pytest.raises(ConfigError, match="model and checkpoint are both given"):
         parse_model_file({**setup, "checkpoint": "/ckpt", "model": {}})
     with pytest.raises(ConfigError, match=r"unknown key 'guf_file' \(did you mean 'gguf_file'\?\)"):
