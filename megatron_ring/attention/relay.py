@@ -16,9 +16,26 @@ one step behind them, collecting every rank's dK/dV contribution for that block;
 carries it home to the block's owner, straight into the caller's ``dkv``. A step's pieces are
 added to the accumulator only after the previous step's gradient transfer has landed, which is
 after this step's compute: that transfer hides behind the compute too.
+
+Note [Forward memory]
+~~~~~~~~~~~~~~~~~~~~~
+A ring rank holds one block of K/V while computing on it and receives the next meanwhile, so K/V
+in flight cost two blocks (``2 x 2 x s x heads_kv x head_dim`` elements with ``s = L/P``). In
+forward the relay moves a block as ``PIECES`` head groups, each its own message: piece j of step t
+is sent on and computed while piece j of step t+1 arrives, and its buffer takes a later piece as
+soon as both are done. At most ``pieces + 1`` piece buffers are alive (1.5 blocks for 2 pieces),
+every transfer still hides behind a kernel on a piece, and every piece has the same work (a
+split along the sequence would leave zigzag's second chunk with no work on half the steps, its
+transfer exposed). The rank's own block is copied into those buffers piece by piece, heads-first
+(Note [Heads-first blocks] in ring.py), when it is first sent: the call keeps no copy of k and v.
+So a forward call at P ranks holds, besides its output: the heads-first copy of q, the output
+accumulator and lse (compute dtype), ``pieces + 1`` K/V pieces, and one kernel's output for one
+piece's query heads (``1/pieces`` of q at most); none of it grows with L beyond ``L/P``. Backward
+rotates whole blocks (one piece), its dK/dV accumulators with them.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import torch
@@ -27,6 +44,9 @@ import torch.distributed as dist
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
 _KV_TAG, _GRAD_TAG = 0, 1
+PIECES = 2
+"""Head groups a forward block travels and is computed in (Note [Forward memory]); fewer when
+``heads_kv`` does not split so many ways (one for MQA)."""
 
 
 class RelayRing:
@@ -37,28 +57,51 @@ class RelayRing:
         self.next, self.prev = (rank + 1) % size, (rank - 1) % size
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, k_src, v_src)`` for t = 0..P-1, ``src = (rank - t) mod P``; the first send reads
-        ``k``/``v`` (no copy when contiguous), at most two receive buffers are allocated."""
-        cur = (k.contiguous(), v.contiguous())
-        spare: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """``(src, heads, k_src, v_src)`` for t = 0..P-1, ``src = (rank - t) mod P``, each block as
+        head groups (Note [Forward memory])."""
+        return self._rotate(k, v, math.gcd(PIECES, k.shape[1]))
+
+    def _rotate(self, k: torch.Tensor, v: torch.Tensor, pieces: int) -> Iterator[Block]:
+        """Every block as ``pieces`` head groups, piece j of the next block in flight while piece j
+        of this one is out. A piece of the own block is ``k``/``v`` sliced when contiguous (no copy),
+        else a heads-first copy; the copies and received pieces share at most ``pieces + 1`` buffers."""
+        width = k.shape[1] // pieces
+        groups = [slice(j * width, (j + 1) * width) for j in range(pieces)]
+        free: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def buffer() -> tuple[torch.Tensor, torch.Tensor]:
+            return free.pop() if free else (k.new_empty((k.shape[0], width, *k.shape[2:])),
+                                            v.new_empty((v.shape[0], width, *v.shape[2:])))
+
+        def own(heads: slice) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
+            """Piece ``heads`` of this rank's block, and whether it is a buffer (a copy)."""
+            kj, vj = k[:, heads], v[:, heads]
+            if kj.is_contiguous() and vj.is_contiguous():
+                return (kj, vj), False
+            kb, vb = buffer()
+            return (kb.copy_(kj), vb.copy_(vj)), True
+
+        nxt: list[tuple[torch.Tensor, torch.Tensor]] = []
         for step in range(self.size):
-            works: list[dist.Work] = []
-            if step < self.size - 1:
-                if len(spare) < min(2, self.size - 1):
-                    spare.append((torch.empty_like(cur[0]), torch.empty_like(cur[1])))
-                nxt = spare[step % len(spare)]
-                works = post(self.group, [(self.next, t) for t in cur], [(self.prev, t) for t in nxt], _KV_TAG)
-            yield (self.rank - step) % self.size, cur[0], cur[1]
-            wait_all(works, k.device)
-            if works:
-                cur = nxt
+            cur, nxt = nxt, []
+            for j, heads in enumerate(groups):
+                piece, pooled = own(heads) if step == 0 else (cur[j], True)
+                works: list[dist.Work] = []
+                if step < self.size - 1:
+                    nxt.append(buffer())
+                    works = post(self.group, [(self.next, t) for t in piece], [(self.prev, t) for t in nxt[j]],
+                                 _KV_TAG, rounds=int(j == 0))
+                yield (self.rank - step) % self.size, heads, piece[0], piece[1]
+                wait_all(works, k.device)
+                if pooled:
+                    free.append(piece)
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """The blocks of :meth:`blocks`, each with an outbox; the accumulator of block ``src`` passes
-        on after its step (Note [Overlap and double buffering])."""
+        """Whole blocks (one piece each), each with an outbox; the accumulator of block ``src``
+        passes on after its step (Note [Overlap and double buffering])."""
         accs = (dkv,) if self.size == 1 else (torch.zeros_like(dkv), torch.empty_like(dkv))
         works: list[dist.Work] = []
-        for step, (src, k_src, v_src) in enumerate(self.blocks(k, v)):
+        for step, (src, _, k_src, v_src) in enumerate(self._rotate(k, v, 1)):
             outbox: GradPieces = []
             yield src, k_src, v_src, outbox
             wait_all(works, k.device)

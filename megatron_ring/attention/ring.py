@@ -16,10 +16,12 @@ The caller's ``[b, s, h, d]`` tensors put a token's heads side by side, so one h
 ``h * d`` elements apart. The block kernels read a head's rows block by block, and on CPU they
 take 0.90-0.96x the time (forward, and forward+backward; h = 8, the 4096 x 4096 and 4096 x 2048
 blocks of a zigzag ring at L = 16k, P = 4) when those rows are adjacent
-(``python -m megatron_ring.perf.bench.block --layouts``). So q, k, v and dout are copied once per
-call into ``[b, h, s, d]`` storage, K/V blocks travel so, and every block kernel of the call reads
-them there; the output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout,
-and need no copy back. A copy costs about 1 % of such a block's time per tensor.
+(``python -m megatron_ring.perf.bench.block --layouts``). So every block kernel reads heads-first
+``[b, h, s, d]`` storage: in forward q is copied once per call and the transport copies the K/V it
+sends (the relay piece by piece, Note [Forward memory] in relay.py); backward copies q, k, v and
+dout once. The output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout,
+and need no copy back. A copy costs about 1 % of such a block's time per tensor. Autograd saves
+the caller's q, k, v, not copies: a forward keeps nothing of its own beyond its output and lse.
 """
 from __future__ import annotations
 
@@ -70,20 +72,24 @@ def _masks(key_masks: torch.Tensor | None, src: int, plan: StepPlan,
 def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: out ``[batch, heads_q, seq_local, head_dim]`` (a view of ``[b, s, h, d]``
-    memory) in the compute dtype, lse ``[batch, heads_q, seq_local]``; q/k/v heads-first and
-    contiguous (Note [Heads-first blocks])."""
+    memory) in the compute dtype, lse ``[batch, heads_q, seq_local]``; q/k/v ``[batch, heads,
+    seq_local, head_dim]`` of any strides, copied heads-first here and by the transport (Note
+    [Heads-first blocks])."""
     stats = active_stats()
     t0 = now(q.device) if stats else 0.0
     b, hq, s, d = q.shape
+    q = q.contiguous()
+    group = hq // k.shape[1]
     out = _alloc_bshd(b, hq, s, d, compute_dtype(q.dtype), q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=out.dtype, device=q.device)
-    for src, k_src, v_src in transport.blocks(k, v):
+    for src, heads, k_src, v_src in transport.blocks(k, v):
+        qh = slice(heads.start * group, heads.stop * group)  # the query heads of these K/V heads
         for plan in call.schedule.plans[src]:
             c0 = now(q.device) if stats else 0.0
             key_mask, visible = _masks(key_masks, src, plan, q.device)
-            o, l = block_forward(q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], causal=plan.causal,
+            o, l = block_forward(q[:, qh, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], causal=plan.causal,
                                  scale=call.scale, backend=call.backend, key_mask=key_mask, visible=visible)
-            merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
+            merge_into(out[:, qh, plan.q], lse[:, qh, plan.q], o, l)
             del o, l  # free this block's output before the next kernel allocates its own
             if stats:
                 stats.compute_s += now(q.device) - c0
@@ -130,7 +136,6 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,  # type: ignore[override]
                 key_masks: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = ring_forward(call, transport_for(call), q, k, v, key_masks)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
@@ -140,7 +145,8 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()  # the op saves views
+        # heads-first copies: forward saved the caller's tensors (Note [Heads-first blocks])
+        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
         call: RingCall = ctx.call
         dq, dk, dv = ring_backward(call, transport_for(call), q, k, v, out, lse, dout, ctx.key_masks)
         return dq, dk, dv, None, None

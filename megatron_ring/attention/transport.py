@@ -27,8 +27,10 @@ from typing import Iterator, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-Block = tuple[int, torch.Tensor, torch.Tensor]
-"""``(src, k_src, v_src)``: the K/V block of CP rank ``src``, each ``[batch, heads_kv, seq_local, head_dim]``."""
+Block = tuple[int, slice, torch.Tensor, torch.Tensor]
+"""``(src, heads, k_src, v_src)``: K/V heads ``heads`` of the block of CP rank ``src``, each
+``[batch, heads.stop - heads.start, seq_local, head_dim]`` (all ``heads_kv`` heads, or a group of them
+when the relay moves a block in pieces: Note [Forward memory] in relay.py)."""
 GradPieces = list[tuple[slice, torch.Tensor, torch.Tensor]]
 """``(rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads_kv, rows, head_dim]``
 belong to key rows ``rows`` of the block."""
@@ -43,8 +45,9 @@ class KVTransport(Protocol):
     """
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """Forward: every block this rank's plans read, once each; the next block's transfer is in
-        flight while the caller computes on the one yielded."""
+        """Forward: every block this rank's plans read, once each, whole or as head groups that
+        together cover it; the next transfer is in flight while the caller computes on the one
+        yielded. ``k``/``v`` may be views of any strides (the transport copies what it sends)."""
         ...
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
@@ -71,13 +74,14 @@ def add_pieces(acc: torch.Tensor, pieces: GradPieces, first_row: int = 0) -> Non
 
 
 def post(group: dist.ProcessGroup | None, sends: Sequence[tuple[int, torch.Tensor]],
-         recvs: Sequence[tuple[int, torch.Tensor]], tag: int) -> list[dist.Work]:
+         recvs: Sequence[tuple[int, torch.Tensor]], tag: int, *, rounds: int = 1) -> list[dist.Work]:
     """Start the sends ``(peer, tensor)`` and receives ``(peer, buffer)`` as one batch (peers are
-    ranks of ``group``); the bytes sent count as one step of the active :class:`RingStats`."""
+    ranks of ``group``); the bytes sent count as ``rounds`` steps of the active :class:`RingStats`
+    (0 for the later pieces of one step)."""
     ops = [dist.P2POp(dist.isend, t, global_rank(group, p), group, tag) for p, t in sends]
     ops += [dist.P2POp(dist.irecv, t, global_rank(group, p), group, tag) for p, t in recvs]
     if sends:
-        count_sent(1, sum(t.numel() * t.element_size() for _, t in sends))
+        count_sent(rounds, sum(t.numel() * t.element_size() for _, t in sends))
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -106,7 +106,7 @@ class LocalBlocks:
         size = len(self.ks)
         for step in range(size):
             src = (self.rank - step) % size
-            yield src, self.ks[src], self.vs[src]
+            yield src, slice(0, k.shape[1]), self.ks[src], self.vs[src]
 
 
 def decomposition(device: torch.device, dtype: torch.dtype, seq: int, sizes: Sequence[int], dim: int,
