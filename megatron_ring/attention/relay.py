@@ -57,51 +57,50 @@ class RelayRing:
         self.next, self.prev = (rank + 1) % size, (rank - 1) % size
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, heads, k_src, v_src)`` for t = 0..P-1, ``src = (rank - t) mod P``, each block as
-        head groups (Note [Forward memory])."""
-        return self._rotate(k, v, math.gcd(PIECES, k.shape[1]))
-
-    def _rotate(self, k: torch.Tensor, v: torch.Tensor, pieces: int) -> Iterator[Block]:
-        """Every block as ``pieces`` head groups, piece j of the next block in flight while piece j
-        of this one is out. A piece of the own block is ``k``/``v`` sliced when contiguous (no copy),
-        else a heads-first copy; the copies and received pieces share at most ``pieces + 1`` buffers."""
+        """``(src, heads, k_src, v_src)``: one ring per head group, each yielding t = 0..P-1 with
+        ``src = (rank - t) mod P`` (Note [Forward memory])."""
+        pieces = math.gcd(PIECES, k.shape[1])
         width = k.shape[1] // pieces
-        groups = [slice(j * width, (j + 1) * width) for j in range(pieces)]
         free: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for j in range(pieces):
+            yield from self._rotate(k, v, slice(j * width, (j + 1) * width), free)
 
+    def _rotate(self, k: torch.Tensor, v: torch.Tensor, heads: slice,
+                free: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[Block]:
+        """Heads ``heads`` of every block, the next one in flight while the caller computes on the
+        current. The own block is ``k``/``v`` sliced when contiguous (no copy), else a heads-first
+        copy; copies and receive buffers are taken from ``free`` and go back to it once sent and used."""
         def buffer() -> tuple[torch.Tensor, torch.Tensor]:
+            width = heads.stop - heads.start
             return free.pop() if free else (k.new_empty((k.shape[0], width, *k.shape[2:])),
                                             v.new_empty((v.shape[0], width, *v.shape[2:])))
 
-        def own(heads: slice) -> tuple[tuple[torch.Tensor, torch.Tensor], bool]:
-            """Piece ``heads`` of this rank's block, and whether it is a buffer (a copy)."""
-            kj, vj = k[:, heads], v[:, heads]
-            if kj.is_contiguous() and vj.is_contiguous():
-                return (kj, vj), False
+        cur = (k[:, heads], v[:, heads])
+        pooled = not (cur[0].is_contiguous() and cur[1].is_contiguous())
+        if pooled:
             kb, vb = buffer()
-            return (kb.copy_(kj), vb.copy_(vj)), True
-
-        nxt: list[tuple[torch.Tensor, torch.Tensor]] = []
+            cur = (kb.copy_(cur[0]), vb.copy_(cur[1]))
         for step in range(self.size):
-            cur, nxt = nxt, []
-            for j, heads in enumerate(groups):
-                piece, pooled = own(heads) if step == 0 else (cur[j], True)
-                works: list[dist.Work] = []
-                if step < self.size - 1:
-                    nxt.append(buffer())
-                    works = post(self.group, [(self.next, t) for t in piece], [(self.prev, t) for t in nxt[j]],
-                                 _KV_TAG, rounds=int(j == 0))
-                yield (self.rank - step) % self.size, heads, piece[0], piece[1]
-                wait_all(works, k.device)
-                if pooled:
-                    free.append(piece)
+            works: list[dist.Work] = []
+            if step < self.size - 1:
+                nxt = buffer()
+                works = post(self.group, [(self.next, t) for t in cur], [(self.prev, t) for t in nxt], _KV_TAG)
+            yield (self.rank - step) % self.size, heads, cur[0], cur[1]
+            wait_all(works, k.device)
+            if pooled:
+                free.append(cur)
+            if works:
+                cur, pooled = nxt, True
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """Whole blocks (one piece each), each with an outbox; the accumulator of block ``src``
-        passes on after its step (Note [Overlap and double buffering])."""
-        accs = (dkv,) if self.size == 1 else (torch.zeros_like(dkv), torch.empty_like(dkv))
+        """Whole blocks (all heads), each with an outbox; the accumulator of block ``src``
+        passes on after its step (Note [Overlap and double buffering]). The two accumulators are
+        ``dkv`` and one more buffer: an accumulator is free again once its transfer has landed."""
+        # dkv is accs[size % 2], where the last transfer lands; accs[0] holds the first sum, from zeros
+        other = torch.empty_like(dkv) if self.size % 2 == 0 else torch.zeros_like(dkv)
+        accs = [dkv] if self.size == 1 else [dkv, other] if self.size % 2 == 0 else [other, dkv]
         works: list[dist.Work] = []
-        for step, (src, _, k_src, v_src) in enumerate(self._rotate(k, v, 1)):
+        for step, (src, _, k_src, v_src) in enumerate(self._rotate(k, v, slice(0, k.shape[1]), [])):
             outbox: GradPieces = []
             yield src, k_src, v_src, outbox
             wait_all(works, k.device)
@@ -109,6 +108,6 @@ class RelayRing:
             add_pieces(acc, outbox)
             del outbox
             if self.size > 1:
-                home = dkv if step == self.size - 1 else accs[(step + 1) % 2]
+                home = accs[(step + 1) % 2]
                 works = post(self.group, [(self.next, acc)], [(self.prev, home)], _GRAD_TAG)
         wait_all(works, k.device)

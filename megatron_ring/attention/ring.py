@@ -17,11 +17,11 @@ The caller's ``[b, s, h, d]`` tensors put a token's heads side by side, so one h
 take 0.90-0.96x the time (forward, and forward+backward; h = 8, the 4096 x 4096 and 4096 x 2048
 blocks of a zigzag ring at L = 16k, P = 4) when those rows are adjacent
 (``python -m megatron_ring.perf.bench.block --layouts``). So every block kernel reads heads-first
-``[b, h, s, d]`` storage: in forward q is copied once per call and the transport copies the K/V it
-sends (the relay piece by piece, Note [Forward memory] in relay.py); backward copies q, k, v and
-dout once. The output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout,
-and need no copy back. A copy costs about 1 % of such a block's time per tensor. Autograd saves
-the caller's q, k, v, not copies: a forward keeps nothing of its own beyond its output and lse.
+``[b, h, s, d]`` storage: q is copied once per pass (and dout in backward), and the transport
+copies the K/V it sends (in forward the relay piece by piece, Note [Forward memory] in relay.py).
+The output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout, and need no
+copy back. A copy costs about 1 % of such a block's time per tensor. Autograd saves the caller's
+q, k, v, not copies: a forward keeps nothing of its own beyond its output and lse.
 """
 from __future__ import annotations
 
@@ -78,16 +78,18 @@ def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: tor
     stats = active_stats()
     t0 = now(q.device) if stats else 0.0
     b, hq, s, d = q.shape
-    q = q.contiguous()
     group = hq // k.shape[1]
     out = _alloc_bshd(b, hq, s, d, compute_dtype(q.dtype), q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=out.dtype, device=q.device)
+    at, qg = None, q
     for src, heads, k_src, v_src in transport.blocks(k, v):
         qh = slice(heads.start * group, heads.stop * group)  # the query heads of these K/V heads
+        if qh != at:  # a new head group (Note [Forward memory] in relay.py): its queries, heads-first
+            at, qg = qh, q[:, qh].contiguous()
         for plan in call.schedule.plans[src]:
             c0 = now(q.device) if stats else 0.0
             key_mask, visible = _masks(key_masks, src, plan, q.device)
-            o, l = block_forward(q[:, qh, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], causal=plan.causal,
+            o, l = block_forward(qg[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], causal=plan.causal,
                                  scale=call.scale, backend=call.backend, key_mask=key_mask, visible=visible)
             merge_into(out[:, qh, plan.q], lse[:, qh, plan.q], o, l)
             del o, l  # free this block's output before the next kernel allocates its own
@@ -103,7 +105,8 @@ def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: to
                   out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes, ``[batch, heads, seq_local, head_dim]`` (dq a view of
-    ``[b, s, h, d]`` memory); every input heads-first and contiguous, ``lse`` from :func:`ring_forward`."""
+    ``[b, s, h, d]`` memory); q, out and dout heads-first and contiguous, k and v of any strides (the
+    transport copies them), ``lse`` from :func:`ring_forward`."""
     stats = active_stats()
     t0 = now(q.device) if stats else 0.0
     b, hq, s, d = q.shape
@@ -145,8 +148,7 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        # heads-first copies: forward saved the caller's tensors (Note [Heads-first blocks])
-        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+        q, dout = q.contiguous(), dout.contiguous()  # heads-first; k, v copied by the transport
         call: RingCall = ctx.call
         dq, dk, dv = ring_backward(call, transport_for(call), q, k, v, out, lse, dout, ctx.key_masks)
         return dq, dk, dv, None, None

@@ -45,9 +45,10 @@ class KVTransport(Protocol):
     """
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """Forward: every block this rank's plans read, once each, whole or as head groups that
-        together cover it; the next transfer is in flight while the caller computes on the one
-        yielded. ``k``/``v`` may be views of any strides (the transport copies what it sends)."""
+        """Forward: every block this rank's plans read, once each, whole or head group by head group
+        (the relay: every block's first group, then every block's next); the next transfer is in
+        flight while the caller computes on the one yielded. ``k``/``v`` may be views of any
+        strides (the transport copies them heads-first)."""
         ...
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
@@ -74,14 +75,13 @@ def add_pieces(acc: torch.Tensor, pieces: GradPieces, first_row: int = 0) -> Non
 
 
 def post(group: dist.ProcessGroup | None, sends: Sequence[tuple[int, torch.Tensor]],
-         recvs: Sequence[tuple[int, torch.Tensor]], tag: int, *, rounds: int = 1) -> list[dist.Work]:
+         recvs: Sequence[tuple[int, torch.Tensor]], tag: int) -> list[dist.Work]:
     """Start the sends ``(peer, tensor)`` and receives ``(peer, buffer)`` as one batch (peers are
-    ranks of ``group``); the bytes sent count as ``rounds`` steps of the active :class:`RingStats`
-    (0 for the later pieces of one step)."""
+    ranks of ``group``); the bytes sent count as one step of the active :class:`RingStats`."""
     ops = [dist.P2POp(dist.isend, t, global_rank(group, p), group, tag) for p, t in sends]
     ops += [dist.P2POp(dist.irecv, t, global_rank(group, p), group, tag) for p, t in recvs]
     if sends:
-        count_sent(rounds, sum(t.numel() * t.element_size() for _, t in sends))
+        count_sent(1, sum(t.numel() * t.element_size() for _, t in sends))
     return dist.batch_isend_irecv(ops) if ops else []
 
 
@@ -105,7 +105,8 @@ def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int
 class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
 
-    ``steps`` counts communication rounds: P-1 per forward, 2P-1 per backward (P-1 K/V rotations
+    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring
+    per group of ``relay.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
     and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
     it is the equivalent ring volume. With a window or packed documents (direct transfers,
     direct.py) both count only the steps in which this rank sends, and what it sends.
