@@ -4,10 +4,10 @@ Note [Overlap and double buffering]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 At step t the ring posts the send of the current K/V and the receive of the next *before*
 computing on the current block, and waits only after the compute: the transfer hides behind the
-attention math when compute >= communication (L/P above the crossover). Step 0 sends the
-caller's own K/V; two receive buffers (one for P = 2), allocated once per pass, alternate after
-that. The buffer being received into was last read at step t-1, whose communication has
-completed, so there is no hazard. Only the ``heads_kv`` heads travel, heads-first (Note
+attention math when compute >= communication (L/P above the crossover). Step 0 sends a
+heads-first copy of the rank's own K/V (the caller's tensors when they already are); two
+buffers, allocated once per pass, alternate after that, the copy's one of them. The buffer being
+received into was last read at step t-1, whose communication has completed, so there is no hazard. Only the ``heads_kv`` heads travel, heads-first (Note
 [Heads-first blocks] in ring.py) in the caller's dtype (bf16 for bf16 models) in forward; the
 backward's dK/dV accumulator travels in fp32, twice the bytes of bf16 K/V.
 
@@ -19,19 +19,23 @@ after this step's compute: that transfer hides behind the compute too.
 
 Note [Forward memory]
 ~~~~~~~~~~~~~~~~~~~~~
-A ring rank holds one block of K/V while computing on it and receives the next meanwhile, so K/V
-in flight cost two blocks (``2 x 2 x s x heads_kv x head_dim`` elements with ``s = L/P``). In
-forward the relay moves a block as ``PIECES`` head groups, each its own message: piece j of step t
-is sent on and computed while piece j of step t+1 arrives, and its buffer takes a later piece as
-soon as both are done. At most ``pieces + 1`` piece buffers are alive (1.5 blocks for 2 pieces),
-every transfer still hides behind a kernel on a piece, and every piece has the same work (a
-split along the sequence would leave zigzag's second chunk with no work on half the steps, its
-transfer exposed). The rank's own block is copied into those buffers piece by piece, heads-first
-(Note [Heads-first blocks] in ring.py), when it is first sent: the call keeps no copy of k and v.
-So a forward call at P ranks holds, besides its output: the heads-first copy of q, the output
-accumulator and lse (compute dtype), ``pieces + 1`` K/V pieces, and one kernel's output for one
-piece's query heads (``1/pieces`` of q at most); none of it grows with L beyond ``L/P``. Backward
-rotates whole blocks (one piece), its dK/dV accumulators with them.
+A rank computes on one block while the next arrives, and its neighbour needs that block at the
+very next step, so a relay holds two blocks of K/V in flight. In forward the relay therefore runs
+one ring per head group (``PIECES`` groups of the ``heads_kv`` heads, with their query heads): all
+P steps of group 0, then of group 1. Within a group it is the double-buffered relay above on half
+the heads, so it needs two buffers of half a block, reused from group to group, and every transfer
+still hides behind a kernel on the same group. (Interleaving the groups step by step would need
+``PIECES + 1`` such buffers, as the neighbour takes a piece only ``PIECES`` kernels after it was
+sent; a split along the sequence would leave zigzag's second chunk with no work on half the steps,
+its transfer exposed.) Step 0 of a group copies that group's own K/V heads-first (Note [Heads-first
+blocks] in ring.py) into one of the buffers, and ring_forward copies that group's q. So a forward
+call at P ranks holds, with ``X`` = its local q: the output accumulator (X, in the compute dtype;
+the output itself when fp32), the lse, one group's q (X / 2), two half blocks of K and V (2X when
+``heads_kv = heads_q``) and one kernel's output for one group (X / 2 at most): about 4X, where it
+held 9X with whole copies of q, k and v and two whole receive blocks (docs/performance.md §3; at
+P = 1, 3X). Costs: the transfers are PIECES x (P - 1) messages of 1 / PIECES of a block each, and
+each kernel call takes 1 / PIECES of the heads (on a GPU, fewer thread blocks per call). Backward
+rotates whole blocks (one group), its dK/dV accumulators with them.
 """
 from __future__ import annotations
 
