@@ -101,8 +101,10 @@ class RelayRing:
         passes on after its step (Note [Overlap and double buffering]). The two accumulators are
         ``dkv`` and one more buffer: an accumulator is free again once its transfer has landed."""
         # dkv is accs[size % 2], where the last transfer lands; accs[0] holds the first sum, from zeros
-        other = torch.empty_like(dkv) if self.size % 2 == 0 else torch.zeros_like(dkv)
-        accs = [dkv] if self.size == 1 else [dkv, other] if self.size % 2 == 0 else [other, dkv]
+        if self.size == 1:
+            accs = [dkv]
+        else:
+            accs = [dkv, torch.empty_like(dkv)] if self.size % 2 == 0 else [torch.zeros_like(dkv), dkv]
         works: list[dist.Work] = []
         for step, (src, _, k_src, v_src) in enumerate(self._rotate(k, v, slice(0, k.shape[1]), [])):
             outbox: GradPieces = []
