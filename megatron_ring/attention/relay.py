@@ -7,9 +7,10 @@ computing on the current block, and waits only after the compute: the transfer h
 attention math when compute >= communication (L/P above the crossover). Step 0 sends a
 heads-first copy of the rank's own K/V (the caller's tensors when they already are); two
 buffers, allocated once per pass, alternate after that, the copy's one of them. The buffer being
-received into was last read at step t-1, whose communication has completed, so there is no hazard. Only the ``heads_kv`` heads travel, heads-first (Note
-[Heads-first blocks] in ring.py) in the caller's dtype (bf16 for bf16 models) in forward; the
-backward's dK/dV accumulator travels in fp32, twice the bytes of bf16 K/V.
+received into was last read at step t-1, whose communication has completed, so there is no
+hazard. Only the ``heads_kv`` heads travel, heads-first (Note [Heads-first blocks] in ring.py)
+in the caller's dtype (bf16 for bf16 models) in forward; the backward's dK/dV accumulator
+travels in fp32, twice the bytes of bf16 K/V.
 
 Backward runs a second ring: K/V rotate as in forward, and a gradient accumulator (fp32) travels
 one step behind them, collecting every rank's dK/dV contribution for that block; the last transfer
@@ -85,15 +86,14 @@ class RelayRing:
             kb, vb = buffer()
             cur = (kb.copy_(cur[0]), vb.copy_(cur[1]))
         for step in range(self.size):
-            works: list[dist.Work] = []
-            if step < self.size - 1:
-                nxt = buffer()
-                works = post(self.group, [(self.next, t) for t in cur], [(self.prev, t) for t in nxt], _KV_TAG)
+            nxt = buffer() if step < self.size - 1 else None
+            works = [] if nxt is None else post(self.group, [(self.next, t) for t in cur],
+                                                [(self.prev, t) for t in nxt], _KV_TAG)
             yield (self.rank - step) % self.size, heads, cur[0], cur[1]
             wait_all(works, k.device)
             if pooled:
                 free.append(cur)
-            if works:
+            if nxt is not None:
                 cur, pooled = nxt, True
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
