@@ -3,7 +3,7 @@ in attention/relay.py).
 
 Measured with the benchmarks' own high-water mark (Note [Peak memory on CPU] in perf/bench/harness.py),
 in units of the rank's local q (1 MiB here: 2048 tokens x 2 heads x 64, fp32), so the bounds hold at
-every P. A forward call holds its output, q heads-first, two K/V pieces of half the heads and one
+every P. A forward call holds its output, one head group's q, two K/V buffers of half the heads and one
 kernel's output: about 4.5 local q. Before the relay ran one ring per head group it held 7.3 (P = 2)
 to 9.5 (P = 4), with whole copies of q, k, v and two whole receive blocks (this test then fails).
 Forward and backward hold about 18 (18-22 before); that bound only guards against regressions.
