@@ -157,7 +157,7 @@ class DilatedGather:
         return {i: (compact_kv(k_src, v_src, p, src), 0) for i, p in enumerate(self.pieces) if p.schedule.plans[src]}
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, PieceBlocks]]:
-        for src, k_src, v_src in self.gather.blocks(k.contiguous(), v.contiguous()):
+        for src, _, k_src, v_src in self.gather.blocks(k, v):
             blocks = self._cut(src, k_src, v_src)
             if blocks:
                 yield src, blocks

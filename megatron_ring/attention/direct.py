@@ -39,6 +39,8 @@ from megatron_ring.attention.schedule import Schedule
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
 _KV_TAG, _GRAD_TAG = 2, 3
+_Whole = tuple[int, torch.Tensor, torch.Tensor]
+"""``(src, k_src, v_src)``: a whole block (every head)."""
 
 
 class DirectTransfers:
@@ -47,10 +49,11 @@ class DirectTransfers:
     def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, schedule: Schedule) -> None:
         self.group, self.rank, self.size, self.schedule = group, rank, size, schedule
 
-    def _walk(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, Block | None]]:
+    def _walk(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, _Whole | None]]:
         """``(t, block)`` for every step t = 0..P-1 in order (see the Note on ordering), ``block``
         None where this rank reads nothing of block ``rank - t``; step t+1's K/V are in flight
         while step t's block is out. Only the used rows of a received block hold data."""
+        k, v = k.contiguous(), v.contiguous()  # heads-first (Note [Heads-first blocks] in ring.py)
         own = (k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3))  # [seq, batch, heads, dim] views
         buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # two slots, allocated on first use
         recv_rows, send_rows = self.schedule.recv_rows, self.schedule.send_rows
@@ -79,11 +82,11 @@ class DirectTransfers:
         wait_all(works, k.device)
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, k_src, v_src)`` (``[batch, heads_kv, seq_local, head_dim]``) of the blocks this
-        rank's plans read, its own first."""
+        """``(src, heads, k_src, v_src)`` (all heads, ``[batch, heads_kv, seq_local, head_dim]``) of
+        the blocks this rank's plans read, its own first."""
         for _, block in self._walk(k, v):
             if block is not None:
-                yield block
+                yield block[0], slice(0, k.shape[1]), block[1], block[2]
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
         """The blocks of :meth:`blocks`, each with an outbox. After step t, the rows of dK/dV computed

@@ -93,16 +93,18 @@ class GatheredBlocks:
         self.group, self.rank, self.size = group, rank, size
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, k_src, v_src)``, each ``[batch, heads_kv, seq_local, head_dim]``: this rank's own
-        block while the gather is in flight, then the others in rank order, each once it has
-        arrived. Counted as the equivalent ring volume: P-1 steps of K/V."""
+        """``(src, heads, k_src, v_src)`` (all heads), each ``[batch, heads_kv, seq_local, head_dim]``
+        heads-first: this rank's own block while the gather is in flight, then the others in rank
+        order, each once it has arrived. Counted as the equivalent ring volume: P-1 steps of K/V."""
+        k, v = k.contiguous(), v.contiguous()  # heads-first (Note [Heads-first blocks] in ring.py)
         gather = start_gather_blocks((k, v), self.group, self.rank, self.size)
         count_sent(self.size - 1, 2 * k.numel() * k.element_size() * (self.size - 1))
-        yield self.rank, k, v
+        heads = slice(0, k.shape[1])
+        yield self.rank, heads, k, v
         for src in range(self.size):
             if src != self.rank:
                 wait_all(gather.arrivals[src], k.device)
-                yield src, *gather.blocks[src]
+                yield src, heads, *gather.blocks[src]
         wait_all(gather.sends, k.device)
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
@@ -111,7 +113,7 @@ class GatheredBlocks:
         owner in rank order as soon as blocks 0..j are done (Note [All-gather overlap])."""
         done: dict[int, torch.Tensor] = {}
         reduces: list[dist.Work] = []
-        for src, k_src, v_src in self.blocks(k, v):
+        for src, _, k_src, v_src in self.blocks(k, v):
             outbox: GradPieces = []
             yield src, k_src, v_src, outbox
             done[src] = dkv if src == self.rank else torch.zeros_like(dkv)

@@ -62,7 +62,7 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | Non
     call, (q, k, v, mask) = prepare_ring(q, k, v, pg, **kwargs)
     if q.shape[0] == 0:
         return q.new_zeros(q.shape), q.new_zeros(_lse_shape(q), dtype=compute_dtype(q.dtype))
-    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # copied heads-first by the ring (Note [Heads-first blocks])
     out, lse = ring_forward(call, transport_for(call), qh, kh, vh, key_masks_of(call, mask))
     return out.to(q.dtype).transpose(1, 2).contiguous(), lse
 
@@ -82,7 +82,8 @@ def ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
     call, (q, k, v, mask) = prepare_ring(q, k, v, pg, **{**kwargs, "check_consistency": False})
     if q.shape[0] == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    qh, kh, vh, oh, dh = (t.transpose(1, 2).contiguous() for t in (q, k, v, out, dout))
+    qh, oh, dh = (t.transpose(1, 2).contiguous() for t in (q, out, dout))
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # copied heads-first by the transport
     dq, dk, dv = ring_backward(call, transport_for(call), qh, kh, vh, oh, lse, dh, key_masks_of(call, mask))
     return dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(), dv.transpose(1, 2).contiguous()
 

@@ -16,10 +16,12 @@ The caller's ``[b, s, h, d]`` tensors put a token's heads side by side, so one h
 ``h * d`` elements apart. The block kernels read a head's rows block by block, and on CPU they
 take 0.90-0.96x the time (forward, and forward+backward; h = 8, the 4096 x 4096 and 4096 x 2048
 blocks of a zigzag ring at L = 16k, P = 4) when those rows are adjacent
-(``python -m megatron_ring.perf.bench.block --layouts``). So q, k, v and dout are copied once per
-call into ``[b, h, s, d]`` storage, K/V blocks travel so, and every block kernel of the call reads
-them there; the output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout,
-and need no copy back. A copy costs about 1 % of such a block's time per tensor.
+(``python -m megatron_ring.perf.bench.block --layouts``). So every block kernel reads heads-first
+``[b, h, s, d]`` storage: q is copied once per pass (and dout in backward), and the transport
+copies the K/V it sends (in forward the relay piece by piece, Note [Forward memory] in relay.py).
+The output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout, and need no
+copy back. A copy costs about 1 % of such a block's time per tensor. Autograd saves the caller's
+q, k, v, not copies: a forward keeps nothing of its own beyond its output and lse.
 """
 from __future__ import annotations
 
@@ -70,20 +72,26 @@ def _masks(key_masks: torch.Tensor | None, src: int, plan: StepPlan,
 def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: out ``[batch, heads_q, seq_local, head_dim]`` (a view of ``[b, s, h, d]``
-    memory) in the compute dtype, lse ``[batch, heads_q, seq_local]``; q/k/v heads-first and
-    contiguous (Note [Heads-first blocks])."""
+    memory) in the compute dtype, lse ``[batch, heads_q, seq_local]``; q/k/v ``[batch, heads,
+    seq_local, head_dim]`` of any strides, copied heads-first here and by the transport (Note
+    [Heads-first blocks])."""
     stats = active_stats()
     t0 = now(q.device) if stats else 0.0
     b, hq, s, d = q.shape
+    group = hq // k.shape[1]
     out = _alloc_bshd(b, hq, s, d, compute_dtype(q.dtype), q.device)
     lse = torch.full((b, hq, s), float("-inf"), dtype=out.dtype, device=q.device)
-    for src, k_src, v_src in transport.blocks(k, v):
+    at, qg = None, q
+    for src, heads, k_src, v_src in transport.blocks(k, v):
+        qh = slice(heads.start * group, heads.stop * group)  # the query heads of these K/V heads
+        if qh != at:  # a new head group (Note [Forward memory] in relay.py): its queries, heads-first
+            at, qg = qh, q[:, qh].contiguous()
         for plan in call.schedule.plans[src]:
             c0 = now(q.device) if stats else 0.0
             key_mask, visible = _masks(key_masks, src, plan, q.device)
-            o, l = block_forward(q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], causal=plan.causal,
+            o, l = block_forward(qg[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], causal=plan.causal,
                                  scale=call.scale, backend=call.backend, key_mask=key_mask, visible=visible)
-            merge_into(out[:, :, plan.q], lse[:, :, plan.q], o, l)
+            merge_into(out[:, qh, plan.q], lse[:, qh, plan.q], o, l)
             del o, l  # free this block's output before the next kernel allocates its own
             if stats:
                 stats.compute_s += now(q.device) - c0
@@ -97,7 +105,8 @@ def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: to
                   out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes, ``[batch, heads, seq_local, head_dim]`` (dq a view of
-    ``[b, s, h, d]`` memory); every input heads-first and contiguous, ``lse`` from :func:`ring_forward`."""
+    ``[b, s, h, d]`` memory); q, out and dout heads-first and contiguous, k and v of any strides (the
+    transport copies them), ``lse`` from :func:`ring_forward`."""
     stats = active_stats()
     t0 = now(q.device) if stats else 0.0
     b, hq, s, d = q.shape
@@ -130,7 +139,6 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,  # type: ignore[override]
                 key_masks: torch.Tensor | None) -> torch.Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = ring_forward(call, transport_for(call), q, k, v, key_masks)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
@@ -140,7 +148,7 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()  # the op saves views
+        q, dout = q.contiguous(), dout.contiguous()  # heads-first; k, v copied by the transport
         call: RingCall = ctx.call
         dq, dk, dv = ring_backward(call, transport_for(call), q, k, v, out, lse, dout, ctx.key_masks)
         return dq, dk, dv, None, None

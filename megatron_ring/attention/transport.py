@@ -27,8 +27,10 @@ from typing import Iterator, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-Block = tuple[int, torch.Tensor, torch.Tensor]
-"""``(src, k_src, v_src)``: the K/V block of CP rank ``src``, each ``[batch, heads_kv, seq_local, head_dim]``."""
+Block = tuple[int, slice, torch.Tensor, torch.Tensor]
+"""``(src, heads, k_src, v_src)``: K/V heads ``heads`` of the block of CP rank ``src``, each
+``[batch, heads.stop - heads.start, seq_local, head_dim]`` (all ``heads_kv`` heads, or a group of them
+when the relay moves a block in pieces: Note [Forward memory] in relay.py)."""
 GradPieces = list[tuple[slice, torch.Tensor, torch.Tensor]]
 """``(rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads_kv, rows, head_dim]``
 belong to key rows ``rows`` of the block."""
@@ -43,8 +45,10 @@ class KVTransport(Protocol):
     """
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """Forward: every block this rank's plans read, once each; the next block's transfer is in
-        flight while the caller computes on the one yielded."""
+        """Forward: every block this rank's plans read, once each, whole or head group by head group
+        (the relay: every block's first group, then every block's next); the next transfer is in
+        flight while the caller computes on the one yielded. ``k``/``v`` may be views of any
+        strides (the transport copies them heads-first)."""
         ...
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
@@ -101,7 +105,8 @@ def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int
 class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
 
-    ``steps`` counts communication rounds: P-1 per forward, 2P-1 per backward (P-1 K/V rotations
+    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring
+    per group of ``relay.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
     and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
     it is the equivalent ring volume. With a window or packed documents (direct transfers,
     direct.py) both count only the steps in which this rank sends, and what it sends.

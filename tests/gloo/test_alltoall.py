@@ -4,9 +4,12 @@ sequence and heads] in attention/alltoall.py).
 
 Tolerances as tests/gloo/test_ring_numerics.py: fp32 <= 1e-5, bf16 <= 2e-2 relative Frobenius error.
 """
+import math
+
 import pytest
 import torch
 
+from megatron_ring.attention.relay import PIECES
 from tests.gloo import a2a_workers, workers
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -71,11 +74,14 @@ def test_cp_groups_serve_every_comm(gloo_pool, comm):
                                                      ("a2a+p2p", 2, 1), ("a2a+p2p", 1, 2)])
 def test_collectives_and_bytes(gloo_pool, comm, a2a_size, heads_kv):
     """One all-to-all each way per pass under zigzag (q, k, v packed; dq, dk, dv packed); the ring of a2a+p2p
-    rotates R - 1 times; bytes sent equal traffic.a2a_bytes."""
+    rotates R - 1 times (in forward once per head group of its K/V heads, Note [Forward memory] in relay.py);
+    bytes sent equal traffic.a2a_bytes."""
     for result in gloo_pool(4).run(a2a_workers.collectives_and_bytes, comm, a2a_size, 4, heads_kv, True):
         ring = 4 // a2a_size
         a2a_calls = 2 if a2a_size > 1 else 0
-        assert result["forward"] == {"all_to_all": a2a_calls, "p2p_batches": ring - 1, "all_gather": 0}, result
+        groups = math.gcd(PIECES, math.lcm(heads_kv, a2a_size) // a2a_size)  # K/V heads on the ring
+        assert result["forward"] == {"all_to_all": a2a_calls, "p2p_batches": groups * (ring - 1), "all_gather": 0}, \
+            result
         assert result["backward"]["all_to_all"] == a2a_calls, result
         assert result["backward"]["p2p_batches"] == (2 * ring - 1 if ring > 1 else 0), result
         assert result["bytes"] == pytest.approx(result["predicted"]), result

@@ -107,7 +107,7 @@ class LocalBlocks:
         size = len(self.ks)
         for step in range(size):
             src = (self.rank - step) % size
-            yield src, self.ks[src], self.vs[src]
+            yield src, slice(0, k.shape[1]), self.ks[src], self.vs[src]
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
         """The same blocks in backward; the own block's gradient pieces are added into ``dkv``, the
