@@ -112,7 +112,7 @@ class LocalBlocks:
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
         """The same blocks in backward; the own block's gradient pieces are added into ``dkv``, the
         others' dropped (their owners are not here)."""
-        for src, k_src, v_src in self.blocks(k, v):
+        for src, _, k_src, v_src in self.blocks(k, v):
             pieces: GradPieces = []
             yield src, k_src, v_src, pieces
             if src == self.rank:
