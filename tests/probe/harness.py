@@ -43,8 +43,23 @@ def run_cli(*args: str, timeout_s: float = 60, env: Optional[dict[str, str]] = N
     return Outcome(proc.returncode, out, err)
 
 
-def assert_no_leftover(session: int) -> None:
-    """No process of the session ``session`` still runs (it is killed if one does)."""
+def assert_no_leftover(session: int, grace_s: float = 3.0) -> None:
+    """No process of the session ``session`` still runs ``grace_s`` after the command ended (one being
+    torn down, e.g. multiprocessing's resource tracker after its parent, gets that long); a leftover
+    is killed."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while _session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _session_processes(session)
+    if left:
+        os.killpg(session, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+def _session_processes(session: int) -> list[tuple[int, str]]:
+    """(pid, command line tail) of the live processes of session ``session``."""
     import psutil
 
     left = []
@@ -52,11 +67,9 @@ def assert_no_leftover(session: int) -> None:
         try:
             if os.getsid(proc.pid) == session and proc.info["status"] != psutil.STATUS_ZOMBIE:  # exited, unreaped
                 left.append((proc.pid, " ".join(proc.info["cmdline"] or ())[-120:]))
-        except (ProcessLookupError, PermissionError):
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             continue
-    if left:
-        os.killpg(session, signal.SIGKILL)
-    assert not left, f"processes left behind: {left}"
+    return left
 
 
 def assert_usage_error(outcome: Outcome, *needles: str) -> None:

@@ -108,7 +108,8 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     changes the shapes that the ranks exchange.
     """
     ctx = active()
-    ctx.in_attention = True  # from here an error is raised alike on every rank, or reported by the core
+    if not torch.compiler.is_compiling():  # Note [Counting under torch.compile]
+        ctx.in_attention = True  # from here an error is raised alike on every rank, or reported by the core
     window = _check_module_call(module, dropout, kwargs)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -135,9 +136,11 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if ctx.phase == "decode":
         positions = _decode_positions(ctx, module.layer_idx, q.shape[1], columns, q.device) if window != (-1, -1) else {}
         layer = ctx.cache.layers[module.layer_idx]
+        compiling = torch.compiler.is_compiling()  # compiled steps always check: Note [Counting under torch.compile]
         out = decode_attention(q, k, v, ctx.group, softmax_scale=scale, window_size=window,
-                               check_consistency=not layer.agreed, **positions)  # Note [Decode handshake once]
-        layer.agreed = True
+                               check_consistency=compiling or not layer.agreed, **positions)  # Note [Decode handshake once]
+        if not compiling:
+            layer.agreed = True
     else:
         out = ring_attention(q, k, v, ctx.group, causal=True, softmax_scale=scale, sharding=SHARDING,
                              window_size=window)
@@ -145,9 +148,21 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
 
 def _returned(ctx: CPContext, out: torch.Tensor) -> torch.Tensor:
-    """``out``, once the attention call is counted as done (Note [A model error on one rank] in peer_errors.py)."""
-    ctx.in_attention = False
-    ctx.attention_calls += 1
+    """``out``, once the attention call is counted as done (Note [A model error on one rank] in peer_errors.py).
+
+    Note [Counting under torch.compile]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Dynamo guards on every Python value a compiled frame reads: a call counter read and bumped in
+    the attention function made each decode step a new graph, and the decode handshake's per-layer
+    flag would add one more. So a traced call only marks the context ``compiled`` (a write, which
+    is not guarded); it neither counts nor skips the decode handshake, and an error in a compiled
+    forward is not sent to the other ranks (they wait for the collective timeout, as before).
+    """
+    if torch.compiler.is_compiling():
+        ctx.compiled = True
+    else:
+        ctx.in_attention = False
+        ctx.attention_calls += 1
     return out
 
 

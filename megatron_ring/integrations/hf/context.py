@@ -42,6 +42,8 @@ class CPContext:
     """Attention calls of this context that returned (Note [A model error on one rank] in peer_errors.py)."""
     in_attention: bool = False
     """An attention call (with its handshake) is running: an error now is the core's to report."""
+    compiled: bool = False
+    """A torch.compile-traced attention call ran here: nothing was counted (Note [Counting under torch.compile])."""
 
 
 _ACTIVE: list[CPContext] = []

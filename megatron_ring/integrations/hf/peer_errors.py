@@ -34,7 +34,7 @@ from megatron_ring.integrations.hf.context import CPContext
 def _peers_wait_in_a_handshake(ctx: CPContext, layers: int) -> bool:
     """Whether the other ranks now wait in the handshake of this rank's next attention call (decode
     steps after the first have none: Note [Decode handshake once] in cache.py)."""
-    if ctx.size == 1 or ctx.in_attention or (ctx.attention_calls and ctx.attention_calls % layers == 0):
+    if ctx.size == 1 or ctx.compiled or ctx.in_attention or (ctx.attention_calls and ctx.attention_calls % layers == 0):
         return False
     return ctx.phase != "decode" or ctx.cache is None or not ctx.cache.layers[ctx.attention_calls % layers].agreed
 
