@@ -151,6 +151,11 @@ class Batch:
                        (self.tokens, self.labels, self.loss_mask, self.position_ids)))
 
 
+def masked_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``per_token`` ``[b, s_local]`` losses over valid tokens (``loss_mask`` 1), in fp32."""
+    return (per_token.float() * loss_mask).sum()
+
+
 class TrainData:
     """Which samples each step, data-parallel rank and micro-batch sees; see the module docstring."""
 

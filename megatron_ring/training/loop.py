@@ -53,7 +53,7 @@ from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_co
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
                                                 load_checkpoint, read_marker, save_checkpoint, verify_checkpoint)
-from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files
+from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files, masked_loss
 from megatron_ring.training.schema import SECTION, TrainSpec, load_train_spec
 
 EXIT_CONFIG = 2
@@ -68,10 +68,22 @@ def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups
     """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups."""
     from megatron_ring.integrations.megatron.state import init_megatron
 
-    return init_megatron(spec.layout, device=device, seed=spec.train.seed, timeout_s=spec.train.collective_timeout_s)
+    section = spec.train.megatron
+    return init_megatron(spec.layout, device=device, seed=spec.train.seed, timeout_s=spec.train.collective_timeout_s,
+                         virtual_pipeline=section.virtual_pipeline if section is not None else None)
 
 
-def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
+def build_engine(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Any:
+    """The training engine of ``spec.train.engine``: :class:`~megatron_ring.training.megatron_engine.MegatronTrainer`,
+    or the GPT model of ``spec.model`` inside a DeepSpeed engine reducing over dp x cp."""
+    if spec.train.engine == "megatron":
+        from megatron_ring.training.megatron_engine import MegatronTrainer
+
+        return MegatronTrainer(spec, groups, device)
+    return build_deepspeed_engine(spec, groups)
+
+
+def build_deepspeed_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
     """The GPT model of ``spec.model`` inside a DeepSpeed engine reducing over dp x cp."""
     import deepspeed
 
@@ -99,16 +111,16 @@ def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
 
 # --- one step ----------------------------------------------------------------------------------
 
-def masked_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sum of ``per_token`` ``[b, s_local]`` losses over valid tokens (``loss_mask`` 1), in fp32."""
-    return (per_token.float() * loss_mask).sum()
-
-
 def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, device: torch.device) -> float:
     """One optimizer step over this rank's micro-batches; returns the global mean token loss.
 
-    See Note [The loss of a context-parallel rank] for the scaling of each backward.
+    The Megatron engine runs its own schedule; under DeepSpeed's, see Note [The loss of a
+    context-parallel rank] for the scaling of each backward.
     """
+    from megatron_ring.training.megatron_engine import MegatronTrainer
+
+    if isinstance(engine, MegatronTrainer):
+        return engine.train_step(batches)
     count = torch.stack([b.loss_mask.sum() for b in batches]).sum().to(device)
     dist.all_reduce(count, group=groups.dp_cp)
     if count.item() == 0:
@@ -187,13 +199,15 @@ class StepLog:
 def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> TrainRun:
     """Build the engine, resume if a complete checkpoint exists, and train to ``spec.train.steps``."""
     data = build_data(spec, groups)
-    engine = build_engine(spec, groups)
+    engine = build_engine(spec, groups, device)
     ck = spec.train.checkpoint
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
-    start = 0
+    start, saved_layout = 0, None
     if ckpt_dir is not None and ck.resume and (tag := latest_checkpoint(ckpt_dir)) is not None:
         marker = read_marker(ckpt_dir / tag)
-        check_layout(marker, spec.layout.sizes(), ckpt_dir / tag)
+        saved_layout = marker.get("layout")
+        if spec.train.engine == "deepspeed":
+            check_layout(marker, spec.layout.sizes(), ckpt_dir / tag)
         verify_checkpoint(marker, ckpt_dir / tag)
         client = load_checkpoint(engine, ckpt_dir, tag)
         start = int(client["step"])
@@ -201,8 +215,9 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     run = TrainRun(engine=engine, start_step=start)
     rank, world = dist.get_rank(), dist.get_world_size()
     log = StepLog(spec, rank, start)
-    log.write({"event": "start", "step": start, "layout": spec.layout.sizes(), "world_size": world,
-               "global_batch": spec.global_batch, "seq_len": spec.train.seq_len, "resumed_from": start or None,
+    log.write({"event": "start", "step": start, "engine": spec.train.engine, "layout": spec.layout.sizes(),
+               "world_size": world, "global_batch": spec.global_batch, "seq_len": spec.train.seq_len,
+               "resumed_from": start or None, "resumed_layout": saved_layout,
                "pids": gather_ints(os.getpid(), device)})
     try:
         for step in range(start, spec.train.steps):

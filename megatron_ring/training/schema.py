@@ -48,6 +48,7 @@ from megatron_ring.config import ConfigError, Problems, StrictModel, TimeoutSeco
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
+from megatron_ring.training.megatron_section import MegatronSection
 
 SECTION = "megatron_ring"
 """Key of our section in the DeepSpeed training JSON."""
@@ -72,11 +73,6 @@ DEEPSPEED_TRAINING_KEYS: frozenset[str] = frozenset({
 """Top-level keys of a DeepSpeed training config that we pass through (DeepSpeed itself ignores
 unknown top-level keys, so a typo such as ``gradient_clip`` would be silently dropped)."""
 
-
-class TrainLayoutConfig(LayoutConfig):
-    """The layout of a training run: pp is 1 (pipeline parallelism needs DeepSpeed's PipelineEngine)."""
-
-    pp: int = Field(1, ge=1, le=1, description="pipeline parallelism needs DeepSpeed's PipelineEngine: 1 only")
 
 
 class DataSection(StrictModel):
@@ -114,10 +110,15 @@ class TrainSection(StrictModel):
     """Our ``megatron_ring`` section of a training config."""
 
     name: str = "train"
+    engine: Literal["deepspeed", "megatron"] = Field("deepspeed", description="deepspeed: DeepSpeed's engine "
+                                                     "(ZeRO, pp = 1); megatron: Megatron-core's DDP, optimizer, "
+                                                     "pipeline schedules and dist_checkpointing")
+    megatron: Optional[MegatronSection] = Field(None, description="engine: megatron's optimizer, ddp, scheduler, "
+                                                "recompute, virtual_pipeline")
     model: str = Field(..., description="path of a configs/megatron YAML (relative to this config file, "
                                         "then to the working directory)")
     attention: Optional[Literal["local", "sdpa", "ring"]] = Field(None, description="override the model file's attention")
-    layout: TrainLayoutConfig = Field(default_factory=TrainLayoutConfig)
+    layout: LayoutConfig = Field(default_factory=LayoutConfig)
     seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
     steps: int = Field(..., ge=1, description="optimizer steps of the whole run")
     data: DataSection = Field(default_factory=DataSection)
@@ -234,8 +235,12 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     problems.run(check_deepspeed_keys, ds)
     train = problems.run(TrainSection.parse, raw[SECTION], where=None, key=SECTION)
     if train is None:  # dp unknown: the batch keys wait; DeepSpeed checks the rest of its keys
-        problems.run(check_deepspeed_training, ds, micro_batch=1, grad_accum=1)
+        if not (isinstance(raw[SECTION], dict) and raw[SECTION].get("engine") == "megatron"):
+            problems.run(check_deepspeed_training, ds, micro_batch=1, grad_accum=1)
         problems.raise_if_any()
+    deepspeed_engine = train.engine == "deepspeed"
+    for problem in engine_problems(train, ds):
+        problems.add(problem)
     layout = train.layout.layout()
     if layout.world_size != world_size:
         problems.add(f"{SECTION}.layout = {layout.describe()} does not match the world size {world_size}; "
@@ -246,11 +251,15 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                      f"(zigzag sharding over cp = {layout.cp}); allowed: a multiple of {2 * layout.cp}")
     batch = problems.run(check_batch, ds, layout.dp)
     micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
-    problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
+    if deepspeed_engine:
+        problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
     model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
-    if model is not None:
+    if model is not None and deepspeed_engine:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
                      model=f"{SECTION}.model = {train.model!r}")
+    if model is not None and train.megatron is not None and not deepspeed_engine:
+        for problem in train.megatron.problems(model, grad_accum=accum, where=f"{SECTION}.megatron"):
+            problems.add(problem)
     if train.data.kind == "text":
         if not train.data.paths:
             problems.add(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
@@ -277,6 +286,30 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
                      global_batch=glob, base_dir=base_dir)
+
+
+def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:
+    """What does not fit ``train.engine``: pp > 1 or a ``megatron`` section with DeepSpeed's engine;
+    no ``megatron`` section, or DeepSpeed keys other than the batch keys, with Megatron's."""
+    found = []
+    if train.engine == "deepspeed":
+        if train.layout.pp > 1:
+            found.append(f"{SECTION}.layout.pp = {train.layout.pp}: engine 'deepspeed' trains one pipeline stage "
+                         "(DeepSpeed's engine, not its PipelineEngine); allowed: pp = 1, or "
+                         f"{SECTION}.engine = 'megatron' (Megatron's pipeline schedules)")
+        if train.megatron is not None:
+            found.append(f"{SECTION}.megatron configures engine 'megatron' only, but {SECTION}.engine = 'deepspeed' "
+                         "(DeepSpeed's own keys configure its optimizer); drop the section or set engine: 'megatron'")
+        return found
+    if train.megatron is None:
+        found.append(f"{SECTION}.engine = 'megatron' needs a {SECTION}.megatron section (at least "
+                     "megatron.optimizer.lr)")
+    for key in ds:
+        if key not in BATCH_KEYS:
+            found.append(f"DeepSpeed key '{key}' has no effect with {SECTION}.engine = 'megatron' (Megatron's "
+                         f"optimizer, scheduler, clipping and DDP are set in {SECTION}.megatron, the dtype in the "
+                         f"model file); allowed top-level keys: {', '.join(BATCH_KEYS)}")
+    return found
 
 
 def check_corpus_length(train: TrainSection, base_dir: Path) -> None:

@@ -33,6 +33,19 @@ def full_weights(module: torch.nn.Module, tp_group: dist.ProcessGroup) -> dict[s
     return out
 
 
+def engine_weights(engine: Any, groups: Any) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 weights by global name: every chunk of every pipeline stage, TP-gathered."""
+    from megatron_ring.integrations.megatron.model import global_name
+
+    modules = getattr(engine, "modules", [engine.module])
+    mine = {global_name(m, name): value for m in modules for name, value in full_weights(m, groups.tp).items()}
+    if groups.layout.pp == 1:
+        return mine
+    stages: list[Any] = [None] * groups.layout.pp
+    dist.all_gather_object(stages, mine, group=groups.groups["pp"])
+    return {k: v for stage in stages for k, v in stage.items()}
+
+
 @contextmanager
 def scoped_groups() -> Iterator[None]:
     """Destroy the process groups created inside the block (Megatron's parallel_state, DeepSpeed's,
@@ -76,7 +89,7 @@ def _run_config(raw: dict[str, Any], base_dir: str, *, weights: bool) -> dict[st
     run = train(spec, groups, device)
     full: Optional[dict[str, torch.Tensor]] = None
     if weights:
-        full = full_weights(run.engine.module, groups.tp)
+        full = engine_weights(run.engine, groups)
         if dist.get_rank() != 0:
             full = None
     result = {"losses": [r["loss"] for r in run.records], "start_step": run.start_step, "weights": full}

@@ -19,7 +19,7 @@ then the *average* over data-parallel replicas. DeepSpeed has exactly this notio
   ``tensor_model_parallel``).
 
 So a rank's loss must be its share of the sum over the whole sequence, not a local mean: see
-:func:`megatron_ring.training.loop.masked_loss`. The object must *not* have
+:func:`megatron_ring.training.data.masked_loss`. The object must *not* have
 ``initialize_sequence_parallel``: DeepSpeed takes that as a different (DeepSpeed-Ulysses) mpu.
 """
 from __future__ import annotations

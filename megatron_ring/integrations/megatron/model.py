@@ -25,13 +25,23 @@ With ``activation: swiglu`` (``gated_linear_unit``) the unsharded fc1 weight is 
 rank must therefore hold ``[gate rows of rank r; up rows of rank r]``, not the r-th contiguous
 block of the whole matrix (which would give rank 0 all of gate, rank 1 all of up): each half is
 split over the TP ranks and the two pieces are concatenated (:func:`shard_of` with ``gated``).
+
+Note [Initial weights of any layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Megatron's CPU initialisation draws a TP-split weight whole and slices it, so tp does not change
+the initial model; pp does: a later stage starts drawing from the seed where the first stage's
+embedding drew, so its layers get other values than at pp = 1. To compare layouts (and to resume
+one run at another layout and compare with the run that never stopped) every layout must start
+from the same model. :func:`initialize_by_name` therefore draws each parameter whole from a
+generator seeded by the seed and the parameter's *global* name (layer index across stages),
+with Megatron's default distributions, and keeps this rank's TP slice.
 """
 from __future__ import annotations
 
-from __future__ import annotations
-
 import copy
+import math
 import re
+import zlib
 from typing import Any, Mapping, Optional
 
 import torch
@@ -52,8 +62,9 @@ from megatron_ring.integrations.megatron.state import check_parallel_state
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_config(cfg: GPTConfig) -> TransformerConfig:
-    """The Megatron ``TransformerConfig`` of ``cfg`` (CPU initialisation when CUDA is absent)."""
+def transformer_config(cfg: GPTConfig, **overrides: Any) -> TransformerConfig:
+    """The Megatron ``TransformerConfig`` of ``cfg`` (CPU initialisation when CUDA is absent);
+    ``overrides`` are further ``TransformerConfig`` fields (the training engine's recompute options)."""
     m, p = cfg.model, cfg.parallel
     dtype = DTYPES[cfg.dtype]
     return TransformerConfig(
@@ -83,6 +94,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         bf16=cfg.dtype == "bf16",
         fp16=cfg.dtype == "fp16",
         use_cpu_initialization=not torch.cuda.is_available(),
+        **overrides,
     )
 
 
@@ -113,23 +125,27 @@ def layer_spec(cfg: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)  # the final norm, as Megatron's own
 
 
-def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None,
-                    post_process: Optional[bool] = None) -> torch.nn.Module:
+def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                    vp_stage: Optional[int] = None, **overrides: Any) -> torch.nn.Module:
     """A ``GPTModel`` for this rank's pipeline stage (wrapped in ``Float16Module`` for bf16/fp16).
 
     ``pre_process``/``post_process`` default to whether this rank is the first/last PP stage.
     Outputs follow GPTModel: logits ``[b, s_local, vocab / tp]`` (or per-token loss ``[b, s_local]``
-    with labels) on the last stage, hidden states ``[s_local, b, h]`` elsewhere.
+    with labels) on the last stage, hidden states ``[s_local, b, h]`` elsewhere. ``vp_stage``: this
+    model chunk's virtual pipeline stage (interleaved 1F1B); ``overrides``: see :func:`transformer_config`.
     """
     check_parallel_state(cfg)
-    config = transformer_config(cfg)
+    config = transformer_config(cfg, **overrides)
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(cfg),
         vocab_size=cfg.model.vocab_size,
         max_sequence_length=cfg.model.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
-        post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
+        pre_process=first if pre_process is None else pre_process,
+        post_process=last if post_process is None else post_process,
+        vp_stage=vp_stage,
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type=cfg.model.position_embedding,
         rotary_base=cfg.model.rotary_base,
@@ -163,7 +179,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 def global_name(model: torch.nn.Module, name: str) -> str:
     """Name of a local parameter in the unsharded model: local layer index -> global index."""
-    offset = get_transformer_layer_offset(unwrap(model).config)
+    inner = unwrap(model)
+    offset = get_transformer_layer_offset(inner.config, vp_stage=getattr(inner, "vp_stage", None))
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
 
 
@@ -209,3 +226,40 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The fp32 parameters of an unsharded (tp = pp = 1) model, keyed as :func:`load_full_state_dict` expects."""
     return {name: p.detach().float().clone() for name, p in unwrap(model).named_parameters()}
+
+
+def initialize_by_name(model: torch.nn.Module, seed: int) -> None:
+    """Give ``model`` (any tp/pp layout) the weights a function of ``seed`` and each parameter's global
+    name only, so every layout of one config starts from the same model (Note [Initial weights of
+    any layout])."""
+    inner = unwrap(model)
+    cfg = inner.config
+    with torch.no_grad():
+        for name, param in inner.named_parameters():
+            key = global_name(inner, name)
+            if key == "output_layer.weight" and inner.share_embeddings_and_output_weights:
+                key = "embedding.word_embeddings.weight"
+            full = _initial_value(key, _full_shape(param), cfg, seed)
+            param.copy_(shard_of(param, full, gated=is_gated_fc1(inner, key)).to(param.dtype))
+
+
+def _full_shape(param: torch.Tensor) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+    return shape
+
+
+def _initial_value(key: str, shape: list[int], cfg: TransformerConfig, seed: int) -> torch.Tensor:
+    """Megatron's default initialisation of parameter ``key``: norms' weights 1, biases 0, the output
+    projections of attention and MLP normal with ``std / sqrt(2 * layers)``, other weights normal with
+    ``std``; drawn from a generator seeded by ``seed`` and ``key``."""
+    if key.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in key.rsplit(".", 2)[-2] or key.endswith("layer_norm_weight"):
+        return torch.ones(shape)
+    std = cfg.init_method_std
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std /= math.sqrt(2.0 * cfg.num_layers)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=generator) * std

@@ -23,26 +23,28 @@ _own_minutes: Optional[int] = None
 
 
 def init_megatron(layout: ParallelLayout, *, device: torch.device = torch.device("cpu"), seed: int = 1234,
-                  timeout_s: Optional[float] = None) -> ParallelGroups:
+                  timeout_s: Optional[float] = None, virtual_pipeline: Optional[int] = None) -> ParallelGroups:
     """Megatron's ``parallel_state`` for ``layout`` on the running process group; returns its groups.
 
     The one initialisation behind inference, training, the config check and the tests. On CPU it
     first applies :func:`~megatron_ring.integrations.megatron.cpu_shims.apply_cpu_shims`; it seeds
     torch (and Megatron's CUDA RNG tracker on a GPU) with ``seed``. ``timeout_s`` bounds every
     collective of the groups Megatron creates (rounded up to whole minutes, Megatron's unit; default
-    Megatron's 30 minutes). ``torch.distributed`` must already run with ``layout.world_size`` ranks.
+    Megatron's 30 minutes); ``virtual_pipeline``: model chunks per pipeline stage (interleaved 1F1B).
+    ``torch.distributed`` must already run with ``layout.world_size`` ranks.
     """
     layout.check_world_size(dist.get_world_size())
     if device.type == "cpu":
         apply_cpu_shims()
-    ensure_parallel_state(layout, timeout_s=timeout_s)
+    ensure_parallel_state(layout, timeout_s=timeout_s, virtual_pipeline=virtual_pipeline)
     torch.manual_seed(seed)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return parallel_from_megatron()
 
 
-def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] = None) -> None:
+def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] = None,
+                          virtual_pipeline: Optional[int] = None) -> None:
     """Initialise Megatron's ``parallel_state`` for ``layout`` unless it already has exactly these
     sizes (and, when this function made it, the same timeout).
 
@@ -57,8 +59,9 @@ def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] 
     hierarchical = None if layout.cp_a2a is None else [layout.cp_a2a, layout.cp // layout.cp_a2a]
     if ps.model_parallel_is_initialized() and _own_minutes in (None, minutes) and (
             ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(), _hierarchical_sizes()
-    ) == (layout.tp, layout.pp, layout.cp, layout.dp, hierarchical):
+            ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(), _hierarchical_sizes(),
+            ps.get_virtual_pipeline_model_parallel_world_size()
+    ) == (layout.tp, layout.pp, layout.cp, layout.dp, hierarchical, virtual_pipeline):
         return
     ps.destroy_model_parallel()
     alive = dist.distributed_c10d._world.pg_map
@@ -70,6 +73,7 @@ def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] 
     existing = set(dist.distributed_c10d._world.pg_map)
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                  context_parallel_size=layout.cp, distributed_timeout_minutes=minutes,
+                                 virtual_pipeline_model_parallel_size=virtual_pipeline,
                                  hierarchical_context_parallel_sizes=hierarchical,
                                  create_gloo_process_groups=False)
     _OWN_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map if g not in existing)

@@ -1,0 +1,193 @@
+"""``engine: megatron``: a GPT with ring attention trained by Megatron-core's own stack.
+
+What a Megatron-LM user's training runs, built from megatron-core's public pieces:
+
+* the model as pipeline chunks (``virtual_pipeline`` chunks per stage: interleaved 1F1B), every
+  layout started from the same weights (Note [Initial weights of any layout] in
+  :mod:`megatron_ring.integrations.megatron.model`), activation recomputation as configured;
+* each chunk in megatron-core's ``DistributedDataParallel``: gradients in contiguous buckets,
+  reduced (all-reduce, or reduce-scatter with the distributed optimizer) over dp x cp while the
+  backward still runs (``overlap_grad_reduce``);
+* ``get_megatron_optimizer``: Adam or SGD, the ``DistributedOptimizer`` (main weights and states
+  sharded over dp x cp) when asked, gradient clipping; Megatron's ``OptimizerParamScheduler``;
+* ``get_forward_backward_func``: no pipelining, 1F1B or interleaved 1F1B over the step's
+  micro-batches, with ``calculate_per_token_loss``: each micro-batch returns its summed loss and
+  its valid-token count, and ``finalize_model_grads`` divides the reduced gradients by the global
+  count, so the gradient is that of the global mean token loss at every layout (the DeepSpeed
+  engine gets the same by scaling, Note [The loss of a context-parallel rank] in
+  :mod:`megatron_ring.training.loop`);
+* ``dist_checkpointing``: every rank writes its shards of the model and of the optimizer state
+  (``fully_sharded_model_space``: each shard a piece of the unsharded parameter's state), so a
+  checkpoint loads at any other tp / pp / cp / dp layout.
+
+On a CPU-only process these calls run inside
+:func:`~megatron_ring.integrations.megatron.cuda_on_cpu.cuda_calls_on_cpu` (Note [Megatron's CUDA
+calls on CPU]); on a GPU nothing is changed. :class:`MegatronTrainer` offers what the loop uses of
+DeepSpeed's engine (``train_step``, ``get_lr``, ``save_checkpoint``, ``load_checkpoint``,
+``module``, ``destroy``), so checkpoints, markers and digests are shared with it.
+"""
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.integrations.megatron.cuda_on_cpu import cuda_calls_on_cpu
+from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.training.data import Batch, masked_loss
+
+if TYPE_CHECKING:
+    from megatron_ring.training.schema import TrainSpec
+
+TRAIN_STATE = "train_state.json"
+"""File of a Megatron-engine checkpoint holding the loop's client state and the scheduler's state."""
+
+
+class MegatronTrainer:
+    """One rank's Megatron-core training: model chunks in DDP, optimizer, scheduler, schedule.
+
+    Batches are this rank's micro-batches ``[micro, seq_len / cp]`` (:class:`~megatron_ring.training.data.Batch`).
+    """
+
+    def __init__(self, spec: "TrainSpec", groups: ParallelGroups, device: torch.device) -> None:
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_ring.integrations.megatron.model import build_gpt_model, initialize_by_name
+
+        section = spec.train.megatron
+        self.spec, self.groups, self.device = spec, groups, device
+        chunks = section.virtual_pipeline or 1
+        with cuda_calls_on_cpu():
+            modules = [build_gpt_model(spec.model, vp_stage=i if chunks > 1 else None, calculate_per_token_loss=True,
+                                       **section.transformer_overrides(chunks))
+                       for i in range(chunks)]
+            for module in modules:
+                initialize_by_name(module, spec.train.seed)
+            ddp = section.ddp.megatron_config(use_distributed_optimizer=section.optimizer.use_distributed_optimizer)
+            self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp, module=module)
+                          for module in modules]
+            self.optimizer = get_megatron_optimizer(section.optimizer.megatron_config(spec.model.dtype), self.model,
+                                                    use_gloo_process_groups=False)
+        self.scheduler = section.scheduler.build(self.optimizer, section.optimizer, spec.train.steps)
+        config = self.model[0].config
+        config.no_sync_func = [m.no_sync for m in self.model] if chunks > 1 else self.model[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        if section.ddp.overlap_param_gather:
+            config.param_sync_func = [m.start_param_sync for m in self.model] if chunks > 1 \
+                else self.model[0].start_param_sync
+        self._forward_backward = get_forward_backward_func()
+
+    # --- what the loop uses -----------------------------------------------------------------
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The first model chunk (a GPTModel, or its Float16Module), unwrapped from DDP."""
+        return self.model[0].module
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """Every model chunk of this rank, unwrapped from DDP."""
+        return [m.module for m in self.model]
+
+    def get_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def train_step(self, batches: Sequence[Batch]) -> float:
+        """Forward, backward and optimizer step over this rank's micro-batches; the global mean token loss."""
+        with cuda_calls_on_cpu():
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            iterators: list[Iterator[Batch]] = [iter(batches) for _ in self.model]
+            sums = self._forward_backward(
+                forward_step_func=self._forward_step,
+                data_iterator=iterators if len(self.model) > 1 else iterators[0],
+                model=self.model if len(self.model) > 1 else self.model[0],
+                num_microbatches=len(batches), seq_length=self.spec.train.seq_len,
+                micro_batch_size=self.spec.micro_batch, forward_only=False)
+            updated, _, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        return self._global_loss(sums)
+
+    def save_checkpoint(self, save_dir: str, *, tag: str, client_state: dict[str, Any], save_latest: bool) -> None:
+        """Every rank's shards into ``save_dir/tag`` (``dist_checkpointing``) plus :data:`TRAIN_STATE`;
+        ``save_latest`` is the loop's business (the marker), as with DeepSpeed's engine."""
+        from megatron.core import dist_checkpointing
+
+        folder = Path(save_dir) / tag
+        if dist.get_rank() == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        with cuda_calls_on_cpu():
+            dist_checkpointing.save(self._sharded_state(is_loading=False), str(folder))
+        if dist.get_rank() == 0:
+            state = {"client": client_state, "scheduler": self.scheduler.state_dict()}
+            (folder / TRAIN_STATE).write_text(json.dumps(state))
+        dist.barrier()
+
+    def load_checkpoint(self, load_dir: str, *, tag: str) -> tuple[str, dict[str, Any]]:
+        """Load ``load_dir/tag`` (saved at any layout) into this rank's chunks and optimizer;
+        ``(folder, client state)``."""
+        from megatron.core import dist_checkpointing
+
+        folder = Path(load_dir) / tag
+        state = json.loads((folder / TRAIN_STATE).read_text())
+        with cuda_calls_on_cpu():
+            loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(folder))
+            for key, chunk in zip(self._model_keys(), self.model):
+                chunk.load_state_dict(loaded[key])
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return str(folder), state["client"]
+
+    def destroy(self) -> None:
+        """Drop the model, optimizer and their buffers (a worker serving many runs calls it)."""
+        self.model, self.optimizer = [], None
+
+    # --- the schedule's callbacks -------------------------------------------------------------
+
+    def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+        """One micro-batch through this chunk: per-token losses ``[micro, s_local]`` on the last stage,
+        hidden states ``[s_local, micro, h]`` elsewhere, and the loss function Megatron calls on them."""
+        batch = next(data_iterator).to(self.device)
+        output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+        return output, partial(_summed_loss, batch.loss_mask)
+
+    def _global_loss(self, sums: list[dict[str, torch.Tensor]]) -> float:
+        """The step's mean token loss over the global batch, on every rank: the last stage's
+        ``[sum, count]`` summed over dp x cp, then over the pipeline (other stages add zeros)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for item in sums:
+            total += item["lm loss"].double()
+        dist.all_reduce(total, group=self.groups.dp_cp)
+        if self.groups.layout.pp > 1:
+            dist.all_reduce(total, group=self.groups.groups["pp"])
+        if total[1] == 0:
+            raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
+        return float(total[0] / total[1])
+
+    def _model_keys(self) -> list[str]:
+        return ["model"] if len(self.model) == 1 else [f"model{i}" for i in range(len(self.model))]
+
+    def _sharded_state(self, *, is_loading: bool) -> dict[str, Any]:
+        """Megatron's sharded state dict of this rank: model chunk(s) and optimizer (model-space shards)."""
+        state: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in zip(self._model_keys(), self.model)}
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"})
+        return state
+
+
+def _summed_loss(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Megatron's per-token loss function: ``(sum of valid tokens' losses, their count, {"lm loss": [sum, count]})``."""
+    mask = loss_mask.to(per_token.device)
+    local = masked_loss(per_token, mask)
+    count = mask.sum().to(torch.int)
+    return local, count, {"lm loss": torch.stack([local.detach(), count.float()])}
