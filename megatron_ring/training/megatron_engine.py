@@ -141,10 +141,15 @@ class MegatronTrainer:
         folder = Path(load_dir) / tag
         state = json.loads((folder / TRAIN_STATE).read_text())
         with cuda_calls_on_cpu():
+            self._create_optimizer_states()
+            for optimizer in self._distributed_optimizers():
+                _keep_step_on_load(optimizer)
             loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(folder))
-            for key, chunk in zip(self._model_keys(), self.model):
-                chunk.load_state_dict(loaded[key])
+            for key, module in zip(self._model_keys(), self.modules):
+                module.load_state_dict(loaded[key])
             self.optimizer.load_state_dict(loaded["optimizer"])
+            for optimizer in self._distributed_optimizers():
+                _own_step_tensors(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         return str(folder), state["client"]
 
@@ -174,14 +179,33 @@ class MegatronTrainer:
             raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
         return float(total[0] / total[1])
 
+    def _create_optimizer_states(self) -> None:
+        """Give a fresh distributed optimizer its states (and step count) before a load fills them.
+
+        Note [Loading into a fresh optimizer]: torch's Adam creates its states at the first step,
+        and Megatron's ``DistributedOptimizer.state_dict`` (which the sharded state dict of a load
+        starts from) needs them, step count included. Megatron's own remedy, a step on zero
+        gradients (``_init_optimizer_states_with_dummy_values``), is what Megatron runs for its
+        other formats; the values it leaves are all overwritten by the load.
+        """
+        for optimizer in self._distributed_optimizers():
+            if not optimizer.optimizer.state:
+                optimizer._init_optimizer_states_with_dummy_values()
+
+    def _distributed_optimizers(self) -> list[Any]:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [optimizer for optimizer in chained if isinstance(optimizer, DistributedOptimizer)]
+
     def _model_keys(self) -> list[str]:
         return ["model"] if len(self.model) == 1 else [f"model{i}" for i in range(len(self.model))]
 
     def _sharded_state(self, *, is_loading: bool) -> dict[str, Any]:
         """Megatron's sharded state dict of this rank: model chunk(s) and optimizer (model-space shards)."""
-        state: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in zip(self._model_keys(), self.model)}
+        state: dict[str, Any] = {key: module.sharded_state_dict() for key, module in zip(self._model_keys(), self.modules)}
         state["optimizer"] = self.optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"})
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         return state
 
 
@@ -191,3 +215,36 @@ def _summed_loss(loss_mask: torch.Tensor, per_token: torch.Tensor) -> tuple[torc
     local = masked_loss(per_token, mask)
     count = mask.sum().to(torch.int)
     return local, count, {"lm loss": torch.stack([local.detach(), count.float()])}
+
+
+def _keep_step_on_load(optimizer: Any) -> None:
+    """Let ``optimizer`` (a DistributedOptimizer over torch's Adam) load a ``fully_reshardable`` state.
+
+    Note [The step of torch's Adam on load]: with torch's Adam (no Transformer Engine or Apex, as on
+    CPU) every parameter's state holds a ``step`` tensor, which Adam's bias correction reads and
+    each step increments in place. Megatron's load goes wrong twice there:
+
+    * it sets the step from the saved param groups, then copies each parameter's saved tensors into
+      *every* key of its state, ``step`` included, which the saved tensors leave out on purpose: a
+      KeyError. Here the copy of ``step`` is given the value just set, so it copies onto itself;
+    * it gives every parameter *the same* step tensor, so the next optimizer step increments it once
+      per parameter and the bias correction is wrong from then on (the ranks' steps then also
+      disagree at the next save). :func:`_own_step_tensors` gives each parameter its own copy.
+    """
+    original = optimizer._set_main_param_and_optimizer_states
+
+    def set_states(model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
+        group, order = optimizer.model_param_group_index_map[model_param]
+        state = optimizer.optimizer.state[optimizer.optimizer.param_groups[group]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        original(model_param, tensors)
+
+    optimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _own_step_tensors(optimizer: Any) -> None:
+    """Give every parameter of ``optimizer`` its own ``step`` tensor (Note [The step of torch's Adam on load])."""
+    for state in optimizer.optimizer.state.values():
+        if "step" in state:
+            state["step"] = state["step"].clone()

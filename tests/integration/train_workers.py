@@ -7,6 +7,7 @@ compare: per-step losses, and the full (TP-gathered) fp32 weights on rank 0.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,12 +71,26 @@ def scoped_groups() -> Iterator[None]:
         gc.collect()  # a group's threads end when its last reference (often in a cycle) is gone
 
 
+@contextmanager
+def children_allowed() -> Iterator[None]:
+    """Let this (daemonic) pool worker start processes inside the block: Megatron's
+    ``dist_checkpointing`` writes through a spawned queue manager and forked writers, which a
+    launcher's ranks (not daemonic) may start and a daemonic process may not."""
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon
+
+
 def run_config(raw: dict[str, Any], base_dir: str, *, weights: bool = True) -> dict[str, Any]:
     """Train ``raw`` to its last step on this rank; ``{"losses", "start_step", "weights"}``.
 
     ``weights`` (rank 0 only, else None) are the full model weights after the last step.
     """
-    with scoped_groups():
+    with scoped_groups(), children_allowed():
         return _run_config(raw, base_dir, weights=weights)
 
 
