@@ -1,0 +1,65 @@
+"""The longest sequence that fits: doubling, then bisection, over multiples of a unit (pure).
+
+Assumes that whether a length fits is monotone (what fits at ``n`` fits at every shorter length),
+which holds for memory that grows with the sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class LengthSearch:
+    """The result: ``longest`` (0 when not even one unit fits), the trials in order as
+    ``(length, fits)``, and ``at_ceiling`` when ``ceiling`` itself fits (the true limit may be longer)."""
+
+    longest: int = 0
+    trials: list[tuple[int, bool]] = field(default_factory=list)
+    at_ceiling: bool = False
+
+
+def longest_fitting(fits: Callable[[int], bool], *, unit: int, start: int, ceiling: int) -> LengthSearch:
+    """The longest multiple of ``unit`` up to ``ceiling`` for which ``fits(length)`` is true.
+
+    From ``start`` (a multiple of ``unit``) the length doubles while it fits (halves while it does not),
+    then the gap between the longest fitting and the shortest failing length is bisected down to one
+    unit: about ``log2(limit / start) + log2(limit / unit)`` calls.
+    """
+    for name, value in (("unit", unit), ("start", start), ("ceiling", ceiling)):
+        if value < 1 or value % unit:
+            raise ValueError(f"{name} = {value}: must be a positive multiple of unit = {unit}")
+    if start > ceiling:
+        raise ValueError(f"start = {start} is above ceiling = {ceiling}")
+    search = LengthSearch()
+
+    def trial(units: int) -> bool:
+        ok = fits(units * unit)
+        search.trials.append((units * unit, ok))
+        return ok
+
+    top = ceiling // unit
+    lo, hi = 0, start // unit  # lo fits (0: none known), hi fails (unless lo == top)
+    if trial(hi):
+        lo = hi
+        while lo < top:
+            n = min(2 * lo, top)
+            if not trial(n):
+                hi = n
+                break
+            lo = n
+    else:
+        while hi > 1:
+            n = hi // 2
+            if trial(n):
+                lo = n
+                break
+            hi = n
+    while lo < top and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if trial(mid):
+            lo = mid
+        else:
+            hi = mid
+    search.longest, search.at_ceiling = lo * unit, lo == top
+    return search
