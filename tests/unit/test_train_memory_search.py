@@ -30,7 +30,7 @@ def test_search_finds_the_longest_multiple_of_the_unit(boundary, start):
     assert not search.at_ceiling
     assert [length for length, _ in search.trials] == calls
     assert all(ok == (length <= boundary) for length, ok in search.trials)
-    assert len(calls) <= 2 * math.log2((1 << 16) / 8) + 2
+    assert len(calls) <= 2 * math.log2(abs(boundary - start) / 8 + 1) + 3
     assert len(set(calls)) == len(calls), "no length is tried twice"
 
 
@@ -38,14 +38,21 @@ def test_search_reports_zero_when_not_one_unit_fits():
     fits, calls = _limit(5)
     search = longest_fitting(fits, unit=8, start=64, ceiling=1024)
     assert (search.longest, search.at_ceiling) == (0, False)
-    assert calls == [64, 32, 16, 8]
+    assert calls == [64, 56, 48, 32, 8]
 
 
 def test_search_stops_at_the_ceiling():
     fits, calls = _limit(10 ** 9)
     search = longest_fitting(fits, unit=8, start=64, ceiling=1000)
     assert (search.longest, search.at_ceiling) == (1000, True)
-    assert calls == [64, 128, 256, 512, 1000]
+    assert calls == [64, 72, 80, 96, 128, 192, 320, 576, 1000]
+
+
+@pytest.mark.parametrize("start, calls", [(2560, [2560, 2568]), (2568, [2568, 2560]), (2576, [2576, 2568, 2560])])
+def test_a_start_near_the_limit_costs_a_few_calls(start, calls):
+    fits, made = _limit(2563)
+    assert longest_fitting(fits, unit=8, start=start, ceiling=1 << 16).longest == 2560
+    assert made == calls
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,7 +1,9 @@
-"""The longest sequence that fits: doubling, then bisection, over multiples of a unit (pure).
+"""The longest sequence that fits: a galloping search (steps doubling away from a start), then bisection,
+over multiples of a unit (pure).
 
 Assumes that whether a length fits is monotone (what fits at ``n`` fits at every shorter length),
-which holds for memory that grows with the sequence.
+which holds for memory that grows with the sequence. A start near the limit (a prediction) costs a
+few calls; a start far from it about ``2 * log2(distance / unit)``.
 """
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ class LengthSearch:
 def longest_fitting(fits: Callable[[int], bool], *, unit: int, start: int, ceiling: int) -> LengthSearch:
     """The longest multiple of ``unit`` up to ``ceiling`` for which ``fits(length)`` is true.
 
-    From ``start`` (a multiple of ``unit``) the length doubles while it fits (halves while it does not),
-    then the gap between the longest fitting and the shortest failing length is bisected down to one
-    unit: about ``log2(limit / start) + log2(limit / unit)`` calls.
+    From ``start`` (a multiple of ``unit``) the length moves up while it fits (down while it does not)
+    by steps of 1, 2, 4, ... units, then the gap between the longest fitting and the shortest failing
+    length is bisected down to one unit.
     """
     for name, value in (("unit", unit), ("start", start), ("ceiling", ceiling)):
         if value < 1 or value % unit:
@@ -38,24 +40,25 @@ def longest_fitting(fits: Callable[[int], bool], *, unit: int, start: int, ceili
         search.trials.append((units * unit, ok))
         return ok
 
-    top = ceiling // unit
-    lo, hi = 0, start // unit  # lo fits (0: none known), hi fails (unless lo == top)
-    if trial(hi):
-        lo = hi
+    first, top = start // unit, ceiling // unit
+    lo, hi = 0, top + 1  # lo fits (0: none known), hi fails (top + 1: none known)
+    if trial(first):
+        lo, step = first, 1
         while lo < top:
-            n = min(2 * lo, top)
+            n = min(first + step, top)
             if not trial(n):
                 hi = n
                 break
-            lo = n
+            lo, step = n, 2 * step
     else:
+        hi, step = first, 1
         while hi > 1:
-            n = hi // 2
+            n = max(first - step, 1)
             if trial(n):
                 lo = n
                 break
-            hi = n
-    while lo < top and hi - lo > 1:
+            hi, step = n, 2 * step
+    while hi - lo > 1 and lo < top:
         mid = (lo + hi) // 2
         if trial(mid):
             lo = mid

@@ -10,8 +10,10 @@ after the optimizer step, so it counts, at every cp alike: the weights, their gr
 states, the activations autograd saves, the logits ``[s_local, b, vocab]`` and the loss's temporaries,
 the ring's K/V buffers and dK/dV outboxes, gloo's send/receive copies, and the allocator's rounding.
 It does not count what the process holds before the trial: the interpreter, torch, megatron-core,
-the process groups and one-time initialisations (a warm-up trial runs first in every pool, so code
-pages and lazily built state of the first step are part of that baseline, not of a trial).
+the process groups and one-time initialisations (every trial runs in fresh processes after a warm-up
+step at one unit, so code pages and lazily built state of a first step are part of that baseline:
+Note [A fresh pool per trial] in perf/bench/train_memory.py). The input batch (int64 ids, labels and
+positions, 24 bytes per local token) is made before the window.
 
 The cap is checked against the exact peak after the step rather than enforced while it runs: a
 trial whose peak exceeds it runs to the end and is then rejected (:class:`MemoryCapExceeded`), as a

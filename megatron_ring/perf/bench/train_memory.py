@@ -6,10 +6,18 @@ set per trial) for one step: forward, backward, the gradient all-reduce over CP 
 whose states already exist (:mod:`~megatron_ring.perf.bench.train_memory_worker`). A trial fits when
 no rank's peak exceeds the cap (Note [What the cap counts] in perf/bench/memory_cap.py); the
 longest fitting length is searched by doubling, then bisection, over multiples of ``--unit``
-(:mod:`~megatron_ring.perf.bench.length_search`), each cp starting from the previous cp's limit.
+(:mod:`~megatron_ring.perf.bench.length_search`), each cp starting from the previous cp's limit
+scaled linearly (a prediction; the search finds the limit from any start).
 
-Every trial runs in the pool's processes with the high-water mark reset before it; the first
-trial of every pool (one unit, not counted) takes the one-time initialisations into the baseline.
+Note [A fresh pool per trial]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every trial runs in new processes: a warm-up step at one unit (not measured) takes the one-time
+initialisations (code pages, lazily built state) into the baseline, then the measured step. A
+process that has already trained a longer sequence keeps some anonymous memory that grows with
+the length (8 MiB after one step at 2560 tokens on this model: kernel scratch, caches) and a
+later, shorter trial in it would reuse that memory unseen: measured in one process, the same
+trial read 257 MiB first and 252 MiB after. A pool per trial makes every trial independent of the
+search's history, at the cost of a process start (megatron-core's import) per trial.
 A rank that fails or outlives ``--trial-timeout-s`` stops the benchmark, its pool killed.
 """
 from __future__ import annotations
@@ -63,30 +71,38 @@ def run_train_memory(model_data: dict[str, Any], *, cps: Sequence[int], cap_byte
     points: list[dict[str, Any]] = []
     for cp in sorted(cps):
         trials: list[dict[str, Any]] = []
-        with GlooPool(cp, timeout_s=trial_timeout_s) as pool:
-            pool.run(train_step_peak, model_data, unit, seed)  # warm-up: one-time initialisations join the baseline
 
-            def fits(seq_len: int) -> bool:
-                t0 = time.perf_counter()
+        def fits(seq_len: int) -> bool:
+            t0 = time.perf_counter()
+            with GlooPool(cp, timeout_s=trial_timeout_s) as pool:  # Note [A fresh pool per trial]
+                pool.run(train_step_peak, model_data, unit, seed)
                 ranks = pool.run(train_step_peak, model_data, seq_len, seed)
-                peaks = [r["peak_bytes"] for r in ranks]
-                trial = {"seq_len": seq_len, "peak_bytes_per_rank": peaks, "seconds": time.perf_counter() - t0,
-                         **{k: ranks[0][k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")}}
-                try:
-                    check_cap(peaks, cap_bytes, seq_len=seq_len, cp=cp)
-                    trial["fits"] = True
-                except MemoryCapExceeded as err:
-                    trial.update(fits=False, over_cap=str(err))
-                trials.append(trial)
-                progress(f"cp {cp}  seq_len {seq_len:>7}  peak {max(peaks) / MIB:7.1f} MiB  "
-                         f"{'fits' if trial['fits'] else 'over the cap'}  ({trial['seconds']:.1f} s)")
-                return trial["fits"]
+            peaks = [r["peak_bytes"] for r in ranks]
+            trial = {"seq_len": seq_len, "peak_bytes_per_rank": peaks, "seconds": time.perf_counter() - t0,
+                     **{k: ranks[0][k] for k in ("weights_bytes", "grads_bytes", "optimizer_bytes")}}
+            try:
+                check_cap(peaks, cap_bytes, seq_len=seq_len, cp=cp)
+                trial["fits"] = True
+            except MemoryCapExceeded as err:
+                trial.update(fits=False, over_cap=str(err))
+            trials.append(trial)
+            progress(f"cp {cp}  seq_len {seq_len:>7}  peak {max(peaks) / MIB:7.1f} MiB  "
+                     f"{'fits' if trial['fits'] else 'over the cap'}  ({trial['seconds']:.1f} s with the start)")
+            return trial["fits"]
 
-            first = min(max(start, points[-1]["longest_seq_len"] if points else start), ceiling)
-            search = longest_fitting(fits, unit=unit, start=first, ceiling=ceiling)
+        search = longest_fitting(fits, unit=unit, start=_first_length(points, cp, unit, start, ceiling),
+                                 ceiling=ceiling)
         points.append(_point(cp, search, trials))
     _add_ratios(points)
     return points
+
+
+def _first_length(points: Sequence[dict[str, Any]], cp: int, unit: int, start: int, ceiling: int) -> int:
+    """``start`` for the first cp; after it the previous cp's limit times the growth of cp, in whole units."""
+    if not points or not points[-1]["longest_seq_len"]:
+        return start
+    predicted = points[-1]["longest_seq_len"] * cp // points[-1]["cp"] // unit * unit
+    return min(max(predicted, unit), ceiling)
 
 
 def _point(cp: int, search: LengthSearch, trials: list[dict[str, Any]]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from matplotlib.figure import Figure
 from megatron_ring.perf.bench.memory_cap import MIB
 
 TABLE_COLUMNS = ["cp", "longest seq_len", "ratio to first cp", "ratio per doubling", "peak per rank (MiB)",
-                 "weights + grads + AdamW (MiB)", "rest: activations, logits, ring (MiB)", "trials"]
+                 "weights + grads + AdamW (MiB)", "rest: activations, logits, ring (MiB)", "rest per local token (KiB)",
+                 "trials"]
 
 
 def _mib(n: int | None) -> str:
@@ -22,14 +23,16 @@ def _ratio(r: float | None) -> str:
 
 
 def table_rows(points: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """One row per cp: its longest length (``>=`` at the ceiling), ratios, peak and its static part."""
+    """One row per cp: its longest length (``>=`` at the ceiling), ratios, peak, its static part (weights,
+    gradients, AdamW states: the same at every cp) and the rest, also per local token (``seq_len / cp``)."""
     rows = []
     for p in points:
         static = None if p["peak_bytes"] is None else p["weights_bytes"] + p["grads_bytes"] + p["optimizer_bytes"]
         rest = None if static is None else p["peak_bytes"] - static
         rows.append([p["cp"], (">= " if p["at_ceiling"] else "") + str(p["longest_seq_len"]),
                      _ratio(p["ratio_to_first"]), _ratio(p["ratio_per_doubling"]), _mib(p["peak_bytes"]),
-                     _mib(static), _mib(rest), len(p["trials"])])
+                     _mib(static), _mib(rest), "-" if rest is None else f"{rest * p['cp'] / p['longest_seq_len'] / 1024:.1f}",
+                     len(p["trials"])])
     return rows
 
 
