@@ -21,7 +21,8 @@ SEARCH = {"unit": 16, "start": 32, "ceiling": 64, "trial_timeout_s": 120.0, "pro
 def test_a_generous_cap_trains_to_the_ceiling_at_cp_1_and_2():
     points = run_train_memory(TINY, cps=[2, 1], cap_bytes=1 << 30, **SEARCH)
     assert [p["cp"] for p in points] == [1, 2]
-    assert [[t["seq_len"] for t in p["trials"]] for p in points] == [[32, 48, 64], [64]], "cp 2 starts at twice cp 1's limit, capped"
+    trials = [[t["seq_len"] for t in p["trials"]] for p in points]
+    assert trials == [[32, 48, 64], [64]], "cp 2 starts at twice cp 1's limit, capped at the ceiling"
     for p in points:
         assert (p["longest_seq_len"], p["at_ceiling"]) == (64, True)
         assert all(t["fits"] and len(t["peak_bytes_per_rank"]) == p["cp"] for t in p["trials"])

@@ -40,7 +40,8 @@ class MemoryCapExceeded(RuntimeError):
 def check_cap_bytes(cap_bytes: int) -> int:
     """``cap_bytes`` if it is a positive integer, else ValueError naming the field and what is allowed."""
     if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes <= 0:
-        raise ValueError(f"cap_bytes = {cap_bytes!r}: the memory cap per process must be a positive number of bytes")
+        raise ValueError(f"cap_bytes = {cap_bytes!r}: the memory cap per process must be a positive number "
+                         "of bytes")
     return cap_bytes
 
 

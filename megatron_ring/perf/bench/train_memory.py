@@ -47,8 +47,9 @@ def check_plan(model_data: dict[str, Any], *, cps: Sequence[int], unit: int, sta
         raise ValueError(f"cp = {list(cps)}: give distinct positive CP sizes")
     for cp in cps:
         if unit % (2 * cp):
+            allowed = math.lcm(*(2 * c for c in cps))
             raise ValueError(f"unit = {unit} is not divisible by 2 * cp = {2 * cp} for cp = {cp} (zigzag sharding: "
-                             f"every tried seq_len is a multiple of unit); use a multiple of {math.lcm(*(2 * c for c in cps))}")
+                             f"every tried seq_len is a multiple of unit); use a multiple of {allowed}")
     for name, value in (("start", start), ("ceiling", ceiling)):
         if value % unit or value < unit:
             raise ValueError(f"{name} = {value} is not a positive multiple of unit = {unit}")

@@ -29,9 +29,10 @@ def table_rows(points: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     for p in points:
         static = None if p["peak_bytes"] is None else p["weights_bytes"] + p["grads_bytes"] + p["optimizer_bytes"]
         rest = None if static is None else p["peak_bytes"] - static
+        local_tokens = p["longest_seq_len"] // p["cp"]
         rows.append([p["cp"], (">= " if p["at_ceiling"] else "") + str(p["longest_seq_len"]),
                      _ratio(p["ratio_to_first"]), _ratio(p["ratio_per_doubling"]), _mib(p["peak_bytes"]),
-                     _mib(static), _mib(rest), "-" if rest is None else f"{rest * p['cp'] / p['longest_seq_len'] / 1024:.1f}",
+                     _mib(static), _mib(rest), "-" if rest is None else f"{rest / local_tokens / 1024:.1f}",
                      len(p["trials"])])
     return rows
 
