@@ -94,6 +94,7 @@ def test_cap_must_be_positive_bytes(cap):
     (["--model", "configs/megatron/tiny_local.yaml", "--cp", "1", "2"],
      "attention = 'local' (Megatron's DotProductAttention) needs parallel.cp = 1, got cp = 2"),
     (["--model", "no/such.yaml"], "config 'no/such.yaml' not found"),
+    (["--replot"], "train_memory.json' does not exist; run without --replot first"),
 ])
 def test_bad_flags_stop_before_any_work(argv, message, capsys, tmp_path):
     pytest.importorskip("pydantic")
@@ -105,3 +106,32 @@ def test_bad_flags_stop_before_any_work(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "megatron-ring bench train-memory: error:" in err and message in err, err
     assert not any(tmp_path.iterdir()), "nothing written"
+
+
+def _trial(seq_len: int, cp: int, peak: int, fits: bool) -> dict:
+    return {"seq_len": seq_len, "peak_bytes_per_rank": [peak] * cp, "fits": fits, "seconds": 1.0,
+            "weights_bytes": 10, "grads_bytes": 10, "optimizer_bytes": 20}
+
+
+def test_replot_draws_and_tabulates_a_stored_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from megatron_ring.perf.bench.train_memory import _add_ratios
+    from megatron_ring.perf.bench.train_memory_report import table_rows
+    from megatron_ring.runtime.reporting import write_json_atomic
+
+    points = [{"cp": cp, "longest_seq_len": longest, "at_ceiling": False, "peak_bytes": 1000 * 1024,
+               "weights_bytes": 10, "grads_bytes": 10, "optimizer_bytes": 20,
+               "trials": [_trial(longest, cp, 1000 * 1024, True), _trial(longest + 64, cp, 1100 * 1024, False)]}
+              for cp, longest in ((1, 256), (2, 448), (4, 1024))]
+    _add_ratios(points)
+    assert [p["ratio_to_first"] for p in points] == [1.0, 1.75, 4.0]
+    assert [p["ratio_per_doubling"] for p in points] == [None, 1.75, 1024 / 448]
+    rows = table_rows(points)
+    assert [row[:4] for row in rows] == [[1, "256", "1.00x", "-"], [2, "448", "1.75x", "1.75x"],
+                                         [4, "1024", "4.00x", "2.29x"]]
+    assert rows[0][7] == f"{(1000 * 1024 - 40) / 256 / 1024:.1f}", "the rest per local token, in KiB"
+    result = {"model_config": "configs/megatron/x.yaml", "dtype": "fp32", "cap_bytes": 1024 * 1024,
+              "machine": {"cpu": "cpu", "cores": 2}, "load_1_5_15_start": [0.0, 0.0, 0.0], "points": points}
+    write_json_atomic(tmp_path / "train_memory.json", result)
+    assert main(["bench", "train-memory", "--replot", "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "train_memory.png").stat().st_size > 0

@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trial-timeout-s", type=positive_float, default=300.0, help="per trial; the ranks are killed")
     ap.add_argument("--out-dir", default="results/train_memory", help="train_memory.json and train_memory.png")
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: the table and the plot again from --out-dir's train_memory.json")
     return ap
 
 
@@ -147,12 +149,16 @@ def bench_train_memory_main(argv: list[str] | None = None) -> int:
     from megatron_ring.config.shipped import find_config
     from megatron_ring.config.strict import load_mapping
     from megatron_ring.perf.bench.harness import machine_description
-    from megatron_ring.perf.bench.train_memory_report import TABLE_COLUMNS, plot_train_memory, table_rows
-    from megatron_ring.perf.report import print_table
     from megatron_ring.runtime.reporting import write_json_atomic
 
     parser = _parser()
     args = parser.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    if args.replot:
+        stored = out_dir / "train_memory.json"
+        if not stored.is_file():
+            return usage_error(parser.prog, f"--replot: {str(stored)!r} does not exist; run without --replot first")
+        return _report(load_mapping(stored), out_dir)
     cap_bytes = int(args.cap_mib * MIB)
     problem = output_problem({"--out-dir": (args.out_dir, True)})
     if problem is not None:
@@ -167,7 +173,6 @@ def bench_train_memory_main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     points = run_train_memory(model_data, cps=args.cps, cap_bytes=cap_bytes, unit=args.unit, start=args.start,
                               ceiling=args.ceiling, seed=args.seed, trial_timeout_s=args.trial_timeout_s)
-    out_dir = Path(args.out_dir)
     result = {"argv": argv if argv is not None else [], "model_config": str(args.model),
               "model": model_data.get("model"), "dtype": model_data.get("dtype"),
               "attention": model_data.get("attention"), "cap_bytes": cap_bytes, "unit": args.unit,
@@ -177,8 +182,17 @@ def bench_train_memory_main(argv: list[str] | None = None) -> int:
               "machine": machine_description(), "load_1_5_15_start": list(load_start),
               "load_1_5_15_end": list(os.getloadavg()), "points": points}
     write_json_atomic(out_dir / "train_memory.json", result)
+    return _report(result, out_dir)
+
+
+def _report(result: dict[str, Any], out_dir: Path) -> int:
+    """Plot ``result`` to ``out_dir/train_memory.png`` and print its table."""
+    from megatron_ring.perf.bench.train_memory_report import TABLE_COLUMNS, plot_train_memory, table_rows
+    from megatron_ring.perf.report import print_table
+
     plot = plot_train_memory(result, out_dir / "train_memory.png")
-    print_table(f"longest trainable seq_len per rank under a {args.cap_mib:g} MiB cap ({Path(args.model).name}, "
-                f"{result['dtype']})", TABLE_COLUMNS, table_rows(points))
+    title = (f"longest trainable seq_len per rank under a {result['cap_bytes'] / MIB:g} MiB cap "
+             f"({Path(result['model_config']).name}, {result['dtype']})")
+    print_table(title, TABLE_COLUMNS, table_rows(result["points"]))
     print(f"wrote {out_dir / 'train_memory.json'} and {plot}")
     return 0

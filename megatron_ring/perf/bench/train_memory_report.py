@@ -39,7 +39,7 @@ def table_rows(points: Sequence[Mapping[str, Any]]) -> list[list[str]]:
 
 def plot_train_memory(result: Mapping[str, Any], path: Path) -> Path:
     """Two panels: (a) the longest length by cp against linear growth from the first cp; (b) every
-    trial's peak per rank against its length, the cap as a line. Written as PNG to ``path``."""
+    trial's peak per rank against the rank's tokens (``seq_len / cp``), the cap as a line. PNG at ``path``."""
     points = result["points"]
     cap = result["cap_bytes"] / MIB
     load = ", ".join(f"{x:.1f}" for x in result["load_1_5_15_start"])
@@ -65,16 +65,15 @@ def plot_train_memory(result: Mapping[str, Any], path: Path) -> Path:
     ax.legend(fontsize=8)
     for i, p in enumerate(points):
         trials = sorted(p["trials"], key=lambda t: t["seq_len"])
-        trials_ax.plot([t["seq_len"] for t in trials], [max(t["peak_bytes_per_rank"]) / MIB for t in trials],
+        trials_ax.plot([t["seq_len"] // p["cp"] for t in trials], [max(t["peak_bytes_per_rank"]) / MIB for t in trials],
                        marker="o", color=f"C{i % 10}", label=f"cp {p['cp']}")
         over = [t for t in trials if not t["fits"]]
-        trials_ax.scatter([t["seq_len"] for t in over], [max(t["peak_bytes_per_rank"]) / MIB for t in over],
+        trials_ax.scatter([t["seq_len"] // p["cp"] for t in over], [max(t["peak_bytes_per_rank"]) / MIB for t in over],
                           marker="x", s=80, color="black", zorder=3, label="over the cap" if i == 0 else None)
     trials_ax.axhline(cap, color="red", linestyle=":", label=f"cap {cap:g} MiB")
-    trials_ax.set_xscale("log", base=2)
-    trials_ax.set_xlabel("seq_len (tokens, global)")
+    trials_ax.set_xlabel("tokens of one rank (seq_len / cp)")
     trials_ax.set_ylabel("peak per rank, max over ranks (MiB)")
-    trials_ax.set_title("(b) every trial of the search", fontsize=9)
+    trials_ax.set_title("(b) every trial of the search: peak per rank vs the rank's tokens", fontsize=9)
     trials_ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
