@@ -1,13 +1,13 @@
 """``megatron-ring bench train-memory``: the longest sequence one rank can train under a fixed memory cap, by cp.
 
-For each cp one gloo pool of cp processes (tp = pp = dp = 1) trains the same Megatron GPT (a
+In each trial a gloo pool of cp processes (tp = pp = dp = 1) trains the same Megatron GPT (a
 ``configs/megatron`` YAML, its dtype and attention as shipped, ``parallel.cp`` and ``seq_length``
 set per trial) for one step: forward, backward, the gradient all-reduce over CP and an AdamW step
 whose states already exist (:mod:`~megatron_ring.perf.bench.train_memory_worker`). A trial fits when
 no rank's peak exceeds the cap (Note [What the cap counts] in perf/bench/memory_cap.py); the
-longest fitting length is searched by doubling, then bisection, over multiples of ``--unit``
-(:mod:`~megatron_ring.perf.bench.length_search`), each cp starting from the previous cp's limit
-scaled linearly (a prediction; the search finds the limit from any start).
+longest fitting length is searched with steps doubling away from a start, then bisection, over
+multiples of ``--unit`` (:mod:`~megatron_ring.perf.bench.length_search`), each cp starting from the
+previous cp's limit scaled linearly (a prediction; the search finds the limit from any start).
 
 Note [A fresh pool per trial]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -18,7 +18,8 @@ the length (8 MiB after one step at 2560 tokens on this model: kernel scratch, c
 later, shorter trial in it would reuse that memory unseen: measured in one process, the same
 trial read 257 MiB first and 252 MiB after. A pool per trial makes every trial independent of the
 search's history, at the cost of a process start (megatron-core's import) per trial.
-A rank that fails or outlives ``--trial-timeout-s`` stops the benchmark, its pool killed.
+A rank that fails, or whose warm-up or measured step outlives ``--trial-timeout-s``, stops the
+benchmark, its pool killed.
 """
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--start", type=positive_int, default=1024, help="first length tried at the smallest cp")
     ap.add_argument("--ceiling", type=positive_int, default=1 << 17, help="longest length tried")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trial-timeout-s", type=positive_float, default=300.0, help="per trial; the ranks are killed")
+    ap.add_argument("--trial-timeout-s", type=positive_float, default=300.0,
+                    help="per step (the warm-up and the measured one); past it the ranks are killed")
     ap.add_argument("--out-dir", default="results/train_memory", help="train_memory.json and train_memory.png")
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: the table and the plot again from --out-dir's train_memory.json")
