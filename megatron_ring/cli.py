@@ -39,6 +39,8 @@ BENCHES: dict[str, tuple[str, str, str]] = {
                  "relative error of ring attention against float64, by ring size and dtype"),
     "compile": ("megatron_ring.perf.bench.compile", "bench_compile_main",
                 "an attention layer with the ring (prefill, training step, decode step), eager vs torch.compile"),
+    "train-memory": ("megatron_ring.perf.bench.train_memory", "bench_train_memory_main",
+                     "the longest sequence a Megatron GPT trains under a fixed memory cap per process, by cp"),
 }
 
 

@@ -1,0 +1,48 @@
+"""bench train-memory on real gloo ranks: a tiny Megatron GPT trains under a generous cap, a tiny cap
+rejects every length cleanly, and a rank past the trial timeout stops the run with its pool killed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megatron_ring.config import load_mapping  # noqa: E402
+from megatron_ring.perf.bench.train_memory import run_train_memory  # noqa: E402
+from megatron_ring.runtime.pool import WorkerError  # noqa: E402
+
+pytestmark = pytest.mark.integration
+TINY = load_mapping(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "tiny_ring_cp2.yaml")
+SEARCH = {"unit": 16, "start": 32, "ceiling": 64, "trial_timeout_s": 120.0, "progress": lambda line: None}
+
+
+@pytest.mark.timeout(400)
+def test_a_generous_cap_trains_to_the_ceiling_at_cp_1_and_2():
+    points = run_train_memory(TINY, cps=[2, 1], cap_bytes=1 << 30, **SEARCH)
+    assert [p["cp"] for p in points] == [1, 2]
+    trials = [[t["seq_len"] for t in p["trials"]] for p in points]
+    assert trials == [[32, 48, 64], [64]], "cp 2 starts at twice cp 1's limit, capped at the ceiling"
+    for p in points:
+        assert (p["longest_seq_len"], p["at_ceiling"]) == (64, True)
+        assert all(t["fits"] and len(t["peak_bytes_per_rank"]) == p["cp"] for t in p["trials"])
+        assert 0 < p["weights_bytes"] == p["grads_bytes"] < p["peak_bytes"]
+        assert p["optimizer_bytes"] >= 2 * p["weights_bytes"], "AdamW's two moments exist during the step"
+    assert (points[1]["ratio_to_first"], points[1]["ratio_per_doubling"]) == (1.0, 1.0)
+
+
+@pytest.mark.timeout(300)
+def test_a_tiny_cap_rejects_every_length_and_names_the_rank():
+    (point,) = run_train_memory(TINY, cps=[2], cap_bytes=1, **SEARCH)
+    assert (point["longest_seq_len"], point["peak_bytes"]) == (0, None)
+    assert [t["seq_len"] for t in point["trials"]] == [32, 16]
+    for trial in point["trials"]:
+        assert not trial["fits"]
+        assert trial["over_cap"].startswith("rank ") and "exceeds the cap of 1 bytes" in trial["over_cap"]
+        assert f"seq_len = {trial['seq_len']}" in trial["over_cap"]
+
+
+@pytest.mark.timeout(120)
+def test_a_trial_past_its_timeout_stops_the_run():
+    with pytest.raises(WorkerError, match="timed out after 1s"):
+        run_train_memory(TINY, cps=[2], cap_bytes=1 << 30, **{**SEARCH, "trial_timeout_s": 1.0})
