@@ -22,6 +22,7 @@ from megatron_ring.training.checkpoint import COMPLETE, check_resume, latest_che
 from megatron_ring.training.loop import EXIT_CONFIG, train_main  # noqa: E402
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU  # noqa: E402
 from megatron_ring.training.schema import load_train_spec, parse_train_spec  # noqa: E402
+from tests.integration.train_workers import changed  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -42,19 +43,6 @@ def test_shipped_configs_are_valid(path: Path) -> None:
     spec = load_train_spec(path, world_size=4)
     assert spec.global_batch == spec.micro_batch * spec.grad_accum * spec.layout.dp
     assert spec.model.model.seq_length == spec.train.seq_len and spec.model.attention == "ring"
-
-
-def _change(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
-    raw = copy.deepcopy(raw)
-    *path, key = dotted.split(".")
-    target = raw
-    for part in path:
-        target = target[part]
-    if value is None:
-        del target[key]
-    else:
-        target[key] = value
-    return raw
 
 
 BAD = {
@@ -107,7 +95,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_config_names_the_field(case: str) -> None:
     dotted, value, needles = BAD[case]
-    raw = _change(good(), dotted, value)
+    raw = changed(good(), dotted, value)
     world = 3 if case == "heads vs tp" else 4
     if case == "heads vs tp":
         raw["train_batch_size"] = 4  # dp = 1
@@ -118,7 +106,7 @@ def test_bad_config_names_the_field(case: str) -> None:
 
 
 def test_train_main_stops_before_anything_starts(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
-    raw = _change(good(), "train_batch_size", 6)
+    raw = changed(good(), "train_batch_size", 6)
     raw["megatron_ring"]["model"] = str(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml")
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(raw))
@@ -198,12 +186,12 @@ def test_resume_refuses_other_data_or_batch(tmp_path: Path) -> None:
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    raw = _change(good(), "train_batch_size", 6)
-    raw = _change(raw, "megatron_ring.seq_len", 126)
-    raw = _change(raw, "gradient_clip", 1.0)
-    raw = _change(raw, "optimizer.type", "AdamWW")
-    raw = _change(raw, "zero_optimization.stage", 3)
-    raw = _change(raw, "bf16", {"enabled": True})
+    raw = changed(good(), "train_batch_size", 6)
+    raw = changed(raw, "megatron_ring.seq_len", 126)
+    raw = changed(raw, "gradient_clip", 1.0)
+    raw = changed(raw, "optimizer.type", "AdamWW")
+    raw = changed(raw, "zero_optimization.stage", 3)
+    raw = changed(raw, "bf16", {"enabled": True})
     with pytest.raises(ConfigError) as err:
         parse(raw)
     text = str(err.value)
@@ -216,16 +204,16 @@ def test_outputs_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     unwritable = "/proc/megatron_ring_no_such_dir/train.jsonl"  # no process can create it, root included
-    raw = _change(good(), "megatron_ring.checkpoint.dir", str(blocker / "ckpt"))
-    raw = _change(raw, "megatron_ring.log.jsonl", unwritable)
+    raw = changed(good(), "megatron_ring.checkpoint.dir", str(blocker / "ckpt"))
+    raw = changed(raw, "megatron_ring.log.jsonl", unwritable)
     with pytest.raises(ConfigError) as err:
         parse(raw)
     text = str(err.value)
     for needle in (f"megatron_ring.checkpoint.dir = '{blocker / 'ckpt'}': '{blocker}' is a file, not a directory",
                    f"megatron_ring.log.jsonl = '{unwritable}': cannot write in '/proc/megatron_ring_no_such_dir'"):
         assert needle in text, text
-    raw = _change(good(), "megatron_ring.checkpoint.dir", str(tmp_path / "ckpt"))
-    raw = _change(raw, "megatron_ring.log.jsonl", str(tmp_path / "logs" / "train.jsonl"))
+    raw = changed(good(), "megatron_ring.checkpoint.dir", str(tmp_path / "ckpt"))
+    raw = changed(raw, "megatron_ring.log.jsonl", str(tmp_path / "logs" / "train.jsonl"))
     parse(raw)
     assert not list((tmp_path / "ckpt").iterdir()) and not list((tmp_path / "logs").iterdir())
 
@@ -241,7 +229,7 @@ def test_malformed_files_exit_2_naming_file_and_line(tmp_path: Path, monkeypatch
     assert "bad.json" in err and "is not valid JSON" in err and "line " in err and "Traceback" not in err, err
     model = tmp_path / "model.yaml"
     model.write_text((ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml").read_text() + "\n  - [unclosed\n")
-    path.write_text(json.dumps(_change(good(), "megatron_ring.model", str(model))))
+    path.write_text(json.dumps(changed(good(), "megatron_ring.model", str(model))))
     assert train_main(["--deepspeed_config", str(path)]) == EXIT_CONFIG
     err = capsys.readouterr().err
     assert "model.yaml" in err and "is not valid YAML" in err and "line " in err, err
@@ -263,7 +251,7 @@ def test_infinity_in_the_file_exits_2_before_anything_starts(tmp_path: Path, mon
 
 def test_corpus_shorter_than_one_sample_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "tiny.txt").write_text("x" * 100)  # 101 tokens with the end of document
-    raw = _change(good(), "megatron_ring.data.paths", [str(tmp_path / "tiny.txt")])
+    raw = changed(good(), "megatron_ring.data.paths", [str(tmp_path / "tiny.txt")])
     with pytest.raises(ConfigError, match=r"hold 101 tokens \(1 files\), fewer than megatron_ring.seq_len \+ 1 = 129"):
         parse(raw)
     raw["megatron_ring"]["seq_len"] = 100
@@ -274,6 +262,6 @@ def test_attention_dropout_is_a_config_error(tmp_path: Path) -> None:
     model = load_mapping(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml")
     model["model"]["attention_dropout"] = 0.1
     (tmp_path / "m.json").write_text(json.dumps(model))
-    raw = _change(good(), "megatron_ring.model", str(tmp_path / "m.json"))
+    raw = changed(good(), "megatron_ring.model", str(tmp_path / "m.json"))
     with pytest.raises(ConfigError, match=r"model.attention_dropout = 0.1 .*allowed: 0.0"):
         parse(raw)

@@ -6,6 +6,7 @@ compare: per-step losses, and the full (TP-gathered) fp32 weights on rank 0.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import multiprocessing
 import os
@@ -18,6 +19,20 @@ import torch.distributed as dist
 
 from megatron_ring.training.loop import init_model_parallel, train
 from megatron_ring.training.schema import parse_train_spec
+
+
+def changed(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """A copy of config ``raw`` with the key at ``dotted`` (``a.b.c``) set to ``value`` (None: removed)."""
+    raw = copy.deepcopy(raw)
+    *path, key = dotted.split(".")
+    target = raw
+    for part in path:
+        target = target[part]
+    if value is None:
+        del target[key]
+    else:
+        target[key] = value
+    return raw
 
 
 def full_weights(module: torch.nn.Module, tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ otherwise: the buffers, bucket reductions, main-parameter shards and 1F1B schedu
 :func:`cuda_calls_on_cpu` runs such calls on a CPU-only process (the tests, this project's CPU
 runs): a ``TorchFunctionMode`` puts every tensor that asks for a CUDA device on the CPU, makes
 ``.cuda()`` return the tensor itself and reports a CPU tensor's ``type()`` under its CUDA name;
-``torch.cuda.current_device`` answers ``"cpu"`` and ``synchronize`` / ``empty_cache`` do nothing.
+``torch.cuda.current_device`` answers ``"cpu"``, ``synchronize`` / ``empty_cache`` do nothing and
+the CUDA generator's state (saved by activation recomputation) is an empty tensor.
 It changes no number: every op runs as written, on the CPU. The engine enters it around its calls
 into Megatron-core (construction, forward/backward, optimizer step, checkpointing) and only when
 CUDA is absent; on a GPU the context is empty and Megatron runs untouched. Outside it nothing is
@@ -59,24 +60,27 @@ class _CudaOnCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_CUDA_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "current_device": lambda: "cpu",
-    "synchronize": lambda *args, **kwargs: None,
-    "empty_cache": lambda: None,
-}
+_CUDA_FUNCTIONS: list[tuple[Any, str, Callable[..., Any]]] = [
+    (torch.cuda, "current_device", lambda: "cpu"),
+    (torch.cuda, "synchronize", lambda *args, **kwargs: None),
+    (torch.cuda, "empty_cache", lambda: None),
+    # activation recomputation saves the CUDA generator's state next to the CPU one (restoring it is
+    # a lazy call that never runs without CUDA): an empty state stands in
+    (torch.cuda.random, "get_rng_state", lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)),
+]
 
 
 @contextmanager
 def _cuda_calls_on_cpu() -> Iterator[None]:
-    saved = {name: getattr(torch.cuda, name) for name in _CUDA_FUNCTIONS}
-    for name, replacement in _CUDA_FUNCTIONS.items():
-        setattr(torch.cuda, name, replacement)
+    saved = [(module, name, getattr(module, name)) for module, name, _ in _CUDA_FUNCTIONS]
+    for module, name, replacement in _CUDA_FUNCTIONS:
+        setattr(module, name, replacement)
     try:
         with _CudaOnCpuMode():
             yield
     finally:
-        for name, original in saved.items():
-            setattr(torch.cuda, name, original)
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def cuda_calls_on_cpu() -> ContextManager[None]:

@@ -1,0 +1,156 @@
+"""``engine: megatron`` on gloo: Megatron-core's DDP, distributed optimizer and pipeline schedules
+train every layout like cp = 1, and a checkpoint resumes at another layout.
+
+Four CPU ranks train the same tiny GPT (every layout starts from the same weights, Note [Initial
+weights of any layout]) on the same global batch of real text with the distributed optimizer on:
+cp = 1 (Megatron's own attention, dp = 4) is the reference; ring attention at cp2·dp2, tp2·cp2 and
+pp2·cp2 (1F1B), and at pp2·cp2 with two virtual stages (interleaved 1F1B) and with full
+recomputation, must give the same per-step losses (1e-6 relative) and final weights. The resume
+tests save at one layout and continue at another; the losses must equal the run that never
+stopped. Workers: tests/integration/train_workers.py; the 4-rank pool is shared (tests/conftest.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megatron_ring.config import ConfigError  # noqa: E402
+from megatron_ring.training.schema import parse_train_spec  # noqa: E402
+from tests.integration import train_workers  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "configs" / "megatron"
+LOSS_TOL = 1e-6
+WEIGHT_TOL = 1e-5
+STEPS = 20
+
+
+def config(layout: dict[str, int], steps: int = STEPS, *, model: str = "tiny_ring_tp2_cp2.yaml",
+           megatron: dict[str, Any] | None = None, **section: Any) -> dict[str, Any]:
+    """A Megatron-engine config for ``layout`` on 4 ranks: global batch 4, fp32 Adam with clipping,
+    a warm-up then cosine schedule, the distributed optimizer with overlapped gradient reduction."""
+    dp = layout.get("dp", 1)
+    ring = {"engine": "megatron", "model": str(MODELS / model), "attention": "ring" if layout.get("cp", 1) > 1 else "local",
+            "layout": layout, "seq_len": 64, "steps": steps,
+            "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7}, "log": {"progress": False},
+            # adam_eps 1e-4: see the same choice in test_train_equivalence.py
+            "megatron": {"optimizer": {"lr": 1e-3, "adam_eps": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0},
+                         "scheduler": {"warmup_steps": 3, "decay_style": "cosine"}, **(megatron or {})}}
+    ring.update(section)
+    return {"train_batch_size": 4, "gradient_accumulation_steps": 4 // dp, "megatron_ring": ring}
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run(pool: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    results = pool.run(train_workers.run_config, raw, str(ROOT), timeout_s=300)
+    losses = {tuple(r["losses"]) for r in results}
+    assert len(losses) == 1, f"ranks disagree on the step losses: {losses}"
+    return results[0]
+
+
+def assert_same(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
+    assert len(got["losses"]) == len(ref["losses"])
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
+        assert abs(a - b) <= LOSS_TOL * abs(b), f"{what}: step {step} loss {a} vs {b}"
+    assert got["weights"].keys() == ref["weights"].keys()
+    worst = max(got["weights"], key=lambda k: rel(got["weights"][k], ref["weights"][k]))
+    err = rel(got["weights"][worst], ref["weights"][worst])
+    assert err <= WEIGHT_TOL, f"{what}: final weight {worst} differs, rel {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def reference(gloo_pool: Any) -> dict[str, Any]:
+    """cp = 1, dp = 4, Megatron's own attention: 20 steps."""
+    ref = run(gloo_pool(4), config({"cp": 1, "dp": 4}))
+    assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    return ref
+
+
+@pytest.mark.parametrize("layout", [{"cp": 2, "dp": 2}, {"tp": 2, "cp": 2}, {"pp": 2, "cp": 2}],
+                         ids=["cp2-dp2", "tp2-cp2", "pp2-cp2"])
+def test_layouts_train_like_cp1(gloo_pool: Any, reference: dict[str, Any], layout: dict[str, int]) -> None:
+    assert_same(run(gloo_pool(4), config(layout)), reference, str(layout))
+
+
+def test_interleaved_pipeline_and_recompute_train_like_cp1(gloo_pool: Any) -> None:
+    """4 layers: pp2·cp2 with 2 virtual stages, and cp2·dp2 recomputing every layer, against cp 1."""
+    pool, model = gloo_pool(4), "tiny_ring_4layers.yaml"
+    ref = run(pool, config({"cp": 1, "dp": 4}, 6, model=model))
+    interleaved = config({"pp": 2, "cp": 2}, 6, model=model, megatron={"virtual_pipeline": 2})
+    interleaved["gradient_accumulation_steps"] = 2  # = pp: 2 micro-batches of 2 sequences
+    assert_same(run(pool, interleaved), ref, "pp2-cp2 vp2")
+    full = {"granularity": "full", "method": "uniform", "num_layers": 1}
+    assert_same(run(pool, config({"cp": 2, "dp": 2}, 6, model=model, megatron={"recompute": full})), ref,
+                "cp2-dp2 full recompute")
+
+
+@pytest.mark.parametrize("first,then", [({"cp": 2, "dp": 2}, {"tp": 2, "cp": 2}),
+                                        ({"tp": 2, "cp": 2}, {"pp": 2, "cp": 2}),
+                                        ({"pp": 2, "cp": 2}, {"cp": 1, "dp": 4})],
+                         ids=["cp2dp2-to-tp2cp2", "tp2cp2-to-pp2cp2", "pp2cp2-to-cp1"])
+def test_resume_at_another_layout(gloo_pool: Any, tmp_path: Path, first: dict[str, int],
+                                  then: dict[str, int]) -> None:
+    """4 steps at ``first``, saved; resumed at ``then`` up to 8: the 8 losses and the final weights
+    of the run that never stopped (at ``first``)."""
+    pool = gloo_pool(4)
+    # a decay horizon is the config's steps, and resume keeps the checkpoint's (Megatron's
+    # use_checkpoint_opt_param_scheduler): the 4-step first part decays over 4 steps; hence warm-up only
+    constant = {"scheduler": {"warmup_steps": 3, "decay_style": "constant"}}
+    full = run(pool, config(first, 8, megatron=constant))
+    ckpt = {"dir": str(tmp_path / "ckpt"), "save_interval": 0}
+    before = run(pool, config(first, 4, megatron=constant, checkpoint=ckpt))
+    after = run(pool, config(then, 8, megatron=constant, checkpoint=ckpt))
+    assert before["start_step"] == 0 and after["start_step"] == 4
+    assert_same({"losses": before["losses"] + after["losses"], "weights": after["weights"]}, full,
+                f"{first} -> {then}")
+
+
+def good() -> dict[str, Any]:
+    return config({"pp": 2, "cp": 2})
+
+
+BAD = {
+    "DeepSpeed key": ("zero_optimization", {"stage": 1}, ["DeepSpeed key 'zero_optimization' has no effect",
+                                                          "engine = 'megatron'", "train_batch_size"]),
+    "no section": ("megatron_ring.megatron", None, ["engine = 'megatron' needs a megatron_ring.megatron section"]),
+    "unknown key": ("megatron_ring.megatron.optimizer.lrr", 0.1, ["lrr", "did you mean 'lr'"]),
+    "optimizer type": ("megatron_ring.megatron.optimizer.type", "lamb", ["megatron_ring.megatron.optimizer.type",
+                                                                         "lamb", "'adam'", "'sgd'"]),
+    "negative lr": ("megatron_ring.megatron.optimizer.lr", -1.0, ["megatron_ring.megatron.optimizer.lr = -1.0"]),
+    "recompute full": ("megatron_ring.megatron.recompute", {"granularity": "full"},
+                       ["recompute.granularity = 'full' needs recompute.method"]),
+    "vp layers": ("megatron_ring.megatron.virtual_pipeline", 2, ["virtual_pipeline = 2", "num_layers = 2",
+                                                                 "pp * virtual_pipeline = 4"]),
+    "vp micro-batches": ("megatron_ring.megatron.virtual_pipeline", 2,
+                         ["virtual_pipeline = 2 needs gradient_accumulation_steps", "= layout.pp = 2, got 4"]),
+    "engine name": ("megatron_ring.engine", "megatorn", ["megatron_ring.engine = 'megatorn'", "'deepspeed'",
+                                                         "'megatron'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_megatron_config_names_the_field(case: str) -> None:
+    dotted, value, needles = BAD[case]
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(train_workers.changed(good(), dotted, value), world_size=4, base_dir=ROOT)
+    for needle in needles:
+        assert needle in str(err.value), f"{needle!r} not in: {err.value}"
+
+
+def test_deepspeed_engine_refuses_pipeline_and_megatron_section() -> None:
+    raw = good()
+    raw["megatron_ring"]["engine"] = "deepspeed"
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(raw, world_size=4, base_dir=ROOT)
+    assert "layout.pp = 2: engine 'deepspeed' trains one pipeline stage" in str(err.value)
+    assert "megatron_ring.megatron configures engine 'megatron' only" in str(err.value)
