@@ -21,7 +21,8 @@ A rank sees only its CP share of its DP share, and DeepSpeed (see the Note in
 :mod:`megatron_ring.integrations.deepspeed.mpu`) sums gradients over CP, averages them over DP and divides each
 micro-batch's loss by the gradient accumulation steps. So each micro-batch backpropagates
 ``local_sum * dp * grad_accum / N``, with ``N`` all-reduced over dp x cp once per step before the
-first forward. The gradient is then exactly that of ``L`` whatever the layout, which is what makes
+first forward (times cp under ZeRO-3, whose reduce-scatter divides by dp x cp: Note [ZeRO-3 over
+dp x cp] in :mod:`megatron_ring.integrations.deepspeed.zero3`). The gradient is then exactly that of ``L`` whatever the layout, which is what makes
 cp = 2 (or tp = 2 x cp = 2) train to the same weights as cp = 1 on the same global batch.
 
 Checkpoints, their checksums and the resume checks: Note [Complete checkpoints] in
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from megatron_ring.config import ConfigError
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
 from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
+from megatron_ring.integrations.deepspeed.zero3 import gradient_divisor_excess, partition_over_dp_cp
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
                                                 load_checkpoint, read_marker, save_checkpoint, verify_checkpoint)
@@ -80,6 +82,7 @@ def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
     mpu = DeepSpeedMPU(groups)
     init_deepspeed_comm()
     model = build_gpt_model(spec.model)
+    partition_over_dp_cp(model, mpu, copy.deepcopy(spec.deepspeed))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
                                            config=copy.deepcopy(spec.deepspeed), mpu=mpu)
@@ -113,7 +116,7 @@ def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, de
     dist.all_reduce(count, group=groups.dp_cp)
     if count.item() == 0:
         raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
-    scale = groups.layout.dp * len(batches) / count
+    scale = groups.layout.dp * len(batches) * gradient_divisor_excess(engine, groups.layout.cp) / count
     total = torch.zeros((), device=device)
     for batch in batches:
         b = batch.to(device)

@@ -29,7 +29,7 @@ layout and sequence length written into it (heads divisible by tp, ...), its dty
 DeepSpeed's, the data paths and the corpus length (one sample of ``seq_len + 1`` tokens at least),
 attention dropout (0 with RingAttention), the checkpoint directory and the log file (written to and removed),
 and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
-model is built (optimizer type and params, ZeRO stage 3:
+model is built (optimizer type and params, ZeRO stages; ZeRO-3's reduce_scatter at cp > 1:
 :func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`). Each error names
 the field, its value and what is allowed. Importing this module needs pydantic only; validating
 imports DeepSpeed.
@@ -224,6 +224,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     """Validate a whole training config mapping for ``world_size`` processes (see module docstring);
     one :class:`ConfigError` names every problem found."""
     from megatron_ring.integrations.deepspeed.config import check_deepspeed_training
+    from megatron_ring.integrations.deepspeed.zero3 import check_zero3_reduce
 
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
@@ -247,6 +248,8 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     batch = problems.run(check_batch, ds, layout.dp)
     micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
     problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
+    if (zero3_problem := check_zero3_reduce(ds, layout.cp)) is not None:
+        problems.add(zero3_problem)
     model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
     if model is not None:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",

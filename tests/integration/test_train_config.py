@@ -94,7 +94,9 @@ BAD = {
                    ["optimizer.params.betas = 0.9: MuonWithAuxAdam takes a list of 2 numbers"]),
     "mup not installed": ("optimizer", {"type": "MuAdam", "params": {"lr": 1e-3}},
                           ["optimizer.type = 'muadam'", "not installed", "mup"]),
-    "ZeRO stage 3": ("zero_optimization.stage", 3, ["zero_optimization.stage = 3", "allowed [0, 1, 2]", "ZeRO-3"]),
+    "ZeRO stage 4": ("zero_optimization.stage", 4, ["stage = 4", "Input should be 0, 1, 2, 3"]),
+    "ZeRO-3 all-reduce at cp 2": ("zero_optimization", {"stage": 3, "reduce_scatter": False},
+                                  ["zero_optimization.reduce_scatter = false", "cp = 2", "allowed: true"]),
     "ZeRO key": ("zero_optimization.stagee", 1, ["stagee"]),
     "infinite timeout": ("megatron_ring.collective_timeout_s", float("inf"),
                          ["megatron_ring.collective_timeout_s = inf", "finite number"]),
@@ -202,13 +204,13 @@ def test_every_problem_is_reported_at_once() -> None:
     raw = _change(raw, "megatron_ring.seq_len", 126)
     raw = _change(raw, "gradient_clip", 1.0)
     raw = _change(raw, "optimizer.type", "AdamWW")
-    raw = _change(raw, "zero_optimization.stage", 3)
+    raw = _change(raw, "zero_optimization", {"stage": 3, "reduce_scatter": False})
     raw = _change(raw, "bf16", {"enabled": True})
     with pytest.raises(ConfigError) as err:
         parse(raw)
     text = str(err.value)
     for needle in ("(6 problems)", "train_batch_size = 6", "megatron_ring.seq_len = 126", "gradient_clip",
-                   "optimizer.type = 'AdamWW'", "zero_optimization.stage = 3", "selects bf16"):
+                   "optimizer.type = 'AdamWW'", "reduce_scatter = false", "selects bf16"):
         assert needle in text, text
 
 
