@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
@@ -67,21 +67,31 @@ EXIT_STOPPED = 4
 # --- process groups, model, engine -------------------------------------------------------------
 
 def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups:
-    """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups."""
+    """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups; for a
+    transformers model our own groups of the layout."""
+    if spec.transformers is not None:
+        from megatron_ring.parallel.groups import init_parallel
+
+        return init_parallel(spec.layout, timeout=timedelta(seconds=spec.train.collective_timeout_s))
     from megatron_ring.integrations.megatron.state import init_megatron
 
     return init_megatron(spec.layout, device=device, seed=spec.train.seed, timeout_s=spec.train.collective_timeout_s)
 
 
 def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
-    """The GPT model of ``spec.model`` inside a DeepSpeed engine reducing over dp x cp."""
+    """The GPT model of ``spec.model`` (or the transformers model) inside a DeepSpeed engine reducing over dp x cp."""
     import deepspeed
-
-    from megatron_ring.integrations.megatron.model import build_gpt_model
 
     mpu = DeepSpeedMPU(groups)
     init_deepspeed_comm()
-    model = build_gpt_model(spec.model)
+    if spec.transformers is not None:
+        from megatron_ring.training.hf_model import build_causal_lm
+
+        model = build_causal_lm(spec)
+    else:
+        from megatron_ring.integrations.megatron.model import build_gpt_model
+
+        model = build_gpt_model(spec.model)
     partition_over_dp_cp(model, mpu, copy.deepcopy(spec.deepspeed))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
@@ -91,9 +101,9 @@ def build_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
 
 def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
     """This rank's view of the training data (DP rank and CP rank from ``groups``)."""
-    d, m = spec.train.data, spec.model.model
+    d = spec.train.data
     files = corpus_files([spec.path(p, existing=True) for p in d.paths], d.suffixes) if d.kind == "text" else ()
-    samples = build_samples(d.kind, vocab_size=m.vocab_size, seq_len=spec.train.seq_len, files=files,
+    samples = build_samples(d.kind, vocab_size=spec.vocab_size, seq_len=spec.train.seq_len, files=files,
                             synthetic_samples=d.synthetic_samples, seed=d.seed)
     return TrainData(samples, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, dp=spec.layout.dp,
                      dp_rank=groups.coords["dp"], cp=spec.layout.cp, cp_rank=groups.cp_rank,
@@ -107,7 +117,17 @@ def masked_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tenso
     return (per_token.float() * loss_mask).sum()
 
 
-def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, device: torch.device) -> float:
+def gpt_token_loss(engine: Any, batch: Batch, groups: ParallelGroups) -> torch.Tensor:
+    """Per-token losses ``[micro, seq_local]`` of the Megatron GPT on this rank's shard of ``batch``."""
+    return engine(batch.tokens, batch.position_ids, None, labels=batch.labels)
+
+
+TokenLoss = Callable[[Any, Batch, ParallelGroups], torch.Tensor]
+"""``(engine, batch on the device, groups) -> [micro, seq_local]`` per-token losses of the model."""
+
+
+def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, device: torch.device,
+               token_loss: TokenLoss = gpt_token_loss) -> float:
     """One optimizer step over this rank's micro-batches; returns the global mean token loss.
 
     See Note [The loss of a context-parallel rank] for the scaling of each backward.
@@ -120,7 +140,7 @@ def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, de
     total = torch.zeros((), device=device)
     for batch in batches:
         b = batch.to(device)
-        per_token = engine(b.tokens, b.position_ids, None, labels=b.labels)
+        per_token = token_loss(engine, b, groups)
         local = masked_loss(per_token, b.loss_mask)
         engine.backward(local * scale)
         engine.step()
@@ -191,6 +211,9 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     """Build the engine, resume if a complete checkpoint exists, and train to ``spec.train.steps``."""
     data = build_data(spec, groups)
     engine = build_engine(spec, groups)
+    token_loss = gpt_token_loss
+    if spec.transformers is not None:
+        from megatron_ring.training.hf_model import causal_lm_token_loss as token_loss
     ck = spec.train.checkpoint
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
     start = 0
@@ -210,7 +233,7 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     try:
         for step in range(start, spec.train.steps):
             t0 = time.perf_counter()
-            loss = train_step(engine, data.step_batches(step), groups, device)
+            loss = train_step(engine, data.step_batches(step), groups, device, token_loss)
             seconds = time.perf_counter() - t0
             finite = math.isfinite(loss)
             if not finite and spec.train.stop_on_nonfinite_loss:

@@ -48,6 +48,7 @@ from megatron_ring.config import ConfigError, Problems, StrictModel, TimeoutSeco
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
+from megatron_ring.training.hf_schema import TransformersModelSection, transformers_config
 
 SECTION = "megatron_ring"
 """Key of our section in the DeepSpeed training JSON."""
@@ -114,8 +115,10 @@ class TrainSection(StrictModel):
     """Our ``megatron_ring`` section of a training config."""
 
     name: str = "train"
-    model: str = Field(..., description="path of a configs/megatron YAML (relative to this config file, "
-                                        "then to the working directory)")
+    model: Optional[str] = Field(None, description="path of a configs/megatron YAML (relative to this config file, "
+                                                   "then to the working directory)")
+    transformers: Optional[TransformersModelSection] = Field(None, description="a transformers causal LM instead "
+                                                             "of model (training/hf_schema.py)")
     attention: Optional[Literal["local", "sdpa", "ring"]] = Field(None, description="override the model file's attention")
     layout: TrainLayoutConfig = Field(default_factory=TrainLayoutConfig)
     seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
@@ -137,12 +140,18 @@ class TrainSpec:
 
     deepspeed: dict[str, Any]
     train: TrainSection
-    model: GPTConfig
+    model: Optional[GPTConfig]
     layout: ParallelLayout
     micro_batch: int
     grad_accum: int
     global_batch: int
     base_dir: Path
+    transformers: Optional[Any] = None
+    """The ``transformers.PretrainedConfig`` when ``train.transformers`` is set (``model`` is then None)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.transformers.vocab_size if self.transformers is not None else self.model.model.vocab_size
 
     def path(self, value: str, *, existing: bool = False) -> Path:
         """A path of the config resolved against the config file's directory (absolute paths unchanged);
@@ -250,7 +259,15 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
     if (zero3_problem := check_zero3_reduce(ds, layout.cp)) is not None:
         problems.add(zero3_problem)
-    model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
+    model = hf_config = None
+    if (train.model is None) == (train.transformers is None):
+        problems.add(f"{SECTION}: give exactly one of 'model' (a configs/megatron YAML) and 'transformers' "
+                     "(a transformers causal LM)")
+    elif train.transformers is not None:
+        hf_path = _resolve(train.transformers.path, base_dir, must_exist=True) if train.transformers.path else None
+        hf_config = problems.run(transformers_config, train.transformers, hf_path, layout, train.data.kind)
+    else:
+        model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
     if model is not None:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
                      model=f"{SECTION}.model = {train.model!r}")
@@ -279,7 +296,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                      field=f"{SECTION}.log.jsonl", value=train.log.jsonl)
     problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
-                     global_batch=glob, base_dir=base_dir)
+                     global_batch=glob, base_dir=base_dir, transformers=hf_config)
 
 
 def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
