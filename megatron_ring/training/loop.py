@@ -213,7 +213,9 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     engine = build_engine(spec, groups)
     token_loss = gpt_token_loss
     if spec.transformers is not None:
-        from megatron_ring.training.hf_model import causal_lm_token_loss as token_loss
+        from megatron_ring.training.hf_model import causal_lm_token_loss
+
+        token_loss = causal_lm_token_loss
     ck = spec.train.checkpoint
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
     start = 0

@@ -41,7 +41,10 @@ def parse(raw: dict[str, Any], world_size: int = 4) -> Any:
 def test_shipped_configs_are_valid(path: Path) -> None:
     spec = load_train_spec(path, world_size=4)
     assert spec.global_batch == spec.micro_batch * spec.grad_accum * spec.layout.dp
-    assert spec.model.model.seq_length == spec.train.seq_len and spec.model.attention == "ring"
+    if spec.transformers is not None:
+        assert spec.model is None and spec.train.transformers.attention == "ring"
+    else:
+        assert spec.model.model.seq_length == spec.train.seq_len and spec.model.attention == "ring"
 
 
 def _change(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
