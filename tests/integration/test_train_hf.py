@@ -4,11 +4,13 @@ A tiny random Llama (GQA, RoPE, built offline from a config) trains for a few Ad
 licence corpus with a global batch of 4 sequences: on one process with transformers' own sdpa
 attention, at cp = 1 x dp = 4 (sdpa), and at cp = 2 x dp = 2 with ring attention (zigzag shards,
 two micro-batches accumulated), each under DeepSpeed's engine with our mpu. Per-step losses and the
-final weights must agree within 1e-5 relative; so must ZeRO-3 and ZeRO-0 at cp = 2 x dp = 2.
+final weights must agree within 1e-5 relative; so must ZeRO-3 and ZeRO-0 at cp = 2 x dp = 2, and a
+ZeRO-3 run saved after 2 steps and resumed with the uninterrupted one.
 Workers: tests/integration/zero3_workers.py (weights gathered under ZeRO-3).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,8 +34,9 @@ LAYOUTS = {  # name -> (world size, layout, attention, micro batch, grad accumul
 }
 
 
-def hf_config(layout: str, stage: int) -> tuple[int, dict[str, Any]]:
-    """``(world size, training config)`` of the tiny Llama for ``layout`` and ZeRO ``stage`` (fp32)."""
+def hf_config(layout: str, stage: int, **section: Any) -> tuple[int, dict[str, Any]]:
+    """``(world size, training config)`` of the tiny Llama for ``layout`` and ZeRO ``stage`` (fp32);
+    ``section`` overrides keys of the ``megatron_ring`` section."""
     world, sizes, attention, micro, accum = LAYOUTS[layout]
     return world, {
         "train_batch_size": 4, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
@@ -46,15 +49,15 @@ def hf_config(layout: str, stage: int) -> tuple[int, dict[str, Any]]:
             "layout": sizes, "seq_len": 64, "steps": STEPS,
             "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7},
             "log": {"progress": False},
+            **section,
         },
     }
 
 
-def run_hf(pools: Any, layout: str, stage: int) -> dict[str, Any]:
-    world, raw = hf_config(layout, stage)
+def run_hf(pools: Any, layout: str, stage: int, **section: Any) -> dict[str, Any]:
+    world, raw = hf_config(layout, stage, **section)
     results = pools(world).run(zero3_workers.run_gathered, raw, str(ROOT), timeout_s=300)
     assert len({tuple(r["losses"]) for r in results}) == 1, "ranks disagree on the step losses"
-    assert len(results[0]["losses"]) == STEPS
     return results[0]
 
 
@@ -65,8 +68,19 @@ def single(gloo_pool: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("layout", ["cp1-dp4", "cp2-dp2"])
 def test_transformers_model_trains_like_one_process(gloo_pool: Any, single: dict[str, Any], layout: str) -> None:
+    assert len(single["losses"]) == STEPS
     assert_same(run_hf(gloo_pool, layout, 0), single, f"{layout} ZeRO-0")
 
 
 def test_transformers_zero3_trains_like_zero0(gloo_pool: Any, single: dict[str, Any]) -> None:
     assert_same(run_hf(gloo_pool, "cp2-dp2", 3), single, "cp2-dp2 ZeRO-3")
+
+
+def test_transformers_zero3_resume_equals_uninterrupted(gloo_pool: Any, tmp_path: Path) -> None:
+    full = run_hf(gloo_pool, "cp2-dp2", 3, steps=4)
+    ckpt = {"dir": str(tmp_path / "ckpt"), "save_interval": 0}
+    first = run_hf(gloo_pool, "cp2-dp2", 3, steps=2, checkpoint=ckpt)
+    second = run_hf(gloo_pool, "cp2-dp2", 3, steps=4, checkpoint=ckpt)
+    assert first["start_step"] == 0 and second["start_step"] == 2
+    assert first["losses"] == full["losses"][:2]
+    assert_same({"losses": first["losses"] + second["losses"], "weights": second["weights"]}, full, "resumed")

@@ -18,7 +18,8 @@ from tests.integration.train_workers import full_weights, scoped_groups
 
 
 def run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
-    """Train ``raw`` on this rank; ``{"losses", "weights"}`` with the full weights on rank 0 (else None)."""
+    """Train ``raw`` on this rank; ``{"losses", "start_step", "weights"}`` with the full weights on rank 0
+    (else None)."""
     import deepspeed
 
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
@@ -32,4 +33,5 @@ def run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             weights = full_weights(module, groups.tp)
         run.engine.destroy()
-        return {"losses": [r["loss"] for r in run.records], "weights": weights if dist.get_rank() == 0 else None}
+        return {"losses": [r["loss"] for r in run.records], "start_step": run.start_step,
+                "weights": weights if dist.get_rank() == 0 else None}
