@@ -1,4 +1,4 @@
-"""The training loop: a Megatron GPT with ring attention inside DeepSpeed's engine.
+"""The training loop: a Megatron GPT (or a transformers causal LM) with ring attention inside DeepSpeed's engine.
 
 One rank's run (:func:`train_main`, started by ``launch/train.py``):
 
@@ -22,8 +22,10 @@ A rank sees only its CP share of its DP share, and DeepSpeed (see the Note in
 micro-batch's loss by the gradient accumulation steps. So each micro-batch backpropagates
 ``local_sum * dp * grad_accum / N``, with ``N`` all-reduced over dp x cp once per step before the
 first forward (times cp under ZeRO-3, whose reduce-scatter divides by dp x cp: Note [ZeRO-3 over
-dp x cp] in :mod:`megatron_ring.integrations.deepspeed.zero3`). The gradient is then exactly that of ``L`` whatever the layout, which is what makes
-cp = 2 (or tp = 2 x cp = 2) train to the same weights as cp = 1 on the same global batch.
+dp x cp] in :mod:`megatron_ring.integrations.deepspeed.zero3`). The gradient is then exactly that
+of ``L`` whatever the layout, which is what makes cp = 2 (or tp = 2 x cp = 2) train to the same
+weights as cp = 1 on the same global batch. A transformers model (:mod:`megatron_ring.training.hf_model`)
+takes the same path: only its per-token losses are computed differently.
 
 Checkpoints, their checksums and the resume checks: Note [Complete checkpoints] in
 :mod:`megatron_ring.training.checkpoint`. A step whose global loss is not finite stops every rank

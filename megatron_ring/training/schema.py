@@ -117,8 +117,8 @@ class TrainSection(StrictModel):
     name: str = "train"
     model: Optional[str] = Field(None, description="path of a configs/megatron YAML (relative to this config file, "
                                                    "then to the working directory)")
-    transformers: Optional[TransformersModelSection] = Field(None, description="a transformers causal LM instead "
-                                                             "of model (training/hf_schema.py)")
+    transformers: Optional[TransformersModelSection] = Field(
+        None, description="a transformers causal LM instead of model (training/hf_schema.py)")
     attention: Optional[Literal["local", "sdpa", "ring"]] = Field(None, description="override the model file's attention")
     layout: TrainLayoutConfig = Field(default_factory=TrainLayoutConfig)
     seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
