@@ -21,10 +21,13 @@ from tests.integration.test_train_equivalence import ROOT, assert_same, config, 
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture(scope="module")
+def zero0(gloo_pool: Any) -> dict[str, Any]:
+    return run(gloo_pool(4), config("cp1-dp4", 0))
+
+
 @pytest.mark.parametrize("layout", ["cp1-dp4", "cp2-dp2", "tp2-cp2"])
-def test_zero3_trains_like_zero0(gloo_pool: Any, layout: str) -> None:
-    pool = gloo_pool(4)
-    ref = run(pool, config("cp1-dp4", 0))
-    results = pool.run(zero3_workers.run_gathered, config(layout, 3), str(ROOT), timeout_s=300)
+def test_zero3_trains_like_zero0(gloo_pool: Any, zero0: dict[str, Any], layout: str) -> None:
+    results = gloo_pool(4).run(zero3_workers.run_gathered, config(layout, 3), str(ROOT), timeout_s=300)
     assert len({tuple(r["losses"]) for r in results}) == 1, "ranks disagree on the step losses"
-    assert_same(results[0], ref, f"{layout} ZeRO-3")
+    assert_same(results[0], zero0, f"{layout} ZeRO-3")
