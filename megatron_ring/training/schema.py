@@ -264,6 +264,9 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         problems.add(f"{SECTION}: give exactly one of 'model' (a configs/megatron YAML) and 'transformers' "
                      "(a transformers causal LM)")
     elif train.transformers is not None:
+        if train.attention is not None:
+            problems.add(f"{SECTION}.attention = {train.attention!r} overrides a configs/megatron model's attention; "
+                         f"a transformers model takes {SECTION}.transformers.attention instead")
         hf_path = _resolve(train.transformers.path, base_dir, must_exist=True) if train.transformers.path else None
         hf_config = problems.run(transformers_config, train.transformers, hf_path, layout, train.data.kind)
     else:

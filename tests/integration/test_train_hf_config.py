@@ -68,6 +68,8 @@ BAD = {
     "small vocabulary": (with_model_config(vocab_size=64), ["vocab_size = 64", "at least 128"]),
     "attention dropout": (with_model_config(attention_dropout=0.1), ["attention_dropout = 0.1", "allowed: 0.0"]),
     "tensor parallel": (with_section(layout={"tp": 2, "cp": 2, "dp": 1}), ["layout.tp = 2", "allowed: 1"]),
+    "megatron attention": (with_section(attention="ring"), ["megatron_ring.attention = 'ring'",
+                                                            "megatron_ring.transformers.attention instead"]),
     "section key": (with_model(atention="ring"), ["atention", "attention"]),
     "no checkpoint": (with_model(config=None, path="no_such_folder"), ["path = ", "no config.json"]),
 }
