@@ -19,11 +19,19 @@ from tests.integration.train_workers import full_weights, scoped_groups
 
 def run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
     """Train ``raw`` on this rank; ``{"losses", "start_step", "weights"}`` with the full weights on rank 0
-    (else None)."""
-    import deepspeed
-
+    (else None); ``torch.nn.functional.linear`` is restored afterwards for the pool's next worker."""
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()))
+    linear = torch.nn.functional.linear  # zero.Init replaces it for good (memory_efficient_linear)
+    try:
+        return _run_gathered(raw, base_dir)
+    finally:
+        torch.nn.functional.linear = linear
+
+
+def _run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    import deepspeed
+
     with scoped_groups():
         spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
         device = torch.device("cpu")
