@@ -29,8 +29,10 @@ layout and sequence length written into it (heads divisible by tp, ...), its dty
 DeepSpeed's, the data paths and the corpus length (one sample of ``seq_len + 1`` tokens at least),
 attention dropout (0 with RingAttention), the checkpoint directory and the log file (written to and removed),
 and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
-model is built (optimizer type and params, ZeRO stages; ZeRO-3's reduce_scatter at cp > 1:
-:func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`). Each error names
+model is built (optimizer type and params:
+:func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`; ZeRO-3's
+``reduce_scatter`` at cp > 1: :func:`megatron_ring.integrations.deepspeed.zero3.check_zero3_reduce`).
+A ``transformers`` entry instead of ``model`` is checked by :mod:`megatron_ring.training.hf_schema`. Each error names
 the field, its value and what is allowed. Importing this module needs pydantic only; validating
 imports DeepSpeed.
 """
