@@ -1,4 +1,4 @@
-"""The training loop: a Megatron GPT with ring attention inside DeepSpeed's engine.
+"""The training loop: a Megatron GPT (or a transformers causal LM) with ring attention inside DeepSpeed's engine.
 
 One rank's run (:func:`train_main`, started by ``launch/train.py``):
 
@@ -21,8 +21,11 @@ A rank sees only its CP share of its DP share, and DeepSpeed (see the Note in
 :mod:`megatron_ring.integrations.deepspeed.mpu`) sums gradients over CP, averages them over DP and divides each
 micro-batch's loss by the gradient accumulation steps. So each micro-batch backpropagates
 ``local_sum * dp * grad_accum / N``, with ``N`` all-reduced over dp x cp once per step before the
-first forward. The gradient is then exactly that of ``L`` whatever the layout, which is what makes
-cp = 2 (or tp = 2 x cp = 2) train to the same weights as cp = 1 on the same global batch.
+first forward (times cp under ZeRO-3, whose reduce-scatter divides by dp x cp: Note [ZeRO-3 over
+dp x cp] in :mod:`megatron_ring.integrations.deepspeed.zero3`). The gradient is then exactly that
+of ``L`` whatever the layout, which is what makes cp = 2 (or tp = 2 x cp = 2) train to the same
+weights as cp = 1 on the same global batch. A transformers model (:mod:`megatron_ring.training.hf_model`)
+takes the same path: only its per-token losses are computed differently.
 
 Checkpoints, their checksums and the resume checks: Note [Complete checkpoints] in
 :mod:`megatron_ring.training.checkpoint`. A step whose global loss is not finite stops every rank
@@ -42,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, Callable, Optional, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,7 @@ import torch.distributed as dist
 from megatron_ring.config import ConfigError
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
 from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
+from megatron_ring.integrations.deepspeed.zero3 import gradient_divisor_excess, partition_over_dp_cp
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
                                                 load_checkpoint, read_marker, save_checkpoint, verify_checkpoint)
@@ -65,7 +69,12 @@ EXIT_STOPPED = 4
 # --- process groups, model, engine -------------------------------------------------------------
 
 def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups:
-    """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups."""
+    """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups; for a
+    transformers model our own groups of the layout."""
+    if spec.transformers is not None:
+        from megatron_ring.parallel.groups import init_parallel
+
+        return init_parallel(spec.layout, timeout=timedelta(seconds=spec.train.collective_timeout_s))
     from megatron_ring.integrations.megatron.state import init_megatron
 
     section = spec.train.megatron
@@ -75,7 +84,7 @@ def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups
 
 def build_engine(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Any:
     """The training engine of ``spec.train.engine``: :class:`~megatron_ring.training.megatron_engine.MegatronTrainer`,
-    or the GPT model of ``spec.model`` inside a DeepSpeed engine reducing over dp x cp."""
+    or the GPT model of ``spec.model`` (or the transformers model) inside a DeepSpeed engine reducing over dp x cp."""
     if spec.train.engine == "megatron":
         from megatron_ring.training.megatron_engine import MegatronTrainer
 
@@ -84,14 +93,20 @@ def build_engine(spec: TrainSpec, groups: ParallelGroups, device: torch.device) 
 
 
 def build_deepspeed_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
-    """The GPT model of ``spec.model`` inside a DeepSpeed engine reducing over dp x cp."""
+    """The GPT model of ``spec.model`` (or the transformers model) inside a DeepSpeed engine reducing over dp x cp."""
     import deepspeed
-
-    from megatron_ring.integrations.megatron.model import build_gpt_model
 
     mpu = DeepSpeedMPU(groups)
     init_deepspeed_comm()
-    model = build_gpt_model(spec.model)
+    if spec.transformers is not None:
+        from megatron_ring.training.hf_model import build_causal_lm
+
+        model = build_causal_lm(spec)
+    else:
+        from megatron_ring.integrations.megatron.model import build_gpt_model
+
+        model = build_gpt_model(spec.model)
+    partition_over_dp_cp(model, mpu, copy.deepcopy(spec.deepspeed))
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
                                            config=copy.deepcopy(spec.deepspeed), mpu=mpu)
@@ -100,9 +115,9 @@ def build_deepspeed_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
 
 def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
     """This rank's view of the training data (DP rank and CP rank from ``groups``)."""
-    d, m = spec.train.data, spec.model.model
+    d = spec.train.data
     files = corpus_files([spec.path(p, existing=True) for p in d.paths], d.suffixes) if d.kind == "text" else ()
-    samples = build_samples(d.kind, vocab_size=m.vocab_size, seq_len=spec.train.seq_len, files=files,
+    samples = build_samples(d.kind, vocab_size=spec.vocab_size, seq_len=spec.train.seq_len, files=files,
                             synthetic_samples=d.synthetic_samples, seed=d.seed)
     return TrainData(samples, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, dp=spec.layout.dp,
                      dp_rank=groups.coords["dp"], cp=spec.layout.cp, cp_rank=groups.cp_rank,
@@ -111,7 +126,17 @@ def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
 
 # --- one step ----------------------------------------------------------------------------------
 
-def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, device: torch.device) -> float:
+def gpt_token_loss(engine: Any, batch: Batch, groups: ParallelGroups) -> torch.Tensor:
+    """Per-token losses ``[micro, seq_local]`` of the Megatron GPT on this rank's shard of ``batch``."""
+    return engine(batch.tokens, batch.position_ids, None, labels=batch.labels)
+
+
+TokenLoss = Callable[[Any, Batch, ParallelGroups], torch.Tensor]
+"""``(engine, batch on the device, groups) -> [micro, seq_local]`` per-token losses of the model."""
+
+
+def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, device: torch.device,
+               token_loss: TokenLoss = gpt_token_loss) -> float:
     """One optimizer step over this rank's micro-batches; returns the global mean token loss.
 
     The Megatron engine runs its own schedule; under DeepSpeed's, see Note [The loss of a
@@ -125,11 +150,11 @@ def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, de
     dist.all_reduce(count, group=groups.dp_cp)
     if count.item() == 0:
         raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
-    scale = groups.layout.dp * len(batches) / count
+    scale = groups.layout.dp * len(batches) * gradient_divisor_excess(engine, groups.layout.cp) / count
     total = torch.zeros((), device=device)
     for batch in batches:
         b = batch.to(device)
-        per_token = engine(b.tokens, b.position_ids, None, labels=b.labels)
+        per_token = token_loss(engine, b, groups)
         local = masked_loss(per_token, b.loss_mask)
         engine.backward(local * scale)
         engine.step()
@@ -200,6 +225,11 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     """Build the engine, resume if a complete checkpoint exists, and train to ``spec.train.steps``."""
     data = build_data(spec, groups)
     engine = build_engine(spec, groups, device)
+    token_loss = gpt_token_loss
+    if spec.transformers is not None:
+        from megatron_ring.training.hf_model import causal_lm_token_loss
+
+        token_loss = causal_lm_token_loss
     ck = spec.train.checkpoint
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
     start, saved_layout = 0, None
@@ -222,7 +252,7 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     try:
         for step in range(start, spec.train.steps):
             t0 = time.perf_counter()
-            loss = train_step(engine, data.step_batches(step), groups, device)
+            loss = train_step(engine, data.step_batches(step), groups, device, token_loss)
             seconds = time.perf_counter() - t0
             finite = math.isfinite(loss)
             if not finite and spec.train.stop_on_nonfinite_loss:

@@ -29,8 +29,10 @@ layout and sequence length written into it (heads divisible by tp, ...), its dty
 DeepSpeed's, the data paths and the corpus length (one sample of ``seq_len + 1`` tokens at least),
 attention dropout (0 with RingAttention), the checkpoint directory and the log file (written to and removed),
 and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
-model is built (optimizer type and params, ZeRO stage 3:
-:func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`). Each error names
+model is built (optimizer type and params:
+:func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`; ZeRO-3's
+``reduce_scatter`` at cp > 1: :func:`megatron_ring.integrations.deepspeed.zero3.check_zero3_reduce`).
+A ``transformers`` entry instead of ``model`` is checked by :mod:`megatron_ring.training.hf_schema`. Each error names
 the field, its value and what is allowed. Importing this module needs pydantic only; validating
 imports DeepSpeed.
 """
@@ -49,6 +51,7 @@ from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.training.megatron_section import MegatronSection
+from megatron_ring.training.hf_schema import TransformersModelSection, transformers_config
 
 SECTION = "megatron_ring"
 """Key of our section in the DeepSpeed training JSON."""
@@ -115,8 +118,10 @@ class TrainSection(StrictModel):
                                                      "pipeline schedules and dist_checkpointing")
     megatron: Optional[MegatronSection] = Field(None, description="engine: megatron's optimizer, ddp, scheduler, "
                                                 "recompute, virtual_pipeline")
-    model: str = Field(..., description="path of a configs/megatron YAML (relative to this config file, "
-                                        "then to the working directory)")
+    model: Optional[str] = Field(None, description="path of a configs/megatron YAML (relative to this config file, "
+                                                   "then to the working directory)")
+    transformers: Optional[TransformersModelSection] = Field(
+        None, description="a transformers causal LM instead of model (training/hf_schema.py)")
     attention: Optional[Literal["local", "sdpa", "ring"]] = Field(None, description="override the model file's attention")
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
     seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
@@ -138,12 +143,18 @@ class TrainSpec:
 
     deepspeed: dict[str, Any]
     train: TrainSection
-    model: GPTConfig
+    model: Optional[GPTConfig]
     layout: ParallelLayout
     micro_batch: int
     grad_accum: int
     global_batch: int
     base_dir: Path
+    transformers: Optional[Any] = None
+    """The ``transformers.PretrainedConfig`` when ``train.transformers`` is set (``model`` is then None)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.transformers.vocab_size if self.transformers is not None else self.model.model.vocab_size
 
     def path(self, value: str, *, existing: bool = False) -> Path:
         """A path of the config resolved against the config file's directory (absolute paths unchanged);
@@ -225,6 +236,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     """Validate a whole training config mapping for ``world_size`` processes (see module docstring);
     one :class:`ConfigError` names every problem found."""
     from megatron_ring.integrations.deepspeed.config import check_deepspeed_training
+    from megatron_ring.integrations.deepspeed.zero3 import check_zero3_reduce
 
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
@@ -253,7 +265,23 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
     if deepspeed_engine:
         problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
-    model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
+        if (zero3_problem := check_zero3_reduce(ds, layout.cp)) is not None:
+            problems.add(zero3_problem)
+    model = hf_config = None
+    if (train.model is None) == (train.transformers is None):
+        problems.add(f"{SECTION}: give exactly one of 'model' (a configs/megatron YAML) and 'transformers' "
+                     "(a transformers causal LM)")
+    elif train.transformers is not None:
+        if train.attention is not None:
+            problems.add(f"{SECTION}.attention = {train.attention!r} overrides a configs/megatron model's attention; "
+                         f"a transformers model takes {SECTION}.transformers.attention instead")
+        if not deepspeed_engine:
+            problems.add(f"{SECTION}.transformers trains under engine 'deepspeed' only; {SECTION}.engine = "
+                         "'megatron' trains a configs/megatron model")
+        hf_path = _resolve(train.transformers.path, base_dir, must_exist=True) if train.transformers.path else None
+        hf_config = problems.run(transformers_config, train.transformers, hf_path, layout, train.data.kind)
+    else:
+        model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
     if model is not None and deepspeed_engine:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
                      model=f"{SECTION}.model = {train.model!r}")
@@ -285,7 +313,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                      field=f"{SECTION}.log.jsonl", value=train.log.jsonl)
     problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
-                     global_batch=glob, base_dir=base_dir)
+                     global_batch=glob, base_dir=base_dir, transformers=hf_config)
 
 
 def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:

@@ -12,7 +12,8 @@ then the *average* over data-parallel replicas. DeepSpeed has exactly this notio
 * ``get_sequence_parallel_*`` is the cp group; ``get_sequence_data_parallel_*`` the dp x cp group.
   DeepSpeed all-reduces (ZeRO 0) or reduce-scatters (ZeRO 1/2) gradients over dp x cp, divides by
   ``(dp * cp) / cp = dp``, partitions optimizer states over dp x cp, broadcasts initial weights
-  over dp x cp and names ZeRO checkpoint shards by the dp x cp rank;
+  over dp x cp and names ZeRO checkpoint shards by the dp x cp rank (ZeRO-3 needs two corrections:
+  Note [ZeRO-3 over dp x cp] in zero3.py);
 * ``get_model_parallel_*`` / ``get_tensor_model_parallel_*`` are the tp group (pp is 1 under the
   DeepSpeed engine): checkpoint files are named by the tp rank and gradient norms are summed over
   tp, counting parameters replicated over tp once (Megatron marks the split ones with

@@ -49,7 +49,7 @@ def train_step_peak(model_data: dict[str, Any], seq_len: int, seed: int) -> dict
     from megatron_ring.integrations.megatron.model import build_gpt_model
     from megatron_ring.integrations.megatron.state import init_megatron
     from megatron_ring.parallel.layout import ParallelLayout
-    from megatron_ring.training.loop import masked_loss
+    from megatron_ring.training.data import masked_loss
 
     track_mmap()
     cp = dist.get_world_size()
