@@ -92,7 +92,7 @@ class MegatronTrainer:
         return self.model[0].module
 
     @property
-    def modules(self) -> list[torch.nn.Module]:
+    def model_chunks(self) -> list[torch.nn.Module]:
         """Every model chunk of this rank, unwrapped from DDP."""
         return [m.module for m in self.model]
 
@@ -145,7 +145,7 @@ class MegatronTrainer:
             for optimizer in self._distributed_optimizers():
                 _keep_step_on_load(optimizer)
             loaded = dist_checkpointing.load(self._sharded_state(is_loading=True), str(folder))
-            for key, module in zip(self._model_keys(), self.modules):
+            for key, module in zip(self._model_keys(), self.model_chunks):
                 module.load_state_dict(loaded[key])
             self.optimizer.load_state_dict(loaded["optimizer"])
             for optimizer in self._distributed_optimizers():
@@ -203,7 +203,7 @@ class MegatronTrainer:
 
     def _sharded_state(self, *, is_loading: bool) -> dict[str, Any]:
         """Megatron's sharded state dict of this rank: model chunk(s) and optimizer (model-space shards)."""
-        state: dict[str, Any] = {key: module.sharded_state_dict() for key, module in zip(self._model_keys(), self.modules)}
+        state: dict[str, Any] = {key: module.sharded_state_dict() for key, module in zip(self._model_keys(), self.model_chunks)}
         state["optimizer"] = self.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         return state

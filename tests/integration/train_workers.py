@@ -52,9 +52,12 @@ def full_weights(module: torch.nn.Module, tp_group: dist.ProcessGroup) -> dict[s
 def engine_weights(engine: Any, groups: Any) -> dict[str, torch.Tensor]:
     """The whole model's fp32 weights by global name: every chunk of every pipeline stage, TP-gathered."""
     from megatron_ring.integrations.megatron.model import global_name
+    from megatron_ring.training.megatron_engine import MegatronTrainer
 
-    modules = getattr(engine, "modules", [engine.module])
-    mine = {global_name(m, name): value for m in modules for name, value in full_weights(m, groups.tp).items()}
+    if not isinstance(engine, MegatronTrainer):
+        return full_weights(engine.module, groups.tp)
+    mine = {global_name(m, name): value for m in engine.model_chunks
+            for name, value in full_weights(m, groups.tp).items()}
     if groups.layout.pp == 1:
         return mine
     stages: list[Any] = [None] * groups.layout.pp
