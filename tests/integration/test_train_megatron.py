@@ -46,26 +46,12 @@ def config(layout: dict[str, int], steps: int = STEPS, *, model: str = "tiny_rin
     return {"train_batch_size": 4, "gradient_accumulation_steps": 4 // dp, "megatron_ring": ring}
 
 
-def rel(a: Any, b: Any) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
 def run(pool: Any, raw: dict[str, Any]) -> dict[str, Any]:
-    results = pool.run(train_workers.run_config, raw, str(ROOT), timeout_s=300)
-    losses = {tuple(r["losses"]) for r in results}
-    assert len(losses) == 1, f"ranks disagree on the step losses: {losses}"
-    return results[0]
+    return train_workers.run_on_pool(pool, raw, str(ROOT))
 
 
 def assert_same(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
-    assert len(got["losses"]) == len(ref["losses"])
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
-        assert abs(a - b) <= LOSS_TOL * abs(b), f"{what}: step {step} loss {a} vs {b}"
-    assert got["weights"].keys() == ref["weights"].keys()
-    worst = max(got["weights"], key=lambda k: rel(got["weights"][k], ref["weights"][k]))
-    err = rel(got["weights"][worst], ref["weights"][worst])
-    assert err <= WEIGHT_TOL, f"{what}: final weight {worst} differs, rel {err:.2e}"
+    train_workers.assert_same_training(got, ref, what, loss_tol=LOSS_TOL, weight_tol=WEIGHT_TOL)
 
 
 @pytest.fixture(scope="module")

@@ -172,3 +172,30 @@ def run_or_refuse(raw: dict[str, Any], base_dir: str, *, nan_at_call: Optional[i
         return {"error": f"{type(err).__name__}: {err}"}
     finally:
         loop.train_step = real
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_on_pool(pool: Any, raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """:func:`run_config` on every rank of ``pool``; rank 0's result, after checking every rank saw the same losses."""
+    results = pool.run(run_config, raw, base_dir, timeout_s=300)
+    losses = {tuple(r["losses"]) for r in results}
+    assert len(losses) == 1, f"ranks disagree on the step losses: {losses}"
+    return results[0]
+
+
+def assert_same_training(got: dict[str, Any], ref: dict[str, Any], what: str, *, loss_tol: float,
+                         weight_tol: float) -> None:
+    """Every step's loss within ``loss_tol`` and every final weight within ``weight_tol``, relative."""
+    assert len(got["losses"]) == len(ref["losses"]), f"{what}: {len(got['losses'])} vs {len(ref['losses'])} steps"
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
+        assert abs(a - b) <= loss_tol * abs(b), f"{what}: step {step} loss {a} vs {b}"
+    assert got["weights"].keys() == ref["weights"].keys()
+    worst = max(got["weights"], key=lambda k: relative_error(got["weights"][k], ref["weights"][k]))
+    err = relative_error(got["weights"][worst], ref["weights"][worst])
+    assert err <= weight_tol, f"{what}: final weight {worst} differs, rel {err:.2e}"
+
