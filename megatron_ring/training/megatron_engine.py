@@ -154,8 +154,20 @@ class MegatronTrainer:
         return str(folder), state["client"]
 
     def destroy(self) -> None:
-        """Drop the model, optimizer and their buffers (a worker serving many runs calls it)."""
-        self.model, self.optimizer = [], None
+        """Drop the model, optimizer, scheduler and their buffers, so that the process groups they hold
+        can end (a worker serving many runs calls it).
+
+        Megatron's ``RotaryEmbedding.forward`` is an ``lru_cache`` keyed on the module itself: it keeps
+        the last 32 models alive, and through the hooks on their config (``no_sync_func``, ...) the DDP
+        buffers and every process group they use. The hooks are cleared and the cache emptied.
+        """
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        for chunk in self.model:
+            for hook in ("no_sync_func", "finalize_model_grads_func", "grad_scale_func", "param_sync_func"):
+                setattr(chunk.config, hook, None)
+        RotaryEmbedding.forward.cache_clear()
+        self.model, self.optimizer, self.scheduler = [], None, None
 
     # --- the schedule's callbacks -------------------------------------------------------------
 
