@@ -30,16 +30,20 @@ def run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
 
 
 def _run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    with scoped_groups():  # the run's objects are gone (a frame of their own) when the groups are freed
+        return _train_and_gather(raw, base_dir)
+
+
+def _train_and_gather(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
     import deepspeed
 
-    with scoped_groups():
-        spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
-        device = torch.device("cpu")
-        groups = init_model_parallel(spec, device)
-        run = train(spec, groups, device)
-        module = run.engine.module
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            weights = full_weights(module, groups.tp)
-        run.engine.destroy()
-        return {"losses": [r["loss"] for r in run.records], "start_step": run.start_step,
-                "weights": weights if dist.get_rank() == 0 else None}
+    spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
+    device = torch.device("cpu")
+    groups = init_model_parallel(spec, device)
+    run = train(spec, groups, device)
+    module = run.engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        weights = full_weights(module, groups.tp)
+    run.engine.destroy()
+    return {"losses": [r["loss"] for r in run.records], "start_step": run.start_step,
+            "weights": weights if dist.get_rank() == 0 else None}
