@@ -1,4 +1,6 @@
-"""The training loop: a Megatron GPT (or a transformers causal LM) with ring attention inside DeepSpeed's engine.
+"""The training loop: a Megatron GPT (or a transformers causal LM) with ring attention inside DeepSpeed's
+engine, or a Megatron GPT in Megatron-core's own stack (``engine: megatron``,
+:mod:`megatron_ring.training.megatron_engine`).
 
 One rank's run (:func:`train_main`, started by ``launch/train.py``):
 
@@ -8,8 +10,10 @@ One rank's run (:func:`train_main`, started by ``launch/train.py``):
 2. start the peer monitor (:class:`megatron_ring.runtime.faults.PeerMonitor`) and
    torch.distributed from the launcher's environment, then Megatron's ``parallel_state`` for the
    layout (its groups equal :class:`~megatron_ring.parallel.layout.ParallelLayout`'s);
-3. build the GPT model from the ``configs/megatron`` YAML, hand it to ``deepspeed.initialize``
-   with our :class:`~megatron_ring.integrations.deepspeed.mpu.DeepSpeedMPU`;
+3. build the engine (:func:`build_engine`): the GPT model from the ``configs/megatron`` YAML (or the
+   transformers model) handed to ``deepspeed.initialize`` with our
+   :class:`~megatron_ring.integrations.deepspeed.mpu.DeepSpeedMPU`, or with ``engine: megatron``
+   a :class:`~megatron_ring.training.megatron_engine.MegatronTrainer`;
 4. resume from the latest *complete* checkpoint if there is one; then per step: this rank's
    micro-batches (zigzag over CP, split over DP), forward + backward + ``engine.step()``, one
    metrics line, and a checkpoint every ``save_interval`` steps and at the end.
