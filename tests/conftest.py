@@ -1,36 +1,133 @@
-"""Shared fixtures: gloo process pools reused across tests (one per world size)."""
+"""Shared fixtures: gloo process pools reused across tests, cleaned and probed after every module.
+
+``gloo_pool(P)`` gives a running P-rank :class:`GlooPool`. Pools belong to a family, named by a
+module's ``pytest.mark.pool_family(NAME)`` (default ``"core"``): the tests are ordered so that each
+family's modules run together, and only one family's pools live at a time, so the Megatron,
+DeepSpeed and transformers state of one family never reaches another's ranks. After each module
+the pools it used run :func:`megatron_ring.testing.hygiene.reset` on every rank; a rank still
+holding more than ``WORKER_THREADS_BOUND`` threads or any process group but the world is a leak:
+the pool is recycled, and the module is named at the end of the run (and fails it). See
+tests/README.md.
+"""
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from megatron_ring.testing.gloo import GlooPool  # noqa: E402
+from megatron_ring.testing import hygiene  # noqa: E402
+from megatron_ring.testing.gloo import GlooPool, WorkerError  # noqa: E402
+
+FAMILIES = ("core", "megatron", "deepspeed")
+"""Pool families in the order their modules run."""
+WORKER_THREADS_BOUND = 64
+"""Threads a worker may hold after a reset (a fresh one holds about 10)."""
+
+
+@dataclass
+class Leak:
+    """What a module left in a pool worker after the reset."""
+
+    module: str
+    family: str
+    size: int
+    worst: dict[str, float]
+
+    def __str__(self) -> str:
+        numbers = ", ".join(f"{k} {v:g}" for k, v in self.worst.items())
+        return f"{self.module} ({self.family} pool of {self.size}): {numbers}"
 
 
 class Pools:
-    """Lazily started :class:`GlooPool` per world size; a broken pool is replaced on next use."""
+    """Lazily started :class:`GlooPool` per (family, world size); a broken pool is replaced on next use."""
 
     def __init__(self) -> None:
-        self._pools: dict[int, GlooPool] = {}
+        self._pools: dict[tuple[str, int], GlooPool] = {}
+        self._used: set[tuple[str, int]] = set()
+        self.leaks: list[Leak] = []
 
-    def __call__(self, world_size: int) -> GlooPool:
-        pool = self._pools.get(world_size)
+    def get(self, family: str, world_size: int) -> GlooPool:
+        for key in [k for k in self._pools if k[0] != family]:  # one family alive at a time
+            self._pools.pop(key).close()
+        key = (family, world_size)
+        pool = self._pools.get(key)
         if pool is None or not pool.alive():
-            pool = self._pools[world_size] = GlooPool(world_size, timeout_s=120)
+            pool = self._pools[key] = GlooPool(world_size, timeout_s=120, setup=hygiene.snapshot)
+        self._used.add(key)
         return pool
+
+    def after_module(self, module: str) -> None:
+        """Reset the pools ``module`` used; recycle (and record) any whose ranks kept threads or groups."""
+        for key in sorted(self._used):
+            pool = self._pools.get(key)
+            if pool is None or not pool.alive():
+                continue
+            try:
+                per_rank = pool.run(hygiene.reset, timeout_s=60)
+            except WorkerError as err:
+                self._pools.pop(key).close(force=True)
+                self.leaks.append(Leak(module, key[0], key[1], {"reset failed": 1}))
+                print(f"\nreset after {module} failed: {err}")
+                continue
+            worst = {name: max(r[name] for r in per_rank) for name in per_rank[0]}
+            if worst["threads"] > WORKER_THREADS_BOUND or worst["groups"] > 1:
+                self._pools.pop(key).close()
+                self.leaks.append(Leak(module, key[0], key[1], worst))
+        self._used.clear()
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+        self._pools.clear()
+
+
+def family_of(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("pool_family")
+    family = marker.args[0] if marker else "core"
+    if family not in FAMILIES:
+        raise pytest.UsageError(f"{item.nodeid}: pool_family {family!r} is not one of {FAMILIES}")
+    return family
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "pool_family(name): the gloo pool family of a module's workers "
+                                       f"({', '.join(FAMILIES)}; default core)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each family's tests together (stable: the order within a family is the usual one)."""
+    items.sort(key=lambda item: FAMILIES.index(family_of(item)))
+
+
+_POOLS = Pools()
 
 
 @pytest.fixture(scope="session")
-def gloo_pool() -> Iterator[Pools]:
-    """``gloo_pool(P)`` -> a running :class:`GlooPool` of P ranks, shared by the session."""
-    pools = Pools()
-    yield pools
-    pools.close()
+def _pools() -> Iterator[Pools]:
+    yield _POOLS
+    _POOLS.close()
+
+
+@pytest.fixture(scope="module")
+def gloo_pool(request: pytest.FixtureRequest, _pools: Pools) -> Iterator[Callable[[int], GlooPool]]:
+    """``gloo_pool(P)`` -> a running :class:`GlooPool` of P ranks of this module's family; reset after the module."""
+    marker = request.node.get_closest_marker("pool_family")
+    family = marker.args[0] if marker else "core"
+    yield lambda world_size: _pools.get(family, world_size)
+    _pools.after_module(request.module.__name__)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ARG001
+    if _POOLS.leaks:
+        terminalreporter.section("pool workers left with threads or process groups (recycled)")
+        for leak in _POOLS.leaks:
+            terminalreporter.write_line(str(leak))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _POOLS.leaks and exitstatus == 0:
+        session.exitstatus = 1

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int,
-            tasks: Any, results: Any, env: dict[str, str]) -> None:
+            tasks: Any, results: Any, env: dict[str, str], setup: Callable[[], Any] | None) -> None:
     os.environ.update(env)
     torch.set_num_threads(threads)
     import torch.distributed as dist
@@ -45,6 +45,8 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    if setup is not None:
+        setup()
     while True:
         task = tasks.get()
         if task is None:
@@ -61,7 +63,10 @@ class GlooPool:
     """``world_size`` processes in one gloo group, running submitted functions on every rank."""
 
     def __init__(self, world_size: int, *, timeout_s: float = 120.0, threads: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, setup: Callable[[], Any] | None = None) -> None:
+        """``threads``: torch threads per rank (default: the cores shared out); ``env``: set in each rank
+        before anything runs; ``setup``: an importable function each rank calls once, after joining the
+        process group and before the first task."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -75,7 +80,8 @@ class GlooPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, timeout_s, threads, self._tasks[r], self._results, dict(env or {})),
+                args=(r, world_size, port, timeout_s, threads, self._tasks[r], self._results, dict(env or {}),
+                      setup),
                 daemon=True,
             )
             for r in range(world_size)
