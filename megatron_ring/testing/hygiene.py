@@ -19,6 +19,7 @@ must find the threads of a fresh worker again.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -30,20 +31,28 @@ import torch.distributed as dist
 
 _FUNCTIONAL: dict[str, Any] = {}
 """``torch.nn.functional``'s public attributes as the worker started."""
+_START_GLOO_THREADS = [0]
+"""The gloo threads of the worker as it started (its world group's)."""
+GLOO_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 
 def snapshot() -> None:
-    """Remember ``torch.nn.functional`` as it is now (call once, when the worker starts)."""
+    """Remember ``torch.nn.functional`` and the gloo threads as they are now (call once, when the worker starts)."""
     functional = torch.nn.functional
     _FUNCTIONAL.update({name: value for name, value in vars(functional).items() if not name.startswith("_")})
+    if dist.is_initialized():  # the world group's threads start at its first collective
+        dist.barrier()
+    _START_GLOO_THREADS[0] = _thread_names().get("gloo", 0)
 
 
 def probe() -> dict[str, float]:
-    """This rank's ``{"threads", "groups", "rss_mb"}``: threads of the process, live process groups
+    """This rank's ``{"threads", "gloo_threads_added", "groups", "rss_mb"}``: threads of the process, gloo
+    threads beyond those it started with (each gloo group alive holds three), live process groups
     (the world included) and resident memory."""
-    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
+    names = _thread_names()
     groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
-    return {"threads": threads, "groups": groups, "rss_mb": round(_rss_bytes() / 2**20, 1)}
+    return {"threads": sum(names.values()), "gloo_threads_added": names.get("gloo", 0) - _START_GLOO_THREADS[0],
+            "groups": groups, "rss_mb": round(_rss_bytes() / 2**20, 1)}
 
 
 def reset() -> dict[str, float]:
@@ -73,18 +82,48 @@ def _forget_own_groups() -> None:
 
 
 def _forget_framework_groups() -> None:
-    """Megatron's and DeepSpeed's module globals that hold process groups, where those are loaded."""
-    if "megatron.core.parallel_state" in sys.modules:
-        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-    rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
-    if rotary is not None:  # an lru_cache keyed on the module keeps the last 32 models alive
-        rotary.RotaryEmbedding.forward.cache_clear()
+    """Megatron's and DeepSpeed's module globals that hold process groups or models, where those are loaded."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+        for name, value in vars(parallel_state).items():  # globals destroy_model_parallel forgets (0.16.1)
+            if isinstance(value, dist.ProcessGroup):
+                setattr(parallel_state, name, None)
+    for cached in _framework_lru_caches():  # a method's lru_cache is keyed on its object and keeps it alive
+        cached.cache_clear()
     ds_groups = sys.modules.get("deepspeed.utils.groups")
     if ds_groups is not None:
         ds_groups.mpu = None
         for name, value in vars(ds_groups).items():
             if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
                 setattr(ds_groups, name, {} if isinstance(value, dict) else None)
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:  # ZeRO-3's stack of modules in forward keeps the last model (and its groups)
+        offload.FWD_MODULE_STACK.clear()
+
+
+def _framework_lru_caches() -> list[Any]:
+    """Every ``functools.lru_cache`` of Megatron's and DeepSpeed's code: Megatron's ``RotaryEmbedding.forward``
+    keeps the last 32 models, DeepSpeed's ``PartitionedParameterCoordinator.__params_to_release`` the last
+    ZeRO-3 coordinators, with their parameters and process groups."""
+    return [obj for obj in gc.get_objects()
+            if isinstance(obj, functools._lru_cache_wrapper)
+            and getattr(obj, "__module__", None) and obj.__module__.startswith(("megatron.", "deepspeed."))]
+
+
+def _thread_names() -> dict[str, int]:
+    """``{"gloo": n, "other": m}``: this process's threads by kind (Linux names them in /proc)."""
+    if not os.path.isdir("/proc/self/task"):
+        return {"other": threading.active_count()}
+    counts = {"gloo": 0, "other": 0}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        counts["gloo" if name in GLOO_THREAD_NAMES else "other"] += 1
+    return counts
 
 
 def _rss_bytes() -> int:

@@ -2,27 +2,54 @@
 
 Tolerances (relative Frobenius error, every output and gradient): fp32 <= 1e-5, bf16 <= 2e-2.
 """
+import itertools
+
 import pytest
 import torch
 
+from megatron_ring.testing.gloo import CaseGrid
 from tests.gloo import workers
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+SIZES = [1, 2, 3, 4]
+CAUSAL = [True, False]
+SHARDINGS = ["zigzag", "contiguous"]
+COMMS = ["p2p", "all_gather"]
+DTYPES = [torch.float32, torch.bfloat16]
+BACKENDS = ("math", "sdpa")
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
-def test_ring_matches_float64_reference(gloo_pool, size, causal, sharding, comm, dtype, heads):
+def reference_call(size, causal, sharding, comm, dtype, heads, backend):
+    """The worker call of one case of test_ring_matches_float64_reference."""
     heads_q, heads_kv = HEADS[heads]
-    for backend in ("math", "sdpa"):
-        per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, heads_q, heads_kv, 5, causal,
-                                       sharding, comm, dtype, backend)
-        for rank, errs in enumerate(per_rank):
+    return (4 * size, heads_q, heads_kv, 5, causal, sharding, comm, dtype, backend), {}
+
+
+def mask_call(size, causal, sharding, comm, dtype, backend):
+    """The worker call of one case of test_key_padding_mask_matches_float64."""
+    return (4 * size, 4, 2, 8, causal, sharding, comm, dtype, backend), {"batch": 3, "padded": True}
+
+
+@pytest.fixture(scope="module")
+def grid(gloo_pool):
+    """Both grids' calls, one pool call per ring size (Note: a case's errors are still asserted by its own test)."""
+    calls = {size: [reference_call(size, *case) for case in itertools.product(
+        CAUSAL, SHARDINGS, COMMS, DTYPES, HEADS, BACKENDS)] + [mask_call(size, *case) for case in itertools.product(
+        CAUSAL, SHARDINGS, COMMS, DTYPES, BACKENDS)] for size in SIZES}
+    return CaseGrid(gloo_pool, workers.ring_vs_reference, calls)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("causal", CAUSAL, ids=["causal", "full"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", list(HEADS), ids=list(HEADS))
+def test_ring_matches_float64_reference(grid, size, causal, sharding, comm, dtype, heads):
+    for backend in BACKENDS:
+        args, kwargs = reference_call(size, causal, sharding, comm, dtype, heads, backend)
+        for rank, errs in enumerate(grid(size, *args, **kwargs)):
             for name, err in errs.items():
                 assert err <= TOL[dtype], f"{backend} rank {rank} {name}: rel err {err:.2e} > {TOL[dtype]:.0e}"
 
@@ -46,17 +73,16 @@ def test_even_head_dims_and_longer_sequences(gloo_pool, size, head_dim):
     assert max(max(e.values()) for e in per_rank) <= 1e-5
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("comm", ["p2p", "all_gather"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_key_padding_mask_matches_float64(gloo_pool, size, causal, sharding, comm, dtype):
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("causal", CAUSAL, ids=["causal", "full"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_key_padding_mask_matches_float64(grid, size, causal, sharding, comm, dtype):
     """Left padding, random holes and a fully padded row (zero output, zero gradients) over the ring."""
-    for backend in ("math", "sdpa"):
-        per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, 4, 2, 8, causal, sharding, comm, dtype,
-                                       backend, batch=3, padded=True)
-        for rank, errs in enumerate(per_rank):
+    for backend in BACKENDS:
+        args, kwargs = mask_call(size, causal, sharding, comm, dtype, backend)
+        for rank, errs in enumerate(grid(size, *args, **kwargs)):
             for name, err in errs.items():
                 assert err <= TOL[dtype], f"{backend} rank {rank} {name}: rel err {err:.2e} > {TOL[dtype]:.0e}"
 

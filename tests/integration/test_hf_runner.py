@@ -12,11 +12,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
-from megatron_ring.testing.gloo import GlooPool  # noqa: E402
 from megatron_ring.testing.tiny_hf import PAD_ID, save_tiny_model  # noqa: E402
 from tests.integration import hf_runner_workers as workers  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("deepspeed")]
 NEW_TOKENS = 6
 TIMEOUT_S = 300
 
@@ -36,15 +35,12 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("layout", [{"cp": 2}, {"cp": 4}, {"tp": 2}, {"tp": 2, "cp": 2}],
                          ids=["cp2", "cp4", "tp2", "tp2xcp2"])
-def test_hf_runner_matches_generate(checkpoint, layout):
-    """In fresh processes: DeepSpeed's AutoTP and its CPU communication state from the shared pool's
-    earlier tests (training, other layouts) killed both ranks of the tp 2 case in a full run."""
+def test_hf_runner_matches_generate(gloo_pool, checkpoint, layout):
     ids, mask = padded_batch()
     expected = workers.reference(checkpoint, ids, mask, NEW_TOKENS)
     world = layout.get("tp", 1) * layout.get("cp", 1)
-    with GlooPool(world, timeout_s=TIMEOUT_S) as pool:
-        per_rank = pool.run(workers.serve, {"checkpoint": checkpoint}, layout, ids, mask, NEW_TOKENS,
-                            timeout_s=TIMEOUT_S)
+    per_rank = gloo_pool(world).run(workers.serve, {"checkpoint": checkpoint}, layout, ids, mask, NEW_TOKENS,
+                                    timeout_s=TIMEOUT_S)
     rows = 64 // layout.get("tp", 1)  # hidden 64 = 4 heads x 16
     for rank, (tokens, q_rows) in enumerate(per_rank):
         assert torch.equal(tokens, expected), f"{layout} rank {rank}: {tokens.tolist()} != {expected.tolist()}"
@@ -91,9 +87,8 @@ def test_text_prompts_under_the_deepspeed_launcher(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("tp, cp", [(1, 2), (1, 4), (2, 1)], ids=["cp2", "cp4", "tp2"])
-def test_perplexity_equals_the_models_loss(checkpoint, tp, cp):
-    """``megatron-ring perplexity``'s per-rank work (ring_nll on the hf runner's model) = transformers' own loss
-    (in fresh processes, as test_hf_runner_matches_generate)."""
+def test_perplexity_equals_the_models_loss(gloo_pool, checkpoint, tp, cp):
+    """``megatron-ring perplexity``'s per-rank work (ring_nll on the hf runner's model) = transformers' own loss."""
     from transformers import AutoModelForCausalLM
 
     from megatron_ring.inference.perplexity import TOLERANCE, rank_nll
@@ -102,8 +97,7 @@ def test_perplexity_equals_the_models_loss(checkpoint, tp, cp):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         expected = float(model(ids, labels=ids).loss)
-    with GlooPool(tp * cp, timeout_s=TIMEOUT_S) as pool:
-        per_rank = pool.run(rank_nll, {"checkpoint": checkpoint}, tp, cp, ids, timeout_s=TIMEOUT_S)
+    per_rank = gloo_pool(tp * cp).run(rank_nll, {"checkpoint": checkpoint}, tp, cp, ids, timeout_s=TIMEOUT_S)
     for nll, count in per_rank:
         assert count == 60
         assert abs(nll / count - expected) <= TOLERANCE * expected

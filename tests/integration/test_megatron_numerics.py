@@ -20,7 +20,7 @@ from megatron_ring.integrations.megatron.equivalence import compare_to_reference
 from tests.integration import megatron_workers  # noqa: E402
 from megatron_ring.testing.configs import with_changes  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 FP32_TOL, BF16_TOL = 1e-5, 2e-2

@@ -19,7 +19,7 @@ from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
 from tests.integration import megatron_workers  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 TINY = load_mapping(CONFIGS / "tiny_local.yaml")
