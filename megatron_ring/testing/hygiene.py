@@ -31,27 +31,24 @@ import torch.distributed as dist
 
 _FUNCTIONAL: dict[str, Any] = {}
 """``torch.nn.functional``'s public attributes as the worker started."""
-_START_GLOO_THREADS = [0]
-"""The gloo threads of the worker as it started (its world group's)."""
 GLOO_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
+WORLD_GLOO_THREADS = 3
+"""The gloo threads of the world group once it has run collectives (one TCP loop, two work threads)."""
 
 
 def snapshot() -> None:
-    """Remember ``torch.nn.functional`` and the gloo threads as they are now (call once, when the worker starts)."""
+    """Remember ``torch.nn.functional`` as it is now (call once, when the worker starts)."""
     functional = torch.nn.functional
     _FUNCTIONAL.update({name: value for name, value in vars(functional).items() if not name.startswith("_")})
-    if dist.is_initialized():  # the world group's threads start at its first collective
-        dist.barrier()
-    _START_GLOO_THREADS[0] = _thread_names().get("gloo", 0)
 
 
 def probe() -> dict[str, float]:
     """This rank's ``{"threads", "gloo_threads_added", "groups", "rss_mb"}``: threads of the process, gloo
-    threads beyond those it started with (each gloo group alive holds three), live process groups
-    (the world included) and resident memory."""
+    threads beyond the world group's (each other gloo group alive holds up to three), live process
+    groups (the world included) and resident memory."""
     names = _thread_names()
     groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
-    return {"threads": sum(names.values()), "gloo_threads_added": names.get("gloo", 0) - _START_GLOO_THREADS[0],
+    return {"threads": sum(names.values()), "gloo_threads_added": max(0, names.get("gloo", 0) - WORLD_GLOO_THREADS),
             "groups": groups, "rss_mb": round(_rss_bytes() / 2**20, 1)}
 
 
@@ -59,16 +56,21 @@ def reset() -> dict[str, float]:
     """Tear down what tests left in this worker (see the module's docstring) and return :func:`probe`."""
     _forget_framework_groups()
     _forget_own_groups()
-    if dist.is_initialized():
-        world = dist.GroupMember.WORLD
-        for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
-            dist.destroy_process_group(group)
+    _destroy_groups_but_the_world()
     functional = torch.nn.functional
     for name, value in _FUNCTIONAL.items():
         if getattr(functional, name, None) is not value:
             setattr(functional, name, value)
-    gc.collect()
+    gc.collect()  # a gloo group's destructor joins its threads
     return probe()
+
+
+def _destroy_groups_but_the_world() -> None:
+    """Every process group but the world, destroyed (a function of its own: no local keeps the last one)."""
+    if dist.is_initialized():
+        world = dist.GroupMember.WORLD
+        for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
+            dist.destroy_process_group(group)
 
 
 def _forget_own_groups() -> None:
@@ -107,7 +109,7 @@ def _framework_lru_caches() -> list[Any]:
     keeps the last 32 models, DeepSpeed's ``PartitionedParameterCoordinator.__params_to_release`` the last
     ZeRO-3 coordinators, with their parameters and process groups."""
     return [obj for obj in gc.get_objects()
-            if isinstance(obj, functools._lru_cache_wrapper)
+            if type(obj) is functools._lru_cache_wrapper
             and getattr(obj, "__module__", None) and obj.__module__.startswith(("megatron.", "deepspeed."))]
 
 

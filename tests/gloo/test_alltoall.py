@@ -4,12 +4,14 @@ sequence and heads] in attention/alltoall.py).
 
 Tolerances as tests/gloo/test_ring_numerics.py: fp32 <= 1e-5, bf16 <= 2e-2 relative Frobenius error.
 """
+import itertools
 import math
 
 import pytest
 import torch
 
 from megatron_ring.attention.relay import PIECES
+from megatron_ring.testing.gloo import CaseGrid
 from tests.gloo import a2a_workers, workers
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -19,18 +21,35 @@ A2A_SIZES = {1: [1], 2: [1, 2], 3: [1, 3], 4: [2, 4]}
 """The a2a group sizes of a2a+p2p tried at each cp (4 = 2 x 2)."""
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("sharding", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads", list(HEADS))
-def test_a2a_matches_float64_reference(gloo_pool, size, causal, sharding, dtype, heads):
+CAUSAL = [True, False]
+SHARDINGS = ["zigzag", "contiguous"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def reference_calls(size, causal, sharding, dtype, heads):
+    """``(comm, a2a_size, backend)`` and the worker call of each run of one test_a2a_matches_float64_reference case."""
     heads_q, heads_kv = HEADS[heads]
     runs = [("a2a", None, "sdpa"), ("a2a", None, "math")] + [("a2a+p2p", a, "sdpa") for a in A2A_SIZES[size]]
-    for comm, a2a_size, backend in runs:
-        per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, heads_q, heads_kv, 8, causal, sharding,
-                                       comm, dtype, backend, a2a_size=a2a_size)
-        for rank, errs in enumerate(per_rank):
+    return [(run, ((4 * size, heads_q, heads_kv, 8, causal, sharding, run[0], dtype, run[2]), {"a2a_size": run[1]}))
+            for run in runs]
+
+
+@pytest.fixture(scope="module")
+def grid(gloo_pool):
+    """Every run of test_a2a_matches_float64_reference, one pool call per ring size."""
+    return CaseGrid(gloo_pool, workers.ring_vs_reference, {
+        size: [call for case in itertools.product(CAUSAL, SHARDINGS, DTYPES, HEADS)
+               for _, call in reference_calls(size, *case)] for size in A2A_SIZES})
+
+
+@pytest.mark.parametrize("size", list(A2A_SIZES))
+@pytest.mark.parametrize("causal", CAUSAL, ids=["causal", "full"])
+@pytest.mark.parametrize("sharding", SHARDINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_a2a_matches_float64_reference(grid, size, causal, sharding, dtype, heads):
+    for (comm, a2a_size, backend), (args, kwargs) in reference_calls(size, causal, sharding, dtype, heads):
+        for rank, errs in enumerate(grid(size, *args, **kwargs)):
             for name, err in errs.items():
                 assert err <= TOL[dtype], f"{comm} a2a={a2a_size} {backend} rank {rank} {name}: {err:.2e}"
 
