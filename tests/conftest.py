@@ -27,6 +27,8 @@ FAMILIES = ("core", "megatron", "deepspeed")
 """Pool families in the order their modules run."""
 WORKER_THREADS_BOUND = 64
 """Threads a worker may hold after a reset (a fresh one holds about 10)."""
+WORKER_RSS_BOUND_MB = 1536
+"""Resident memory past which a worker is recycled after a module (not a leak: imports and allocator caches grow)."""
 
 
 @dataclass
@@ -50,6 +52,9 @@ class Pools:
         self._pools: dict[tuple[str, int], GlooPool] = {}
         self._used: set[tuple[str, int]] = set()
         self.leaks: list[Leak] = []
+        self.worst: dict[str, float] = {}
+        """The largest of each probe number seen after any module's reset."""
+        self.recycled_for_memory: list[str] = []
 
     def get(self, family: str, world_size: int) -> GlooPool:
         for key in [k for k in self._pools if k[0] != family]:  # one family alive at a time
@@ -75,9 +80,13 @@ class Pools:
                 print(f"\nreset after {module} failed: {err}")
                 continue
             worst = {name: max(r[name] for r in per_rank) for name in per_rank[0]}
+            self.worst = {name: max(value, self.worst.get(name, value)) for name, value in worst.items()}
             if worst["threads"] > WORKER_THREADS_BOUND or worst["gloo_threads_added"] > 0 or worst["groups"] > 1:
                 self._pools.pop(key).close()
                 self.leaks.append(Leak(module, key[0], key[1], worst))
+            elif worst["rss_mb"] > WORKER_RSS_BOUND_MB:
+                self._pools.pop(key).close()
+                self.recycled_for_memory.append(f"{module} ({key[0]} pool of {key[1]}): {worst['rss_mb']:g} MiB")
         self._used.clear()
 
     def close(self) -> None:
@@ -123,6 +132,11 @@ def gloo_pool(request: pytest.FixtureRequest, _pools: Pools) -> Iterator[Callabl
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ARG001
+    if _POOLS.worst:
+        numbers = ", ".join(f"{k} {v:g}" for k, v in _POOLS.worst.items())
+        terminalreporter.write_line(f"pool workers after each module's reset, at most: {numbers}")
+    for line in _POOLS.recycled_for_memory:
+        terminalreporter.write_line(f"pool recycled for memory after {line}")
     if _POOLS.leaks:
         terminalreporter.section("pool workers left with threads or process groups (recycled)")
         for leak in _POOLS.leaks:
