@@ -35,11 +35,23 @@ WORKER = textwrap.dedent("""
     import torch.distributed as dist
     from megatron_ring.runtime.faults import PeerMonitor
 
+    def listening(port):  # some process listens on the port: the store's host is up
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as fh:
+                for row in fh.read().splitlines()[1:]:
+                    local, state = row.split()[1], row.split()[3]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        return True
+        return False
+
     rank, port, timeout_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    deadline = time.monotonic() + 45
+    while rank != 0 and not listening(port):  # a client refused at once would retry only after 1-2 s
+        assert time.monotonic() < deadline, "the store's host never listened"
+        time.sleep(0.02)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     monitor = PeerMonitor(timeout_s=timeout_s, interval_s=0.1).start()
     monitor.attach(store, rank, 2)
-    deadline = time.monotonic() + 45
     while int(store.get(f"megatron_ring/monitor/beat/{1 - rank}")) < 3:  # a few of the peer's beats seen
         assert time.monotonic() < deadline, "the peer's heartbeat never moved"
         time.sleep(0.02)
