@@ -96,7 +96,7 @@ def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int, runni
             assert time.monotonic() < deadline, "the run never got going"
             time.sleep(0.2)
         while (victim_pid := rank_pid(proc.pid, script, victim)) is None:
-            assert proc.poll() is None and time.monotonic() < deadline, "rank {victim} never started"
+            assert proc.poll() is None and time.monotonic() < deadline, f"rank {victim} never started"
             time.sleep(0.05)
         os.kill(victim_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
