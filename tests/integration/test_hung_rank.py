@@ -31,7 +31,12 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="deepspeed launcher not installed")
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 
-PEER_TIMEOUT_S = 5.0
+PEER_TIMEOUT_S = 2.0
+"""Peer timeout of the mid-run cases: the monitors beat every 0.25 s, so 2 s of silence is 8 missed
+beats (a slow rank still beats: Note [Lost ranks]), and an observer's own gap counts at most 1 s."""
+START_UP_TIMEOUT_S = 1.0
+"""Peer timeout of the start-up cases: before attach only a stopped sibling (/proc state T) counts,
+which a slow rank never is, so the shortest timeout that still spans a few checks."""
 BOUND_S = PEER_TIMEOUT_S + 15
 
 
@@ -91,7 +96,7 @@ def stop_rank_mid_run(script: str, config: Path, nprocs: int, victim: int, runni
             assert time.monotonic() < deadline, "the run never got going"
             time.sleep(0.2)
         while (victim_pid := rank_pid(proc.pid, script, victim)) is None:
-            assert proc.poll() is None and time.monotonic() < deadline, "rank {victim} never started"
+            assert proc.poll() is None and time.monotonic() < deadline, f"rank {victim} never started"
             time.sleep(0.05)
         os.kill(victim_pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -219,13 +224,13 @@ def test_rank_stopped_at_start_up_stops_the_job(tmp_path: Path, victim: int) -> 
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
         "megatron_ring": {"model": str(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml"), "layout": {"cp": 2},
-                          "seq_len": 64, "steps": 2, "peer_timeout_s": PEER_TIMEOUT_S,
+                          "seq_len": 64, "steps": 2, "peer_timeout_s": START_UP_TIMEOUT_S,
                           "data": {"kind": "text", "paths": [str(ROOT / "docs")]}, "log": {"progress": False}},
     }
     config = tmp_path / "startup.json"
     config.write_text(json.dumps(cfg))
     code, elapsed, victim_pid, out = stop_rank_mid_run("train.py", config, 2, victim, lambda _: True,
-                                                       bound_s=BOUND_S + 60)
+                                                       bound_s=START_UP_TIMEOUT_S + 75)
     assert code != 0, out[-3000:]
     lines = [ln for ln in out.splitlines() if f"[megatron_ring] rank {1 - victim}:" in ln]
     assert len(lines) == 1 and f"lost rank {victim} (stopped during start-up, before the peer monitor attached" \

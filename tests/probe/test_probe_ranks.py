@@ -3,6 +3,7 @@ trusted, start-up faults; and the issue-27 cases other changes own, as expected 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,26 @@ def _flip(path: Path, count: int = 4096) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_bit_flipped_checkpoint_is_refused_naming_the_file(gloo_pool: Any, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def step1_checkpoint(gloo_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One training step's checkpoint folder, made once for the module's corrupted-checkpoint cases
+    (each works on a copy of its own: :func:`_checkpoint_after_one_step`)."""
+    pytest.importorskip("deepspeed")
+    folder = tmp_path_factory.mktemp("step1")
+    _run_training(gloo_pool(2), train_config(folder, steps=1))
+    return folder / "ckpt"
+
+
+def _checkpoint_after_one_step(step1: Path, tmp_path: Path) -> None:
+    """``tmp_path / "ckpt"`` as ``train_config(tmp_path, steps=1)`` leaves it (a copy of the module's)."""
+    shutil.copytree(step1, tmp_path / "ckpt")
+
+
+def test_bit_flipped_checkpoint_is_refused_naming_the_file(gloo_pool: Any, step1_checkpoint: Path,
+                                                           tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     pool = gloo_pool(2)
-    _run_training(pool, train_config(tmp_path, steps=1))
+    _checkpoint_after_one_step(step1_checkpoint, tmp_path)
     tag = tmp_path / "ckpt" / "step00000001"
     _flip(tag / MODEL)
     results = _run_training(pool, train_config(tmp_path, steps=2))
@@ -109,11 +126,12 @@ def test_bit_flipped_checkpoint_is_refused_naming_the_file(gloo_pool: Any, tmp_p
     assert not (tmp_path / "ckpt" / "step00000002").exists()
 
 
-def test_nan_loss_from_an_unverified_checkpoint_stops_and_saves_nothing(gloo_pool: Any, tmp_path: Path) -> None:
+def test_nan_loss_from_an_unverified_checkpoint_stops_and_saves_nothing(gloo_pool: Any, step1_checkpoint: Path,
+                                                                        tmp_path: Path) -> None:
     """The issue's case: a checkpoint without digests (older format), 4096 bytes XORed in the model states."""
     pytest.importorskip("deepspeed")
     pool = gloo_pool(2)
-    _run_training(pool, train_config(tmp_path, steps=1))
+    _checkpoint_after_one_step(step1_checkpoint, tmp_path)
     tag = tmp_path / "ckpt" / "step00000001"
     marker = json.loads((tag / "complete.json").read_text())
     del marker["files"]

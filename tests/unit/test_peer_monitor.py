@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
@@ -22,20 +23,41 @@ from megatron_ring.runtime import faults
 from megatron_ring.runtime.faults import EXIT_PEER_LOST, PeerMonitor
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 2.0
+TIMEOUT_S = 1.0
+"""Peer timeout of the worker processes: the monitors beat every 0.1 s and cap an observer's own gap
+at 1 s, so 1 s of silence is still 10 missed beats."""
+DEADLINE_S = 45.0
+"""How long a test waits for an event that takes well under a second on an idle machine."""
 
 WORKER = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from datetime import timedelta
     import torch.distributed as dist
     from megatron_ring.runtime.faults import PeerMonitor
 
+    def listening(port):  # some process listens on the port: the store's host is up
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as fh:
+                for row in fh.read().splitlines()[1:]:
+                    local, state = row.split()[1], row.split()[3]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                        return True
+        return False
+
     rank, port, timeout_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    deadline = time.monotonic() + 45
+    while rank != 0 and not listening(port):  # a client refused at once would retry only after 1-2 s
+        assert time.monotonic() < deadline, "the store's host never listened"
+        time.sleep(0.02)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     monitor = PeerMonitor(timeout_s=timeout_s, interval_s=0.1).start()
     monitor.attach(store, rank, 2)
+    while int(store.get(f"megatron_ring/monitor/beat/{1 - rank}")) < 3:  # a few of the peer's beats seen
+        assert time.monotonic() < deadline, "the peer's heartbeat never moved"
+        time.sleep(0.02)
     print("attached", flush=True)
-    time.sleep(120)
+    while True:  # until killed
+        signal.pause()
 """)
 
 
@@ -69,9 +91,8 @@ def test_stopped_peer_on_same_host_is_declared_lost_and_killed(victim: int) -> N
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), str(port), str(TIMEOUT_S)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
-        for proc in procs:
+        for proc in procs:  # each has seen a few of the other's heartbeats
             assert proc.stdout.readline().strip() == "attached", proc.stderr.read() if proc.poll() is not None else ""
-        time.sleep(0.5)  # a few heartbeats seen both ways
         os.kill(procs[victim].pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         survivor = procs[1 - victim]
@@ -157,39 +178,79 @@ def test_heartbeat_moves_while_main_thread_runs_torch_ops() -> None:
 
 
 STARTUP_WORKER = textwrap.dedent("""
-    import os, signal, sys, time
-    from datetime import timedelta
-    import torch.distributed as dist
-    from megatron_ring.runtime.faults import PeerMonitor
+    import os, signal, sys
 
     rank, victim, how, timeout_s = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-    if rank == victim:  # before any store exists
-        if how == "exit":  # after the survivor's monitor has started: one that exits before is not seen
-            time.sleep(8)
+    if rank == victim:  # before any store exists (and before the imports, which only the survivor needs)
+        if how == "exit":  # once the test says so: a sibling that exits before the survivor's watch found it is not seen
+            sys.stdin.readline()
             sys.exit(1)
         os.kill(os.getpid(), signal.SIGSTOP)
+    from datetime import timedelta
+    import torch.distributed as dist
+    from megatron_ring.runtime import startup
+    from megatron_ring.runtime.faults import PeerMonitor
+
+    scan = startup.launcher_siblings
+
+    def announced_scan():  # tells the test once the start-up watch has found its sibling
+        found = scan()
+        if found:
+            print("watching", *sorted(found.values()), flush=True)
+        return found
+
+    startup.launcher_siblings = announced_scan
     PeerMonitor(timeout_s=timeout_s, interval_s=0.1).start()
     dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timedelta(seconds=60))
     print("the store formed without the victim", flush=True)
 """)
 
 
+def wait_until(condition: Callable[[], bool], what: str, procs: list[subprocess.Popen]) -> None:
+    """Return as soon as ``condition()`` holds; fail after DEADLINE_S or once a process has ended."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        ended = [proc.pid for proc in procs if proc.poll() is not None]
+        assert not ended, f"{what}: pid {ended} ended first"
+        assert time.monotonic() < deadline, f"{what}: not within {DEADLINE_S:.0f} s"
+        time.sleep(0.02)
+
+
+def listening(pid: int, port: int) -> bool:
+    """``pid`` listens on ``port``: a rank 0 that did, hosts the store and waits in the rendezvous."""
+    import psutil
+
+    return any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+               for conn in psutil.Process(pid).net_connections(kind="tcp"))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("victim, how", [(1, "stop"), (0, "stop"), (1, "exit")])
 def test_peer_lost_before_the_monitor_attaches_ends_the_rendezvous(victim: int, how: str) -> None:
     """Note [Lost ranks at start-up]: a sibling stopped or gone before any store exists ends the other
-    rank, waiting in the rendezvous (60 s timeout), within the peer timeout, naming it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    rank, waiting in the rendezvous (60 s timeout), within the peer timeout, naming it.
+
+    The sibling that exits does so once the survivor's start-up watch has found it and the survivor,
+    rank 0, listens as the store's host, i.e. waits in the rendezvous for it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     started = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-c", STARTUP_WORKER, str(r), str(victim), how, str(TIMEOUT_S)],
-                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    survivor = procs[1 - victim]
     try:
-        code = procs[1 - victim].wait(timeout=45)
+        if how == "exit":
+            assert victim == 1, "the exit case waits for the survivor to host the store: it must be rank 0"
+            assert survivor.stdout.readline().split() == ["watching", str(procs[victim].pid)], \
+                survivor.stderr.read() if survivor.poll() is not None else ""
+            wait_until(lambda: listening(survivor.pid, port), "the survivor in the rendezvous", procs)
+            procs[victim].stdin.close()  # the victim exits
+        code = survivor.wait(timeout=45)
         elapsed = time.monotonic() - started
         victim_code = procs[victim].wait(timeout=5)
-        err = procs[1 - victim].stderr.read()
+        err = survivor.stderr.read()
     finally:
         end(procs)
     assert code == EXIT_PEER_LOST, err
