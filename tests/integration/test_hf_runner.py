@@ -47,6 +47,7 @@ def test_hf_runner_matches_generate(gloo_pool, checkpoint, layout):
         assert q_rows == rows, f"{layout} rank {rank}: q_proj has {q_rows} rows, AutoTP should leave {rows}"
 
 
+@pytest.mark.launcher
 def test_text_prompts_under_the_deepspeed_launcher(tmp_path, checkpoint):
     """launch/infer.py with the hf runner at cp 2: JSONL documents and questions through the chat template,
     one row cut to prompt_len, one left-padded; the result keeps the ids and adds the answers."""

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECKS = {"kernels", "block_vs_sdpa", "decomposition", "decode", "masked", "two_rank_ring"}
 
 
+@pytest.mark.launcher
 def test_dry_run_writes_every_check_and_passes_its_exactness_targets(tmp_path: Path) -> None:
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--cpu-dry-run",
                            "--repeats", "1"], capture_output=True, text=True, timeout=600,
