@@ -2,12 +2,17 @@
 
 End to end runs of the CPU pair and of the toy reference, config errors caught before anything is
 built, and a rank killed mid-run (Note [Lost ranks]).
+
+The launches of the first four tests do not depend on each other: the module starts those of the
+selected tests side by side (:func:`side_by_side`, each in a folder of its own) and each test waits for
+its own; the killed-rank test, which times the survivors' exit, runs alone after them.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 
@@ -57,8 +63,8 @@ def env() -> dict[str, str]:
 
 def start(cmd: list[str], **kwargs) -> subprocess.Popen:
     """Start a launcher in its own process group, so that :func:`stop` can end all it started."""
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, **{"env": env(), **kwargs})
+    return subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.STDOUT, start_new_session=True,
+                            **{"env": env(), "stdout": subprocess.PIPE, **kwargs})
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -69,28 +75,110 @@ def stop(proc: subprocess.Popen) -> None:
         pass
 
 
-def finish(proc: subprocess.Popen, timeout: float = 400) -> str:
-    """Wait for a launcher started by :func:`start` and return its output; kill all on timeout."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        stop(proc)
-    return out
+class Job:
+    """Processes of one test, started side by side with other tests' (:func:`side_by_side`); their
+    output goes to files, so that no pipe fills while nobody reads it."""
 
+    def __init__(self, folder: Path, commands: dict[str, list[str]], **kwargs) -> None:
+        self.logs = {name: folder / f"{name}.out" for name in commands}
+        self.procs: dict[str, subprocess.Popen] = {}
+        try:
+            for name, cmd in commands.items():
+                with self.logs[name].open("wb") as sink:
+                    self.procs[name] = start(cmd, stdout=sink, **kwargs)
+        except BaseException:
+            self.stop()
+            raise
 
-def finish_all(procs: dict[str, subprocess.Popen]) -> dict[str, str]:
-    """:func:`finish` for launchers running side by side; all are killed if any wait fails."""
-    try:
-        return {name: finish(proc) for name, proc in procs.items()}
-    finally:
-        for proc in procs.values():
+    def finish(self, timeout: float = 400) -> dict[str, str]:
+        """Wait for every process (all killed after ``timeout`` s or on any failure); their outputs."""
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in self.procs.values():
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            self.stop()
+        return {name: log.read_text(errors="replace") for name, log in self.logs.items()}
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
             stop(proc)
+            proc.wait()
 
 
-def launch(config: Path, nprocs: int, *extra: str, timeout: float = 400) -> tuple[int, str]:
-    proc = start(launch_cmd(config, nprocs, *extra), text=True)
-    out = finish(proc, timeout)
-    return proc.returncode, out
+def bad_configs(folder: Path) -> dict[str, tuple[dict | None, list[str]]]:
+    """Name -> (config, needles of its error) for test_bad_configs_fail_before_anything_is_built."""
+    unknown = json.loads(toy_config(folder, "a", cp=2).read_text())
+    unknown["megatron_ring"]["workload"]["promt_len"] = unknown["megatron_ring"]["workload"].pop("prompt_len")
+    ds_unknown = json.loads(toy_config(folder, "b", cp=2).read_text())
+    ds_unknown["dtpye"] = "fp32"
+    bad_model = json.loads(toy_config(folder, "c", cp=2).read_text())
+    bad_model["megatron_ring"]["model"]["config"]["num_query_groups"] = 3
+    return {
+        "unknown": (unknown, ["unknown key 'megatron_ring.workload.promt_len'", "did you mean 'prompt_len'"]),
+        "ds_unknown": (ds_unknown, ["unknown key 'dtpye'", "did you mean 'dtype'"]),
+        "model": (bad_model, ["num_query_groups = 3", "num_attention_heads = 4"]),
+        "malformed": (None, ["bad_malformed.json", "is not valid JSON", "line 1, column"]),
+    }
+
+
+CPU_PAIR = ("cpu_baseline_tp2_pp2", "cpu_ring_cp4")
+
+
+def start_toy_ring_cp2(folder: Path) -> Job:
+    return Job(folder, {"toy_cp2": launch_cmd(toy_config(folder, "toy_cp2", cp=2), 2)})
+
+
+def start_cpu_pair(folder: Path) -> Job:
+    return Job(folder, {name: launch_cmd(ROOT / "configs" / "deepspeed" / f"{name}.json", 4,
+                                         "--output", str(folder / f"{name}.json")) for name in CPU_PAIR})
+
+
+def start_bad_configs(folder: Path) -> Job:
+    commands = {}
+    for name, (cfg, _) in bad_configs(folder).items():
+        path = folder / f"bad_{name}.json"
+        path.write_text(json.dumps(cfg) if cfg is not None else '{"dtype": "fp32",, }')
+        commands[name] = [sys.executable, str(ROOT / "launch" / "infer.py"), "--deepspeed_config", str(path)]
+    return Job(folder, commands, env={**env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+
+
+def start_world_mismatch(folder: Path) -> Job:
+    return Job(folder, {"world": launch_cmd(toy_config(folder, "world", cp=4), 2)})
+
+
+STARTS: dict[str, Callable[[Path], Job]] = {
+    "test_toy_ring_cp2_end_to_end": start_toy_ring_cp2,
+    "test_cpu_pair_end_to_end": start_cpu_pair,
+    "test_bad_configs_fail_before_anything_is_built": start_bad_configs,
+    "test_layout_not_matching_launched_world_fails_on_every_rank": start_world_mismatch,
+}
+"""Test name -> what starts its processes in a fresh folder."""
+
+
+@pytest.fixture(scope="module")
+def side_by_side(request: pytest.FixtureRequest,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tuple[Path, Job]]]:
+    """Test name -> (its folder, its started job) for the selected tests of :data:`STARTS`, all started
+    on first use (a test needing the deepspeed launcher is left out where it would be skipped)."""
+    jobs: dict[str, tuple[Path, Job]] = {}
+    try:
+        for item in request.session.items:
+            if item.module is not request.module or item.name not in STARTS:
+                continue
+            if item.get_closest_marker("skipif") is not None and not HAVE_DEEPSPEED:
+                continue
+            folder = tmp_path_factory.mktemp(item.name[:30])
+            jobs[item.name] = folder, STARTS[item.name](folder)
+        yield jobs
+    finally:
+        for _, job in jobs.values():
+            job.stop()
+
+
+def started(request: pytest.FixtureRequest, side_by_side: dict[str, tuple[Path, Job]]) -> tuple[Path, Job]:
+    assert request.node.name in side_by_side, f"{request.node.name} was not started"
+    return side_by_side[request.node.name]
 
 
 METRIC_KEYS = {"ttft_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "prefill_tps", "decode_tps",
@@ -112,9 +200,11 @@ def check_result(path: Path, world: int, *, repeats: int, batch: int, new_tokens
 
 
 @needs_deepspeed
-def test_toy_ring_cp2_end_to_end(tmp_path: Path) -> None:
+def test_toy_ring_cp2_end_to_end(request: pytest.FixtureRequest, side_by_side) -> None:
     """The whole path with the reference runner: table on stdout, complete JSON, ring traffic counted."""
-    code, out = launch(toy_config(tmp_path, "toy_cp2", cp=2), 2)
+    tmp_path, job = started(request, side_by_side)
+    out = job.finish()["toy_cp2"]
+    code = job.procs["toy_cp2"].returncode
     assert code == 0, out[-4000:]
     assert "TPOT p99" in out and "result written to" in out
     result = check_result(tmp_path / "toy_cp2.json", 2, repeats=2, batch=2, new_tokens=6)
@@ -125,15 +215,12 @@ def test_toy_ring_cp2_end_to_end(tmp_path: Path) -> None:
 
 
 @needs_deepspeed
-def test_cpu_pair_end_to_end(tmp_path: Path) -> None:
+def test_cpu_pair_end_to_end(request: pytest.FixtureRequest, side_by_side) -> None:
     """The README's pair, both at once on 4 processes each: every metric written, same greedy tokens."""
-    names = ("cpu_baseline_tp2_pp2", "cpu_ring_cp4")
-    procs = {name: start(launch_cmd(ROOT / "configs" / "deepspeed" / f"{name}.json", 4,
-                                    "--output", str(tmp_path / f"{name}.json")), text=True)
-             for name in names}
+    tmp_path, job = started(request, side_by_side)
     results = {}
-    outs = finish_all(procs)
-    for name, proc in procs.items():
+    outs = job.finish()
+    for name, proc in job.procs.items():
         assert proc.returncode == 0, outs[name][-4000:]
         work = json.loads((ROOT / "configs" / "deepspeed" / f"{name}.json").read_text())["megatron_ring"]["workload"]
         results[name] = check_result(tmp_path / f"{name}.json", 4, repeats=work["repeats"], batch=work["batch"],
@@ -142,32 +229,17 @@ def test_cpu_pair_end_to_end(tmp_path: Path) -> None:
     assert results["cpu_ring_cp4"]["generated"] == results["cpu_baseline_tp2_pp2"]["generated"]
 
 
-def test_bad_configs_fail_before_anything_is_built(tmp_path: Path) -> None:
+def test_bad_configs_fail_before_anything_is_built(request: pytest.FixtureRequest, side_by_side) -> None:
     """Unknown keys (ours and DeepSpeed's), model vs layout, a JSON syntax error: exit 2 at once with the reason.
 
     Validation runs before any process group exists, so one process with the launcher's
     environment (RANK, WORLD_SIZE) is enough; the launcher case is the next test.
     """
-    unknown = json.loads(toy_config(tmp_path, "a", cp=2).read_text())
-    unknown["megatron_ring"]["workload"]["promt_len"] = unknown["megatron_ring"]["workload"].pop("prompt_len")
-    ds_unknown = json.loads(toy_config(tmp_path, "b", cp=2).read_text())
-    ds_unknown["dtpye"] = "fp32"
-    bad_model = json.loads(toy_config(tmp_path, "c", cp=2).read_text())
-    bad_model["megatron_ring"]["model"]["config"]["num_query_groups"] = 3
-    cases = {
-        "unknown": (unknown, ["unknown key 'megatron_ring.workload.promt_len'", "did you mean 'prompt_len'"]),
-        "ds_unknown": (ds_unknown, ["unknown key 'dtpye'", "did you mean 'dtype'"]),
-        "model": (bad_model, ["num_query_groups = 3", "num_attention_heads = 4"]),
-        "malformed": (None, ["bad_malformed.json", "is not valid JSON", "line 1, column"]),
-    }
-    procs = {}
-    for name, (cfg, _) in cases.items():
-        path = tmp_path / f"bad_{name}.json"
-        path.write_text(json.dumps(cfg) if cfg is not None else '{"dtype": "fp32",, }')
-        procs[name] = start([sys.executable, str(ROOT / "launch" / "infer.py"), "--deepspeed_config", str(path)],
-                            env={**env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, text=True)
-    outs = finish_all(procs)
-    for name, proc in procs.items():
+    tmp_path, job = started(request, side_by_side)
+    cases = bad_configs(tmp_path)
+    outs = job.finish()
+    assert set(job.procs) == set(cases)
+    for name, proc in job.procs.items():
         out = outs[name]
         assert proc.returncode == 2, out
         assert "config error, nothing was started" in out and "Traceback" not in out, out[-2000:]
@@ -177,9 +249,12 @@ def test_bad_configs_fail_before_anything_is_built(tmp_path: Path) -> None:
 
 
 @needs_deepspeed
-def test_layout_not_matching_launched_world_fails_on_every_rank(tmp_path: Path) -> None:
+def test_layout_not_matching_launched_world_fails_on_every_rank(request: pytest.FixtureRequest,
+                                                               side_by_side) -> None:
     """cp=4 launched on 2 processes: every rank exits before rendezvous, rank 0 says why."""
-    code, out = launch(toy_config(tmp_path, "world", cp=4), 2)
+    tmp_path, job = started(request, side_by_side)
+    out = job.finish()["world"]
+    code = job.procs["world"].returncode
     assert code != 0
     assert "config error, nothing was started" in out and "layout world size 4" in out \
         and "process world size 2" in out, out[-2000:]
@@ -198,6 +273,17 @@ def _rank_pid(launcher_pid: int, local_rank: int) -> int | None:
     return None
 
 
+DECODE_STEPS = 5
+"""Steps of the first request rank 0's progress bar has counted (the prefill, then one per decode
+step) when test_killed_rank_stops_every_other_rank kills a rank: the ranks are in the decode loop."""
+
+
+def decoding(out: bytes) -> bool:
+    """Rank 0's progress bar (``... N/TOTAL [..., request 1/3]``) counted ``DECODE_STEPS`` steps."""
+    counts = re.findall(rb"(\d+)/\d+ \[[^\]\r\n]*request 1/3", out)
+    return bool(counts) and int(counts[-1]) >= DECODE_STEPS
+
+
 @needs_deepspeed
 def test_killed_rank_stops_every_other_rank(tmp_path: Path) -> None:
     """SIGKILL rank 2 of 4 mid-run: the others exit non-zero within 30 s naming rank 2; no result file."""
@@ -210,11 +296,10 @@ def test_killed_rank_stops_every_other_rank(tmp_path: Path) -> None:
     reader.start()
     try:
         deadline = time.monotonic() + 300
-        while b"request 1/3" not in b"".join(chunks):  # rank 0's progress bar: decoding has started
+        while not decoding(b"".join(chunks)):  # rank 0's progress bar: into the first request's decode
             assert proc.poll() is None, b"".join(chunks).decode(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "the run never reached its first request"
-            time.sleep(0.2)
-        time.sleep(1.0)
+            assert time.monotonic() < deadline, "the run never got into its first request's decode"
+            time.sleep(0.1)
         victim = _rank_pid(proc.pid, 2)
         survivors = [_rank_pid(proc.pid, r) for r in (0, 1, 3)]
         assert victim and all(survivors)

@@ -1,13 +1,20 @@
 """Probe sweep, the ``megatron-ring`` command: each case a real command in its own session, under a
-hard timeout; a usage error is one line and exit 2, a huge layout finishes, nothing is left behind."""
+hard timeout; a usage error is one line and exit 2, a huge layout finishes, nothing is left behind.
+
+The commands are independent processes, so the module starts those of the selected cases side by side
+(:func:`launched`, a few at a time); each test waits for its own command and asserts on its outcome.
+"""
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from megatron_ring.parallel.layout import ParallelLayout
-from tests.probe.harness import ROOT, assert_clean, assert_usage_error, run_cli
+from tests.probe.harness import ROOT, Outcome, assert_clean, assert_usage_error, run_cli
 
 USAGE = {  # case -> (argv, needles)
     "no command": ([], ["megatron-ring"]),
@@ -20,18 +27,74 @@ USAGE = {  # case -> (argv, needles)
     "plan missing config": (["plan", "nowhere.json"], ["nowhere.json"]),
     "infer missing config": (["infer", "--deepspeed_config", "nowhere.json"], ["nowhere.json"]),
 }
+HUGE = {"cp 10000": {"cp": 10000}, "tp 8 x cp 512": {"tp": 8, "cp": 512}}  # id -> layout sizes
+PLAN_JSON = "plan.json"
+SIDE_BY_SIDE = max(2, min(4, os.cpu_count() or 2))
+"""Commands run at once (each is one process importing torch: CPU-bound)."""
+
+
+def commands(scratch: Path) -> dict[str, tuple[list[str], float]]:
+    """Test name -> (argv of ``megatron-ring``, hard timeout in s); ``scratch`` is a fresh folder."""
+    cases: dict[str, tuple[list[str], float]] = {
+        f"test_usage_error_is_one_line_and_exit_2[{case}]": (argv, 60) for case, (argv, _) in USAGE.items()}
+    for name, sizes in HUGE.items():
+        flags = [x for axis, size in sizes.items() for x in (f"--{axis}", str(size))]
+        cases[f"test_huge_layout_finishes_and_is_right[{name}]"] = (["layout", *flags], 90)
+    not_a_dir = ROOT / "README.md"
+    cpu_ring = str(ROOT / "configs" / "deepspeed" / "cpu_ring_cp4.json")
+    cases.update({
+        "test_calibrate_out_under_a_file_fails_before_measuring": (
+            ["calibrate", "--out", str(not_a_dir / "x.json")], 30),
+        "test_bench_out_under_a_file_fails_before_measuring": (
+            ["bench", "attention", "--L", "256", "--P", "2", "--out", str(not_a_dir / "x.json")], 30),
+        "test_sweep_out_dir_under_a_file_fails_before_running": (
+            ["sweep", "cpu", "--lengths", "48", "--out-dir", str(not_a_dir / "d")], 30),
+        "test_compare_out_dir_under_a_file_fails_before_running": (
+            ["compare", "cpu", "--out-dir", str(not_a_dir / "d")], 30),
+        "test_perplexity_out_under_a_file_fails_before_running": (
+            ["perplexity", "--out", str(not_a_dir / "p.json")], 30),
+        "test_plan_markdown_under_a_file_is_a_usage_error": (
+            ["plan", cpu_ring, "--markdown", str(not_a_dir / "plan.md")], 60),
+        "test_plan_of_a_shipped_config_runs_clean": (["plan", cpu_ring, "--json", str(scratch / PLAN_JSON)], 60),
+    })
+    return cases
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("probe_cli")
+
+
+@pytest.fixture(scope="module")
+def launched(request: pytest.FixtureRequest, scratch: Path) -> Iterator[dict[str, Future[Outcome]]]:
+    """Test name -> the running :func:`run_cli` of its command, for the tests of this module that were
+    selected (started on first use, ``SIDE_BY_SIDE`` at a time, in the order the tests run)."""
+    cases = commands(scratch)
+    selected = [item.name for item in request.session.items
+                if item.module is request.module and item.name in cases]
+    with ThreadPoolExecutor(max_workers=SIDE_BY_SIDE, thread_name_prefix="probe-cli") as pool:
+        futures = {name: pool.submit(run_cli, *cases[name][0], timeout_s=cases[name][1]) for name in selected}
+        try:
+            yield futures
+        finally:
+            for future in futures.values():
+                future.cancel()
+
+
+def outcome_of(request: pytest.FixtureRequest, launched: dict[str, Future[Outcome]]) -> Outcome:
+    """This test's command's outcome (its failure, a hang or a leftover process, raised here)."""
+    assert request.node.name in launched, f"{request.node.name} has no command"
+    return launched[request.node.name].result()
 
 
 @pytest.mark.parametrize("case", list(USAGE))
-def test_usage_error_is_one_line_and_exit_2(case: str) -> None:
-    argv, needles = USAGE[case]
-    assert_usage_error(run_cli(*argv), *needles)
+def test_usage_error_is_one_line_and_exit_2(case: str, request: pytest.FixtureRequest, launched) -> None:
+    assert_usage_error(outcome_of(request, launched), *USAGE[case][1])
 
 
-@pytest.mark.parametrize("sizes", [{"cp": 10000}, {"tp": 8, "cp": 512}], ids=["cp 10000", "tp 8 x cp 512"])
-def test_huge_layout_finishes_and_is_right(sizes: dict[str, int]) -> None:
-    flags = [x for axis, size in sizes.items() for x in (f"--{axis}", str(size))]
-    outcome = run_cli("layout", *flags, timeout_s=90)
+@pytest.mark.parametrize("sizes", list(HUGE.values()), ids=list(HUGE))
+def test_huge_layout_finishes_and_is_right(sizes: dict[str, int], request: pytest.FixtureRequest, launched) -> None:
+    outcome = outcome_of(request, launched)
     assert outcome.code == 0, outcome.err
     layout = ParallelLayout(**sizes)
     rows = [ln.split() for ln in outcome.out.splitlines() if ln.strip() and ln.split()[0].isdigit()]
@@ -42,37 +105,32 @@ def test_huge_layout_finishes_and_is_right(sizes: dict[str, int]) -> None:
     assert max(map(len, outcome.out.splitlines())) < 400, "a group printed whole"
 
 
-def test_calibrate_out_under_a_file_fails_before_measuring() -> None:
-    assert_usage_error(run_cli("calibrate", "--out", str(ROOT / "README.md" / "x.json"), timeout_s=30), "--out")
+def test_calibrate_out_under_a_file_fails_before_measuring(request: pytest.FixtureRequest, launched) -> None:
+    assert_usage_error(outcome_of(request, launched), "--out")
 
 
-def test_bench_out_under_a_file_fails_before_measuring() -> None:
-    argv = ["bench", "attention", "--L", "256", "--P", "2", "--out", str(ROOT / "README.md" / "x.json")]
-    assert_usage_error(run_cli(*argv, timeout_s=30), "--out")
+def test_bench_out_under_a_file_fails_before_measuring(request: pytest.FixtureRequest, launched) -> None:
+    assert_usage_error(outcome_of(request, launched), "--out")
 
 
-def test_sweep_out_dir_under_a_file_fails_before_running() -> None:
-    argv = ["sweep", "cpu", "--lengths", "48", "--out-dir", str(ROOT / "README.md" / "d")]
-    assert_usage_error(run_cli(*argv, timeout_s=30), "--out-dir")
+def test_sweep_out_dir_under_a_file_fails_before_running(request: pytest.FixtureRequest, launched) -> None:
+    assert_usage_error(outcome_of(request, launched), "--out-dir")
 
 
-def test_compare_out_dir_under_a_file_fails_before_running() -> None:
-    assert_usage_error(run_cli("compare", "cpu", "--out-dir", str(ROOT / "README.md" / "d"), timeout_s=30), "--out-dir")
+def test_compare_out_dir_under_a_file_fails_before_running(request: pytest.FixtureRequest, launched) -> None:
+    assert_usage_error(outcome_of(request, launched), "--out-dir")
 
 
-def test_perplexity_out_under_a_file_fails_before_running() -> None:
-    assert_usage_error(run_cli("perplexity", "--out", str(ROOT / "README.md" / "p.json"), timeout_s=30), "--out")
+def test_perplexity_out_under_a_file_fails_before_running(request: pytest.FixtureRequest, launched) -> None:
+    assert_usage_error(outcome_of(request, launched), "--out")
 
 
-def test_plan_markdown_under_a_file_is_a_usage_error() -> None:
-    argv = ["plan", str(ROOT / "configs" / "deepspeed" / "cpu_ring_cp4.json"), "--markdown",
-            str(ROOT / "README.md" / "plan.md")]
-    assert_usage_error(run_cli(*argv, timeout_s=60), "--markdown")
+def test_plan_markdown_under_a_file_is_a_usage_error(request: pytest.FixtureRequest, launched) -> None:
+    assert_usage_error(outcome_of(request, launched), "--markdown")
 
 
-def test_plan_of_a_shipped_config_runs_clean(tmp_path: Path) -> None:
-    out = run_cli("plan", str(ROOT / "configs" / "deepspeed" / "cpu_ring_cp4.json"), "--json",
-                  str(tmp_path / "plan.json"), timeout_s=60)
+def test_plan_of_a_shipped_config_runs_clean(request: pytest.FixtureRequest, launched, scratch: Path) -> None:
+    out = outcome_of(request, launched)
     assert out.code == 0, out.err
     assert_clean(out.err)
-    assert (tmp_path / "plan.json").read_text().startswith("{")
+    assert (scratch / PLAN_JSON).read_text().startswith("{")

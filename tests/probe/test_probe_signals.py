@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -48,21 +49,25 @@ def job_processes(marker: str) -> list[int]:
     return found
 
 
-def interrupt(argv: list[str], started: Callable[[], bool], sig: signal.Signals, marker: str,
-              ready_s: float = 240) -> tuple[int, float, str]:
+def interrupt(argv: list[str], started: Callable[[], bool], working: Callable[[Path], bool], sig: signal.Signals,
+              marker: str, ready_s: float = 240) -> tuple[int, float, str]:
     """Run ``megatron-ring ARGV`` in a session of its own, send ``sig`` to the command alone once
-    ``started()``; return (exit status, seconds from the signal to the exit, stderr). Afterwards no
-    process of the session nor any naming ``marker`` may run."""
+    ``started()`` and then ``working(stdout)``, the job into its work (``stdout``: a file the command's
+    standard output goes to); return (exit status, seconds from the signal to the exit, stderr).
+    Afterwards no process of the session nor any naming ``marker`` may run."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_ring.cli", *argv], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    scratch = tempfile.TemporaryDirectory(prefix="probe_signals_")
+    stdout = Path(scratch.name) / "stdout"
+    with stdout.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_ring.cli", *argv], cwd=ROOT, env=env, text=True,
+                                stdout=sink, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + ready_s
-        while not started():
-            assert proc.poll() is None, f"exited {proc.returncode} before the signal:\n{proc.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, "the job never got going"
-            time.sleep(0.2)
-        time.sleep(2.0)  # into the work
+        for ready, what in ((started, "the job never got going"), (lambda: working(stdout), "the job never got to work")):
+            while not ready():
+                assert proc.poll() is None, f"exited {proc.returncode} before the signal:\n{proc.stderr.read()[-3000:]}"
+                assert time.monotonic() < deadline, what
+                time.sleep(0.1)
         proc.send_signal(sig)
         sent = time.monotonic()
         try:
@@ -76,6 +81,7 @@ def interrupt(argv: list[str], started: Callable[[], bool], sig: signal.Signals,
         for pid in job_processes(marker):
             os.kill(pid, signal.SIGKILL)
         assert_no_leftover(proc.pid)
+        scratch.cleanup()
     return proc.returncode, elapsed, err
 
 
@@ -94,6 +100,22 @@ def ranks_running(marker: str, count: int) -> Callable[[], bool]:
     return check
 
 
+def log_shows(folder: Path, needle: str) -> Callable[[Path], bool]:
+    """True once a launcher log (``*.log``) under ``folder`` shows ``needle``."""
+    def check(_stdout: Path) -> bool:
+        return any(needle in log.read_text(errors="replace") for log in folder.rglob("*.log"))
+    return check
+
+
+def prints(needle: str) -> Callable[[Path], bool]:
+    """True once the command's standard output shows ``needle``."""
+    return lambda stdout: needle in stdout.read_text(errors="replace")
+
+
+WORKING = "request 1/"
+"""Rank 0's progress bar (in the launcher log) once its first measured request started: into the work."""
+
+
 def check_stopped(code: int, elapsed: float, err: str, sig: signal.Signals, command: str) -> None:
     assert code == 128 + sig, f"exit {code}, not {128 + sig}:\n{err[-3000:]}"
     assert elapsed < BOUND_S, f"{elapsed:.1f} s from {sig.name} to the exit"
@@ -110,7 +132,7 @@ def test_signal_to_compare_alone_stops_its_ranks(tmp_path: Path, sig: signal.Sig
     out.mkdir()
     write_json_atomic(out / "toy_ring_cp2.json", {"left": "by an earlier compare"})
     code, elapsed, err = interrupt(["compare", str(base), str(ring), "--out-dir", str(out)],
-                                   ranks_running(str(tmp_path), 1), sig, str(tmp_path))
+                                   ranks_running(str(tmp_path), 1), log_shows(out, WORKING), sig, str(tmp_path))
     check_stopped(code, elapsed, err, sig, "compare")
     assert not (out / "toy_base.json").exists() and not (out / "toy_ring_cp2.json").exists(), \
         "a result of a stopped run, or an old one that would pair with the new"
@@ -126,8 +148,8 @@ def test_signal_to_sweep_alone_stops_its_ranks_and_keeps_the_last_sweep(tmp_path
     for name, data in old.items():
         write_json_atomic(out / name, data)
     code, elapsed, err = interrupt(["sweep", str(base), str(ring), "--lengths", "8", "--repeats", "1",
-                                    "--out-dir", str(out)], ranks_running(str(tmp_path), 1), signal.SIGTERM,
-                                   str(tmp_path))
+                                    "--out-dir", str(out)], ranks_running(str(tmp_path), 1),
+                                   log_shows(out, WORKING), signal.SIGTERM, str(tmp_path))
     check_stopped(code, elapsed, err, signal.SIGTERM, "sweep")
     for name, data in old.items():
         assert json.loads((out / name).read_text()) == data, f"{name} of the last sweep changed"
@@ -142,7 +164,7 @@ def test_signal_to_calibrate_alone_stops_its_ranks(tmp_path: Path) -> None:
 
     def workers_started() -> bool:  # the command and its 2 gloo ranks
         return any(len(psutil.Process(pid).children()) >= 2 for pid in job_processes(str(out)))
-    code, elapsed, err = interrupt(["calibrate", "--quick", "--out", str(out)], workers_started, signal.SIGTERM,
-                                   str(out))
+    code, elapsed, err = interrupt(["calibrate", "--quick", "--out", str(out)], workers_started,
+                                   prints("calibrate: compute and memory"), signal.SIGTERM, str(out))
     check_stopped(code, elapsed, err, signal.SIGTERM, "calibrate")
     assert not list(tmp_path.iterdir()), "calibrate wrote something after the signal"
