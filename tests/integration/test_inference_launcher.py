@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.launcher]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"

@@ -18,6 +18,8 @@ import pytest
 
 from megatron_ring.runtime.pool import free_port
 
+pytestmark = pytest.mark.launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 DEMO = ["--comm", "a2a+p2p", "--seq-len", "64", "--heads", "4", "--heads-kv", "2", "--head-dim", "8"]

@@ -15,7 +15,7 @@ from megatron_ring.perf.sweep.run import run_sweep
 from megatron_ring.perf.sweep.schema import load_sweep
 from megatron_ring.runtime.reporting import write_json_atomic
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.launcher]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "megatron"

@@ -16,6 +16,8 @@ import pytest
 from megatron_ring.parallel.layout import ParallelLayout
 from tests.probe.harness import ROOT, Outcome, assert_clean, assert_usage_error, run_cli
 
+pytestmark = pytest.mark.launcher
+
 USAGE = {  # case -> (argv, needles)
     "no command": ([], ["megatron-ring"]),
     "layout --tp 0": (["layout", "--tp", "0"], ["--tp: expected an integer >= 1, got 0"]),

@@ -21,6 +21,8 @@ import pytest
 from megatron_ring.runtime.reporting import write_json_atomic
 from tests.probe.harness import ROOT, assert_clean, assert_no_leftover, assert_no_partial_files, slow
 
+pytestmark = pytest.mark.launcher
+
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 BOUND_S = 15.0
 TOY = {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "ffn_hidden_size": 64, "vocab_size": 64}
