@@ -2,10 +2,12 @@
 
 Four CPU ranks train the same tiny GPT on the same global batch of real text
 for a few AdamW steps (text: the licence corpus under data/corpus, which does not change
-with the docs), for ZeRO stages 0, 1 and 2: cp = 1 (Megatron's own attention, dp = 4),
-ring attention at cp = 2 (dp = 2, two micro-batches accumulated) and tp = 2 x cp = 2 (dp = 1).
+with the docs), for ZeRO stages 0, 1 and 2: ring attention at cp = 2 (dp = 2, two micro-batches
+accumulated) and tp = 2 x cp = 2 (dp = 1) against one reference, cp = 1 (Megatron's own attention,
+dp = 4) under ZeRO-0, trained once per test run (train_workers.once; test_train_zero3.py shares it).
 Per-step losses and the final weights must agree to fp32 precision. A resume test checks that
-train k steps, save, restart, continue gives the uninterrupted run's losses and weights.
+train 2 steps, save, restart, one more step on the loaded Adam states gives the uninterrupted
+run's losses and weights (that run is test_cp_layouts_train_like_cp1[1]'s tp2-cp2 run, shared).
 Workers: tests/integration/train_workers.py; the 4-rank pool is shared (tests/conftest.py).
 """
 from __future__ import annotations
@@ -58,26 +60,40 @@ def run(pool: Any, raw: dict[str, Any]) -> dict[str, Any]:
     return train_workers.run_on_pool(pool, raw, str(ROOT))
 
 
+def run_once(pool: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run`, trained once per test process for a given config (train_workers.once)."""
+    return train_workers.run_once(pool, raw, str(ROOT))
+
+
+def reference(pool: Any) -> dict[str, Any]:
+    """cp = 1, dp = 4 under ZeRO-0: :data:`STEPS` steps, once per test process."""
+    ref = run_once(pool, config("cp1-dp4", 0))
+    assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    return ref
+
+
 def assert_same(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
     train_workers.assert_same_training(got, ref, what, loss_tol=REL_TOL, weight_tol=REL_TOL)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_cp_layouts_train_like_cp1(gloo_pool: Any, stage: int) -> None:
+    """cp2-dp2 and tp2-cp2 under ZeRO-``stage`` against cp 1 under ZeRO-0 (the stages agree at cp 1)."""
     pool = gloo_pool(4)
-    ref = run(pool, config("cp1-dp4", stage))
-    assert len(ref["losses"]) == STEPS
+    ref = reference(pool)
     for layout in ("cp2-dp2", "tp2-cp2"):
-        assert_same(run(pool, config(layout, stage)), ref, f"{layout} ZeRO-{stage}")
+        assert_same(run_once(pool, config(layout, stage)), ref, f"{layout} ZeRO-{stage}")
 
 
 def test_resume_equals_uninterrupted(gloo_pool: Any, tmp_path: Path) -> None:
+    """tp2-cp2 ZeRO-1: 2 steps, saved; resumed for step 3, which runs on the loaded Adam moments and
+    step count (bias correction 1 - 0.9^3): the uninterrupted run's losses and weights."""
     pool = gloo_pool(4)
-    full = run(pool, config("tp2-cp2", 1, steps=4))
+    full = run_once(pool, config("tp2-cp2", 1))
     ckpt = {"dir": str(tmp_path / "ckpt"), "save_interval": 0}
     first = run(pool, config("tp2-cp2", 1, steps=2, checkpoint=ckpt))
-    second = run(pool, config("tp2-cp2", 1, steps=4, checkpoint=ckpt))
-    assert first["start_step"] == 0 and second["start_step"] == 2
+    second = run(pool, config("tp2-cp2", 1, steps=STEPS, checkpoint=ckpt))
+    assert first["start_step"] == 0 and second["start_step"] == 2 and len(second["losses"]) == STEPS - 2
     assert first["losses"] == full["losses"][:2]
     assert_same({"losses": first["losses"] + second["losses"], "weights": second["weights"]}, full, "resumed")
 

@@ -5,7 +5,8 @@ licence corpus with a global batch of 4 sequences: on one process with transform
 attention, at cp = 1 x dp = 4 (sdpa), and at cp = 2 x dp = 2 with ring attention (zigzag shards,
 two micro-batches accumulated), each under DeepSpeed's engine with our mpu. Per-step losses and the
 final weights must agree within 1e-5 relative; so must ZeRO-3 and ZeRO-0 at cp = 2 x dp = 2, and a
-ZeRO-3 run saved after 2 steps and resumed with the uninterrupted one.
+ZeRO-3 run saved after 2 steps and resumed for a third with the uninterrupted one (the ZeRO-3 test's
+run, trained once: train_workers.once).
 Workers: tests/integration/zero3_workers.py (weights gathered under ZeRO-3).
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
-from tests.integration import zero3_workers  # noqa: E402
+from tests.integration import train_workers, zero3_workers  # noqa: E402
 from tests.integration.test_train_equivalence import ROOT, assert_same  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -61,6 +62,12 @@ def run_hf(pools: Any, layout: str, stage: int, **section: Any) -> dict[str, Any
     return results[0]
 
 
+def run_hf_once(pools: Any, layout: str, stage: int) -> dict[str, Any]:
+    """:func:`run_hf` of :data:`STEPS` steps, trained once per test process (train_workers.once)."""
+    return train_workers.once(hf_config(layout, stage)[1], lambda: run_hf(pools, layout, stage),
+                              how=f"run_gathered {ROOT}")
+
+
 @pytest.fixture(scope="module")
 def single(gloo_pool: Any) -> dict[str, Any]:
     return run_hf(gloo_pool, "single", 0)
@@ -73,14 +80,16 @@ def test_transformers_model_trains_like_one_process(gloo_pool: Any, single: dict
 
 
 def test_transformers_zero3_trains_like_zero0(gloo_pool: Any, single: dict[str, Any]) -> None:
-    assert_same(run_hf(gloo_pool, "cp2-dp2", 3), single, "cp2-dp2 ZeRO-3")
+    assert_same(run_hf_once(gloo_pool, "cp2-dp2", 3), single, "cp2-dp2 ZeRO-3")
 
 
 def test_transformers_zero3_resume_equals_uninterrupted(gloo_pool: Any, tmp_path: Path) -> None:
-    full = run_hf(gloo_pool, "cp2-dp2", 3, steps=4)
+    """2 steps, saved; resumed for step 3, which runs on the loaded (partitioned) Adam moments and
+    step count: the uninterrupted run's losses and weights."""
+    full = run_hf_once(gloo_pool, "cp2-dp2", 3)
     ckpt = {"dir": str(tmp_path / "ckpt"), "save_interval": 0}
     first = run_hf(gloo_pool, "cp2-dp2", 3, steps=2, checkpoint=ckpt)
-    second = run_hf(gloo_pool, "cp2-dp2", 3, steps=4, checkpoint=ckpt)
-    assert first["start_step"] == 0 and second["start_step"] == 2
+    second = run_hf(gloo_pool, "cp2-dp2", 3, steps=STEPS, checkpoint=ckpt)
+    assert first["start_step"] == 0 and second["start_step"] == 2 and len(second["losses"]) == STEPS - 2
     assert first["losses"] == full["losses"][:2]
     assert_same({"losses": first["losses"] + second["losses"], "weights": second["weights"]}, full, "resumed")

@@ -3,11 +3,15 @@ train every layout like cp = 1, and a checkpoint resumes at another layout.
 
 Four CPU ranks train the same tiny GPT (every layout starts from the same weights, Note [Initial
 weights of any layout]) on the same global batch of real text with the distributed optimizer on:
-cp = 1 (Megatron's own attention, dp = 4) is the reference; ring attention at cp2·dp2, tp2·cp2 and
-pp2·cp2 (1F1B), and at pp2·cp2 with two virtual stages (interleaved 1F1B) and with full
-recomputation, must give the same per-step losses (1e-6 relative) and final weights. The resume
-tests save at one layout and continue at another; the losses must equal the run that never
-stopped. Workers: tests/integration/train_workers.py; the 4-rank pool is shared (tests/conftest.py).
+cp = 1 (Megatron's own attention, dp = 4) is the reference, run once per module; ring attention at
+cp2·dp2, tp2·cp2 and pp2·cp2 (1F1B), and at pp2·cp2 with two virtual stages (interleaved 1F1B) and
+with full recomputation, must give the same per-step losses (1e-6 relative) and final weights
+(1e-5). Four steps suffice: with the gradient 2x off at tp2·cp2 and pp2·cp2 (``calculate_per_token_loss``
+set after DDP wrapping) their step-3 loss was 4.5e-6 off, interleaved pp2·cp2's step-4 loss 3.5e-4. The
+resume tests save after 2 steps at one layout and take 2 more (Adam's bias correction still far
+from 1) at another; the 4 losses and the final weights must equal the cp = 1 run that never
+stopped (one step tensor shared after the load: step-4 loss 2e-3 off). Workers:
+tests/integration/train_workers.py; the 4-rank pool is shared (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -28,20 +32,25 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "megatron"
 LOSS_TOL = 1e-6
 WEIGHT_TOL = 1e-5
-STEPS = 20
+STEPS = 4
+CONSTANT = {"scheduler": {"warmup_steps": 3, "decay_style": "constant"}}
+"""The resume tests' schedule (see there)."""
 
 
 def config(layout: dict[str, int], steps: int = STEPS, *, model: str = "tiny_ring_tp2_cp2.yaml",
            megatron: dict[str, Any] | None = None, **section: Any) -> dict[str, Any]:
     """A Megatron-engine config for ``layout`` on 4 ranks: global batch 4, fp32 Adam with clipping,
-    a warm-up then cosine schedule, the distributed optimizer with overlapped gradient reduction."""
+    a warm-up then cosine schedule, the distributed optimizer with overlapped gradient reduction.
+
+    The schedule's first step has lr 0 (Megatron's warm-up starts at 0), the second the full lr,
+    and the cosine decay runs from the third to the last."""
     dp = layout.get("dp", 1)
     ring = {"engine": "megatron", "model": str(MODELS / model), "attention": "ring" if layout.get("cp", 1) > 1 else "local",
             "layout": layout, "seq_len": 64, "steps": steps,
             "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7}, "log": {"progress": False},
             # adam_eps 1e-4: see the same choice in test_train_equivalence.py
             "megatron": {"optimizer": {"lr": 1e-3, "adam_eps": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0},
-                         "scheduler": {"warmup_steps": 3, "decay_style": "cosine"}, **(megatron or {})}}
+                         "scheduler": {"warmup_steps": 1, "decay_style": "cosine"}, **(megatron or {})}}
     ring.update(section)
     return {"train_batch_size": 4, "gradient_accumulation_steps": 4 // dp, "megatron_ring": ring}
 
@@ -56,9 +65,17 @@ def assert_same(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference(gloo_pool: Any) -> dict[str, Any]:
-    """cp = 1, dp = 4, Megatron's own attention: 20 steps."""
+    """cp = 1, dp = 4, Megatron's own attention: :data:`STEPS` steps, warm-up then cosine."""
     ref = run(gloo_pool(4), config({"cp": 1, "dp": 4}))
     assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    return ref
+
+
+@pytest.fixture(scope="module")
+def constant_reference(gloo_pool: Any) -> dict[str, Any]:
+    """cp = 1, dp = 4 with the resume tests' schedule (:data:`CONSTANT`), 4 steps, never stopped."""
+    ref = run(gloo_pool(4), config({"cp": 1, "dp": 4}, 4, megatron=CONSTANT))
+    assert len(ref["losses"]) == 4 and ref["losses"][-1] < ref["losses"][0]
     return ref
 
 
@@ -71,12 +88,12 @@ def test_layouts_train_like_cp1(gloo_pool: Any, reference: dict[str, Any], layou
 def test_interleaved_pipeline_and_recompute_train_like_cp1(gloo_pool: Any) -> None:
     """4 layers: pp2·cp2 with 2 virtual stages, and cp2·dp2 recomputing every layer, against cp 1."""
     pool, model = gloo_pool(4), "tiny_ring_4layers.yaml"
-    ref = run(pool, config({"cp": 1, "dp": 4}, 6, model=model))
-    interleaved = config({"pp": 2, "cp": 2}, 6, model=model, megatron={"virtual_pipeline": 2})
+    ref = run(pool, config({"cp": 1, "dp": 4}, model=model))
+    interleaved = config({"pp": 2, "cp": 2}, model=model, megatron={"virtual_pipeline": 2})
     interleaved["gradient_accumulation_steps"] = 2  # = pp: 2 micro-batches of 2 sequences
     assert_same(run(pool, interleaved), ref, "pp2-cp2 vp2")
     full = {"granularity": "full", "method": "uniform", "num_layers": 1}
-    assert_same(run(pool, config({"cp": 2, "dp": 2}, 6, model=model, megatron={"recompute": full})), ref,
+    assert_same(run(pool, config({"cp": 2, "dp": 2}, model=model, megatron={"recompute": full})), ref,
                 "cp2-dp2 full recompute")
 
 
@@ -84,20 +101,21 @@ def test_interleaved_pipeline_and_recompute_train_like_cp1(gloo_pool: Any) -> No
                                         ({"tp": 2, "cp": 2}, {"pp": 2, "cp": 2}),
                                         ({"pp": 2, "cp": 2}, {"cp": 1, "dp": 4})],
                          ids=["cp2dp2-to-tp2cp2", "tp2cp2-to-pp2cp2", "pp2cp2-to-cp1"])
-def test_resume_at_another_layout(gloo_pool: Any, tmp_path: Path, first: dict[str, int],
-                                  then: dict[str, int]) -> None:
-    """4 steps at ``first``, saved; resumed at ``then`` up to 8: the 8 losses and the final weights
-    of the run that never stopped (at ``first``)."""
+def test_resume_at_another_layout(gloo_pool: Any, constant_reference: dict[str, Any], tmp_path: Path,
+                                  first: dict[str, int], then: dict[str, int]) -> None:
+    """2 steps at ``first``, saved; resumed at ``then`` up to 4: the 4 losses and the final weights
+    of the cp = 1 run that never stopped (which every layout equals, test_layouts_train_like_cp1).
+
+    Steps 3 and 4 run on the loaded Adam states, whose bias correction (1 - 0.9^3 = 0.27 at step 3)
+    a wrong or shared ``step`` would change (Note [The step of torch's Adam on load])."""
     pool = gloo_pool(4)
     # a decay horizon is the config's steps, and resume keeps the checkpoint's (Megatron's
-    # use_checkpoint_opt_param_scheduler): the 4-step first part decays over 4 steps; hence warm-up only
-    constant = {"scheduler": {"warmup_steps": 3, "decay_style": "constant"}}
-    full = run(pool, config(first, 8, megatron=constant))
+    # use_checkpoint_opt_param_scheduler): the 2-step first part decays over 2 steps; hence warm-up only
     ckpt = {"dir": str(tmp_path / "ckpt"), "save_interval": 0}
-    before = run(pool, config(first, 4, megatron=constant, checkpoint=ckpt))
-    after = run(pool, config(then, 8, megatron=constant, checkpoint=ckpt))
-    assert before["start_step"] == 0 and after["start_step"] == 4
-    assert_same({"losses": before["losses"] + after["losses"], "weights": after["weights"]}, full,
+    before = run(pool, config(first, 2, megatron=CONSTANT, checkpoint=ckpt))
+    after = run(pool, config(then, 4, megatron=CONSTANT, checkpoint=ckpt))
+    assert before["start_step"] == 0 and after["start_step"] == 2
+    assert_same({"losses": before["losses"] + after["losses"], "weights": after["weights"]}, constant_reference,
                 f"{first} -> {then}")
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import multiprocessing
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -186,6 +187,27 @@ def run_on_pool(pool: Any, raw: dict[str, Any], base_dir: str) -> dict[str, Any]
     losses = {tuple(r["losses"]) for r in results}
     assert len(losses) == 1, f"ranks disagree on the step losses: {losses}"
     return results[0]
+
+
+_ONCE: dict[str, dict[str, Any]] = {}
+"""Results of :func:`once`, by config, for this test process."""
+
+
+def once(raw: dict[str, Any], compute: Callable[[], dict[str, Any]], how: str = "run_config") -> dict[str, Any]:
+    """``compute()`` (a run of config ``raw``) the first time this test process asks for ``(how, raw)``,
+    the same result after: a reference run (cp = 1) or another run that several tests compare with is
+    trained once per test run, whichever test or module asks first. Only for runs that write
+    nothing (no ``checkpoint.dir``); callers must not change the result."""
+    assert (raw["megatron_ring"].get("checkpoint") or {}).get("dir") is None, "a run that saves is not shared"
+    key = json.dumps([how, raw], sort_keys=True)
+    if key not in _ONCE:
+        _ONCE[key] = compute()
+    return _ONCE[key]
+
+
+def run_once(pool: Any, raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
+    """:func:`run_on_pool` of ``raw``, trained once per test process (:func:`once`)."""
+    return once(raw, lambda: run_on_pool(pool, raw, base_dir), how=f"run_config {base_dir}")
 
 
 def assert_same_training(got: dict[str, Any], ref: dict[str, Any], what: str, *, loss_tol: float,
