@@ -2,8 +2,6 @@
 
 Under ZeRO-3 a rank holds only its partition of every parameter; the weights compared are gathered
 first (``deepspeed.zero.GatheredParameters``), then TP shards concatenated like the other tests'.
-A run leaves nothing behind in the worker: ``torch.nn.functional.linear`` is restored and the
-model that ZeRO-3 keeps (``FWD_MODULE_STACK``, an lru_cache of its coordinator) is dropped.
 """
 from __future__ import annotations
 
@@ -32,34 +30,8 @@ def run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
 
 
 def _run_gathered(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
-    from deepspeed.runtime.zero import parameter_offload
-
-    # Two module-level references keep a ZeRO-3 run's model, its parameters' ds_process_group and so
-    # its gloo groups (16 of them, 50 threads) alive in a pool worker: DeepSpeedZeRoOffload pushes
-    # the whole model onto FWD_MODULE_STACK and never pops it, and the coordinator's
-    # __params_to_release is an unbounded lru_cache keyed on the modules. Both are emptied before
-    # the groups are freed.
-    stack = parameter_offload.FWD_MODULE_STACK
-    depth = len(stack)
     with scoped_groups():  # the run's objects are gone (a frame of their own) when the groups are freed
-        try:
-            return _train_and_gather(raw, base_dir)
-        finally:
-            del stack[depth:]
-            _clear_params_to_release()
-
-
-def _clear_params_to_release() -> None:
-    """Empty ``PartitionedParameterCoordinator.__params_to_release``'s lru_cache (under DeepSpeed's
-    ``instrument_w_nvtx`` wrapper, which keeps the cached function in its closure)."""
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    method = vars(PartitionedParameterCoordinator)["_PartitionedParameterCoordinator__params_to_release"]
-    cached = [f for f in [method, *(cell.cell_contents for cell in method.__closure__ or ())]
-              if hasattr(f, "cache_clear")]
-    assert cached, "PartitionedParameterCoordinator.__params_to_release is no longer an lru_cache"
-    for function in cached:
-        function.cache_clear()
+        return _train_and_gather(raw, base_dir)
 
 
 def _train_and_gather(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
