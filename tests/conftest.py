@@ -5,8 +5,8 @@ module's ``pytest.mark.pool_family(NAME)`` (default ``"core"``): the tests are o
 family's modules run together, and only one family's pools live at a time, so the Megatron,
 DeepSpeed and transformers state of one family never reaches another's ranks. After each module
 the pools it used run :func:`megatron_ring.testing.hygiene.reset` on every rank; a rank still
-holding more than ``WORKER_THREADS_BOUND`` threads, a gloo thread it did not start with or any
-process group but the world is a leak:
+holding more than ``WORKER_THREADS_BOUND`` threads, a gloo thread beyond the world group's, any
+process group but the world or a child process is a leak:
 the pool is recycled, and the module is named at the end of the run (and fails it). See
 tests/README.md.
 """
@@ -81,7 +81,8 @@ class Pools:
                 continue
             worst = {name: max(r[name] for r in per_rank) for name in per_rank[0]}
             self.worst = {name: max(value, self.worst.get(name, value)) for name, value in worst.items()}
-            if worst["threads"] > WORKER_THREADS_BOUND or worst["gloo_threads_added"] > 0 or worst["groups"] > 1:
+            if (worst["threads"] > WORKER_THREADS_BOUND or worst["gloo_threads_added"] > 0 or worst["groups"] > 1
+                    or worst["children"] > 0):
                 self._pools.pop(key).close()
                 self.leaks.append(Leak(module, key[0], key[1], worst))
             elif worst["rss_mb"] > WORKER_RSS_BOUND_MB:

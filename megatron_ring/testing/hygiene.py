@@ -6,8 +6,9 @@ Run on every rank of a :class:`~megatron_ring.testing.gloo.GlooPool`:
 * :func:`reset` after a test module: destroys every process group but the world, drops the caches
   that hold groups (ours, Megatron's ``parallel_state``, DeepSpeed's ``groups``), puts back the
   functions a test replaced in ``torch.nn.functional`` (DeepSpeed's ``zero.Init`` replaces ``linear``),
-  and returns :func:`probe`'s numbers;
-* :func:`probe`: the threads, process groups and resident memory of this rank.
+  stops the processes a test left running under the worker (Megatron's checkpoint writer keeps a
+  queue manager), and returns :func:`probe`'s numbers;
+* :func:`probe`: the threads, process groups, child processes and resident memory of this rank.
 
 Note [What a gloo group leaves behind]: each gloo process group owns a TCP device loop
 (``gloo_tcp_loop``) and two work threads (``pt_gloo_runloop``), which end only when the last Python
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import multiprocessing
 import os
 import sys
 import threading
@@ -43,20 +45,22 @@ def snapshot() -> None:
 
 
 def probe() -> dict[str, float]:
-    """This rank's ``{"threads", "gloo_threads_added", "groups", "rss_mb"}``: threads of the process, gloo
-    threads beyond the world group's (each other gloo group alive holds up to three), live process
-    groups (the world included) and resident memory."""
+    """This rank's ``{"threads", "gloo_threads_added", "groups", "children", "rss_mb"}``: threads of the
+    process, gloo threads beyond the world group's (each other gloo group alive holds up to three),
+    live process groups (the world included), child processes and resident memory."""
     names = _thread_names()
     groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
     return {"threads": sum(names.values()), "gloo_threads_added": max(0, names.get("gloo", 0) - WORLD_GLOO_THREADS),
-            "groups": groups, "rss_mb": round(_rss_bytes() / 2**20, 1)}
+            "groups": groups, "children": len(multiprocessing.active_children()),
+            "rss_mb": round(_rss_bytes() / 2**20, 1)}
 
 
 def reset() -> dict[str, float]:
     """Tear down what tests left in this worker (see the module's docstring) and return :func:`probe`."""
-    _forget_framework_groups()
+    _forget_framework_state()
     _forget_own_groups()
     _destroy_groups_but_the_world()
+    _stop_children()
     functional = torch.nn.functional
     for name, value in _FUNCTIONAL.items():
         if getattr(functional, name, None) is not value:
@@ -73,6 +77,18 @@ def _destroy_groups_but_the_world() -> None:
             dist.destroy_process_group(group)
 
 
+def _stop_children() -> None:
+    """Terminate (then kill) the processes tests started under this worker."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=5)
+
+
 def _forget_own_groups() -> None:
     from megatron_ring.parallel import groups
 
@@ -83,7 +99,7 @@ def _forget_own_groups() -> None:
         state._own_minutes = None
 
 
-def _forget_framework_groups() -> None:
+def _forget_framework_state() -> None:
     """Megatron's and DeepSpeed's module globals that hold process groups or models, where those are loaded."""
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
@@ -91,6 +107,9 @@ def _forget_framework_groups() -> None:
         for name, value in vars(parallel_state).items():  # globals destroy_model_parallel forgets (0.16.1)
             if isinstance(value, dist.ProcessGroup):
                 setattr(parallel_state, name, None)
+    writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if writer is not None:  # the checkpoint writer's queue lives in a manager process, stopped below
+        writer._results_queue = None
     for cached in _framework_lru_caches():  # a method's lru_cache is keyed on its object and keeps it alive
         cached.cache_clear()
     ds_groups = sys.modules.get("deepspeed.utils.groups")

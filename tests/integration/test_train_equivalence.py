@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 
 from tests.integration import train_workers  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("deepspeed")]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "megatron"
