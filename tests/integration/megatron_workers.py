@@ -1,12 +1,13 @@
 """Workers for the Megatron integration tests, run on every rank of a GlooPool (module-level so they pickle)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import json
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.integrations.megatron.equivalence import rel_max
+from megatron_ring.integrations.megatron.equivalence import compare_to_reference, cp1_reference, rel_max
 from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -27,6 +28,56 @@ def _expect_error(fn: Callable[[], Any]) -> str:
     except (ValueError, TypeError) as err:
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def _reference_key(cfg_data: Mapping[str, Any]) -> str:
+    """What ``cp1_reference`` depends on: everything but the name, the attention and the parallel sizes."""
+    return json.dumps({k: v for k, v in cfg_data.items() if k not in ("name", "attention", "parallel")},
+                      sort_keys=True)
+
+
+def _layout_key(cfg_data: Mapping[str, Any], world: int) -> str:
+    from megatron_ring.config.gpt import GPTConfig
+
+    return repr(GPTConfig.parse(cfg_data).check_world_size(world))
+
+
+def compare_cases(cases: Mapping[str, tuple[int, dict[str, Any]]]) -> dict[str, tuple[bool, Any]]:
+    """``compare_to_reference`` of every case ``name -> (world, cfg)`` of this pool's world size, in one call.
+
+    Each distinct cp = 1 reference (configs with the same model and dtype share one) is made once,
+    all of them first under one ``dp = world`` parallel_state; the cases then run grouped by layout,
+    so Megatron's parallel_state is re-initialised once per layout, not twice per case. Results per
+    case as ``megatron_ring.testing.gloo.run_cases`` gives them: ``(True, result)`` or ``(False, traceback)``.
+    """
+    from megatron_ring.testing.gloo import run_cases
+
+    world = dist.get_world_size()
+    mine = {name: cfg for name, (size, cfg) in cases.items() if size == world}
+    layouts: dict[str, list[str]] = {}
+    for name, cfg in mine.items():
+        layouts.setdefault(_layout_key(cfg, world), []).append(name)
+    order = [name for names in layouts.values() for name in names]
+    references: dict[str, Any] = {}
+
+    def one(name: str) -> dict[str, Any]:
+        for cfg in mine.values():  # every reference before the first layout switch
+            if _reference_key(cfg) not in references:
+                references[_reference_key(cfg)] = cp1_reference(cfg)
+        return compare_to_reference(mine[name], reference=references[_reference_key(mine[name])])
+
+    return dict(zip(order, run_cases(one, [((name,), {}) for name in order])))
+
+
+def case_results(per_rank: list[dict[str, tuple[bool, Any]]], case: str) -> list[Any]:
+    """Every rank's result of ``case`` from :func:`compare_cases`; raises WorkerError with each failed rank's traceback."""
+    from megatron_ring.testing.gloo import WorkerError
+
+    failed = {rank: out[case][1] for rank, out in enumerate(per_rank) if not out[case][0]}
+    if failed:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+        raise WorkerError(f"{case} failed on ranks {sorted(failed)}:\n{text}")
+    return [out[case][1] for out in per_rank]
 
 
 def core_attention_cp1_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:

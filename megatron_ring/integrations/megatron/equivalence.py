@@ -48,25 +48,17 @@ def _worst_gradient(model: Any, cp_group: Any, ref_grads: dict[str, torch.Tensor
     return worst, worst_name
 
 
-def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234) -> dict[str, Any]:
-    """Same weights, same tokens: ``cfg_data``'s model vs the cp = 1 local-attention model.
+def cp1_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234) -> dict[str, Any]:
+    """The cp = 1 side of :func:`compare_to_reference`: ``cfg_data``'s model unsharded (tp = pp = cp = 1,
+    attention local, same dtype) on the whole batch, built on this rank under a ``dp = world`` parallel_state.
 
-    Every rank first builds the unsharded reference (tp = pp = cp = 1, attention local, same dtype),
-    runs loss + backward on the whole batch, then builds the configured model, loads the same
-    weights, runs its shard of the batch and compares loss, logits and every parameter gradient
-    (summed over CP ranks, as Megatron's DP x CP reduction does). Returns relative errors: max-abs
-    based for fp32, L2-norm based for the gradients of half-precision models.
+    Returns ``loss`` (float tensor), ``logits`` and ``grads`` (float32, by parameter name) and the full
+    state dict ``weights``. It does not depend on ``cfg_data``'s ``parallel`` or ``attention``, so
+    configs that differ only there can share one (pass it as ``compare_to_reference(reference=)``).
     """
-    cfg = GPTConfig.parse(cfg_data)
     world = dist.get_world_size()
     ref_cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
-    m = cfg.model
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
-    labels = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
-    position_ids = torch.arange(m.seq_length).expand(batch, -1)
-    n_tokens = batch * m.seq_length
-
+    tokens, labels, position_ids = _batch(ref_cfg, batch, seed)
     init_megatron(ParallelLayout(dp=world), seed=seed)
     ref = build_gpt_model(ref_cfg)
     ref_loss_tok = ref(tokens, position_ids, None, labels=labels)
@@ -75,12 +67,42 @@ def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int 
     ref_grads = {name: p.grad.float().clone() for name, p in unwrap(ref).named_parameters()}
     with torch.no_grad():
         ref_logits = ref(tokens, position_ids, None).float()
-    weights = full_state_dict(ref)
-    del ref
+    return {"loss": ref_loss.detach(), "logits": ref_logits, "grads": ref_grads, "weights": full_state_dict(ref)}
+
+
+def _batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens, labels and position ids both sides of :func:`compare_to_reference` run on."""
+    m = cfg.model
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    labels = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    return tokens, labels, torch.arange(m.seq_length).expand(batch, -1)
+
+
+def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234,
+                         reference: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Same weights, same tokens: ``cfg_data``'s model vs the cp = 1 local-attention model.
+
+    Every rank first builds the unsharded reference (tp = pp = cp = 1, attention local, same dtype),
+    runs loss + backward on the whole batch, then builds the configured model, loads the same
+    weights, runs its shard of the batch and compares loss, logits and every parameter gradient
+    (summed over CP ranks, as Megatron's DP x CP reduction does). Returns relative errors: max-abs
+    based for fp32, L2-norm based for the gradients of half-precision models.
+
+    ``reference``: :func:`cp1_reference` of a config with the same model and dtype, made with the same
+    ``batch`` and ``seed`` (callers comparing many layouts of one model compute it once); None: made here.
+    """
+    cfg = GPTConfig.parse(cfg_data)
+    world = dist.get_world_size()
+    tokens, labels, position_ids = _batch(cfg, batch, seed)
+    n_tokens = batch * cfg.model.seq_length
+    if reference is None:
+        reference = cp1_reference(cfg_data, batch=batch, seed=seed)
+    ref_loss, ref_logits, ref_grads = reference["loss"], reference["logits"], reference["grads"]
 
     init_megatron(cfg.check_world_size(world), seed=seed)
     model = build_gpt_model(cfg)
-    load_full_state_dict(model, weights)
+    load_full_state_dict(model, reference["weights"])
     part = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
     inp, out = stage_forward(model, part["tokens"], part["position_ids"], part["labels"])
     result: dict[str, Any] = {"rank": dist.get_rank()}
