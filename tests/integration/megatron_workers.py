@@ -66,7 +66,24 @@ def compare_cases(cases: Mapping[str, tuple[int, dict[str, Any]]]) -> dict[str, 
                 references[_reference_key(cfg)] = cp1_reference(cfg)
         return compare_to_reference(mine[name], reference=references[_reference_key(mine[name])])
 
-    return dict(zip(order, run_cases(one, [((name,), {}) for name in order])))
+    try:
+        return dict(zip(order, run_cases(one, [((name,), {}) for name in order])))
+    finally:
+        _forget_hierarchical_cp_groups()
+
+
+def _forget_hierarchical_cp_groups() -> None:
+    """Drop megatron-core's module-global list of hierarchical CP groups (``a2a+p2p``).
+
+    ``destroy_model_parallel`` does not reset it and the pool reset between test modules only clears
+    Megatron globals that are process groups themselves, so the list kept the destroyed groups, and
+    their gloo threads, alive: the pool was recycled after every module that used ``a2a+p2p``.
+    Megatron made these groups for our layout, so ``init_megatron``'s next re-initialisation destroys
+    them; without the list (None, as before any hierarchical layout) nothing else holds them.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
 
 
 def case_results(per_rank: list[dict[str, tuple[bool, Any]]], case: str) -> list[Any]:
@@ -285,6 +302,28 @@ def generate_with_runner(cfg_data: dict[str, Any], layout: ParallelLayout, *, ba
     return torch.stack(out, dim=1).tolist()
 
 
+def greedy_across_layouts(cases: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, tuple[bool, Any]]]:
+    """Every case's greedy tokens, in one pool call: ``{case: {"reference": cfg, "layouts": {name: (cfg, layout)}}}``
+    -> ``{case: {"reference" or layout name: (ok, tokens or traceback)}}``.
+
+    All references (:func:`generate_without_cache`, one dp = world parallel_state) run first, then
+    every case of one layout (:func:`generate_with_runner`) back to back, so parallel_state and the
+    runner's process groups are made once per layout instead of once per layout and case.
+    """
+    from megatron_ring.testing.gloo import run_cases
+
+    out: dict[str, dict[str, tuple[bool, Any]]] = {case: {} for case in cases}
+    for case, spec in cases.items():
+        out[case]["reference"] = run_cases(generate_without_cache, [((spec["reference"],), {})])[0]
+    names = list(dict.fromkeys(name for spec in cases.values() for name in spec["layouts"]))
+    for name in names:
+        for case, spec in cases.items():
+            if name in spec["layouts"]:
+                cfg, layout = spec["layouts"][name]
+                out[case][name] = run_cases(generate_with_runner, [((cfg, layout), {})])[0]
+    return out
+
+
 def generate_without_cache(cfg_data: dict[str, Any], *, batch: int = 2, prompt_len: int = 16, new_tokens: int = 6,
                            seed: int = 1234) -> list[list[int]]:
     """Reference greedy tokens: Megatron's plain GPTModel forward over the whole sequence at every step.
@@ -353,10 +392,14 @@ def per_layer_comm_types() -> dict[str, Any]:
     layers = [RingAttention(config, n, AttnMaskType.causal, "self", cp_comm_type=comms[n % 3]) for n in (1, 2, 3)]
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(4, 2, 4, 16, generator=gen) for _ in range(3))
-    outs = [layer(q, k, v, None) for layer in layers]
-    return {"comms": [layer.cp_comm_type for layer in layers],
-            "hierarchical": [isinstance(layer.ring_group, CPGroups) for layer in layers],
-            "same_output": all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)}
+    try:
+        outs = [layer(q, k, v, None) for layer in layers]
+        return {"comms": [layer.cp_comm_type for layer in layers],
+                "hierarchical": [isinstance(layer.ring_group, CPGroups) for layer in layers],
+                "same_output": all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)}
+    finally:
+        del layers
+        _forget_hierarchical_cp_groups()
 
 
 def core_attention_dilated_cases(seq: int = 24, batch: int = 2) -> dict[str, Any]:
