@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,10 @@ def _expect_error(fn: Callable[[], Any]) -> str:
     return ""
 
 
-def _reference_key(cfg_data: Mapping[str, Any]) -> str:
-    """What ``cp1_reference`` depends on: everything but the name, the attention and the parallel sizes."""
-    return json.dumps({k: v for k, v in cfg_data.items() if k not in ("name", "attention", "parallel")},
+def _reference_key(cfg_data: Mapping[str, Any], docs: Optional[tuple[int, ...]]) -> str:
+    """What the cp = 1 reference depends on: everything but the name, the attention and the parallel
+    sizes, and the packed documents' lengths (None: the unpacked batch)."""
+    return json.dumps([{k: v for k, v in cfg_data.items() if k not in ("name", "attention", "parallel")}, docs],
                       sort_keys=True)
 
 
@@ -42,29 +43,38 @@ def _layout_key(cfg_data: Mapping[str, Any], world: int) -> str:
     return repr(GPTConfig.parse(cfg_data).check_world_size(world))
 
 
-def compare_cases(cases: Mapping[str, tuple[int, dict[str, Any]]]) -> dict[str, tuple[bool, Any]]:
-    """``compare_to_reference`` of every case ``name -> (world, cfg)`` of this pool's world size, in one call.
+def compare_cases(cases: Mapping[str, tuple[Any, ...]]) -> dict[str, tuple[bool, Any]]:
+    """Every case of this pool's world size, in one call: ``name -> (world, cfg)`` runs
+    ``compare_to_reference(cfg)``, ``name -> (world, cfg, doc_lengths)`` runs
+    ``compare_packed_to_reference(cfg, doc_lengths)``.
 
     Each distinct cp = 1 reference (configs with the same model and dtype share one) is made once,
     all of them first under one ``dp = world`` parallel_state; the cases then run grouped by layout,
     so Megatron's parallel_state is re-initialised once per layout, not twice per case. Results per
     case as ``megatron_ring.testing.gloo.run_cases`` gives them: ``(True, result)`` or ``(False, traceback)``.
     """
+    from megatron_ring.integrations.megatron.equivalence import compare_packed_to_reference, cp1_packed_reference
     from megatron_ring.testing.gloo import run_cases
 
     world = dist.get_world_size()
-    mine = {name: cfg for name, (size, cfg) in cases.items() if size == world}
+    mine = {name: (case[1], tuple(case[2]) if len(case) > 2 else None)
+            for name, case in cases.items() if case[0] == world}
     layouts: dict[str, list[str]] = {}
-    for name, cfg in mine.items():
+    for name, (cfg, _) in mine.items():
         layouts.setdefault(_layout_key(cfg, world), []).append(name)
     order = [name for names in layouts.values() for name in names]
     references: dict[str, Any] = {}
 
     def one(name: str) -> dict[str, Any]:
-        for cfg in mine.values():  # every reference before the first layout switch
-            if _reference_key(cfg) not in references:
-                references[_reference_key(cfg)] = cp1_reference(cfg)
-        return compare_to_reference(mine[name], reference=references[_reference_key(mine[name])])
+        for cfg, docs in mine.values():  # every reference before the first layout switch
+            key = _reference_key(cfg, docs)
+            if key not in references:
+                references[key] = cp1_reference(cfg) if docs is None else cp1_packed_reference(cfg, docs)
+        cfg, docs = mine[name]
+        reference = references[_reference_key(cfg, docs)]
+        if docs is None:
+            return compare_to_reference(cfg, reference=reference)
+        return compare_packed_to_reference(cfg, docs, reference=reference)
 
     try:
         return dict(zip(order, run_cases(one, [((name,), {}) for name in order])))

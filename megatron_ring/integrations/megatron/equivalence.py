@@ -122,28 +122,19 @@ def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int 
     return result
 
 
-def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
-                                seed: int = 1234) -> dict[str, Any]:
-    """Same weights: ``cfg_data``'s model on one packed THD row of documents vs each document alone at cp = 1.
+def cp1_packed_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
+                         seed: int = 1234) -> dict[str, Any]:
+    """The cp = 1 side of :func:`compare_packed_to_reference`: every document alone through ``cfg_data``'s
+    model unsharded (tp = pp = cp = 1, attention local), built on this rank under a ``dp = world`` parallel_state.
 
-    The reference runs every document as its own sequence through the unsharded local-attention
-    model (tp = pp = cp = 1, Megatron's ``DotProductAttention``) and sums token losses and
-    gradients. The configured model (pp = 1) gets all documents packed in one row, each padded to
-    a multiple of ``2 * cp`` (:func:`pack_documents`), split per document over the CP group
-    (:func:`get_thd_batch_on_this_cp_rank`) and ``packed_seq_params``. Returns relative errors of
-    loss, real-token logits and every parameter gradient (summed over CP ranks).
+    Returns ``loss`` (float, summed over documents, per real token), ``logits`` (the documents' real
+    tokens, concatenated), ``grads`` (float32, by parameter name) and the full state dict ``weights``;
+    like :func:`cp1_reference`, shareable by configs that differ only in ``parallel`` or ``attention``.
     """
-    cfg = GPTConfig.parse(cfg_data)
-    if cfg.parallel.pp != 1:
-        raise ValueError(f"compare_packed_to_reference needs parallel.pp = 1, got {cfg.parallel.pp}")
     world = dist.get_world_size()
     ref_cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
-    vocab = cfg.model.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    docs = [{"tokens": torch.randint(0, vocab, (n,), generator=gen), "labels": torch.randint(0, vocab, (n,), generator=gen)}
-            for n in doc_lengths]
+    docs = _documents(ref_cfg, doc_lengths, seed)
     n_tokens = sum(doc_lengths)
-
     init_megatron(ParallelLayout(dp=world), seed=seed)
     ref = build_gpt_model(ref_cfg)
     ref_logits, ref_loss = [], 0.0
@@ -155,13 +146,45 @@ def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[
         with torch.no_grad():
             ref_logits.append(ref(tokens, positions, None)[0].float())
     ref_grads = {name: p.grad.float().clone() for name, p in unwrap(ref).named_parameters()}
-    weights = full_state_dict(ref)
-    del ref
+    return {"loss": ref_loss, "logits": torch.cat(ref_logits), "grads": ref_grads, "weights": full_state_dict(ref)}
+
+
+def _documents(cfg: GPTConfig, doc_lengths: Sequence[int], seed: int) -> list[dict[str, torch.Tensor]]:
+    """The documents (tokens, labels) both sides of :func:`compare_packed_to_reference` run on."""
+    vocab = cfg.model.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    return [{"tokens": torch.randint(0, vocab, (n,), generator=gen), "labels": torch.randint(0, vocab, (n,), generator=gen)}
+            for n in doc_lengths]
+
+
+def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
+                                seed: int = 1234, reference: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Same weights: ``cfg_data``'s model on one packed THD row of documents vs each document alone at cp = 1.
+
+    The reference runs every document as its own sequence through the unsharded local-attention
+    model (tp = pp = cp = 1, Megatron's ``DotProductAttention``) and sums token losses and
+    gradients. The configured model (pp = 1) gets all documents packed in one row, each padded to
+    a multiple of ``2 * cp`` (:func:`pack_documents`), split per document over the CP group
+    (:func:`get_thd_batch_on_this_cp_rank`) and ``packed_seq_params``. Returns relative errors of
+    loss, real-token logits and every parameter gradient (summed over CP ranks).
+
+    ``reference``: :func:`cp1_packed_reference` of a config with the same model and dtype, made with the
+    same ``doc_lengths`` and ``seed``; None: made here.
+    """
+    cfg = GPTConfig.parse(cfg_data)
+    if cfg.parallel.pp != 1:
+        raise ValueError(f"compare_packed_to_reference needs parallel.pp = 1, got {cfg.parallel.pp}")
+    world = dist.get_world_size()
+    docs = _documents(cfg, doc_lengths, seed)
+    n_tokens = sum(doc_lengths)
+    if reference is None:
+        reference = cp1_packed_reference(cfg_data, doc_lengths, seed=seed)
+    ref_loss, ref_grads = reference["loss"], reference["grads"]
 
     init_megatron(cfg.check_world_size(world), seed=seed)
     cp_group = ps.get_context_parallel_group()
     model = build_gpt_model(cfg)
-    load_full_state_dict(model, weights)
+    load_full_state_dict(model, reference["weights"])
     batch, params = pack_documents(docs, 2 * cfg.parallel.cp)
     part = get_thd_batch_on_this_cp_rank(batch, params.cu_seqlens_q_padded)
     loss_tok = model(part["tokens"], part["position_ids"], None, labels=part["labels"], packed_seq_params=params)
@@ -176,7 +199,7 @@ def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[
         logits = model(part["tokens"], part["position_ids"], None, packed_seq_params=params).float()
     full = gather_logits(logits, cu_seqlens=params.cu_seqlens_q_padded)[0]
     real = batch["loss_mask"][0].bool()
-    result["logits_err"] = rel_max(full[real], torch.cat(ref_logits))
+    result["logits_err"] = rel_max(full[real], reference["logits"])
     return result
 
 
