@@ -97,7 +97,7 @@ def _forget_hierarchical_cp_groups() -> None:
 
 
 def case_results(per_rank: list[dict[str, tuple[bool, Any]]], case: str) -> list[Any]:
-    """Every rank's result of ``case`` from :func:`compare_cases`; raises WorkerError with each failed rank's traceback."""
+    """Every rank's result of ``case`` from :func:`compare_cases`; WorkerError with each failed rank's traceback."""
     from megatron_ring.testing.gloo import WorkerError
 
     failed = {rank: out[case][1] for rank, out in enumerate(per_rank) if not out[case][0]}

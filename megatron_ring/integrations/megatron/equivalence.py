@@ -153,8 +153,8 @@ def _documents(cfg: GPTConfig, doc_lengths: Sequence[int], seed: int) -> list[di
     """The documents (tokens, labels) both sides of :func:`compare_packed_to_reference` run on."""
     vocab = cfg.model.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    return [{"tokens": torch.randint(0, vocab, (n,), generator=gen), "labels": torch.randint(0, vocab, (n,), generator=gen)}
-            for n in doc_lengths]
+    return [{"tokens": torch.randint(0, vocab, (n,), generator=gen),
+             "labels": torch.randint(0, vocab, (n,), generator=gen)} for n in doc_lengths]
 
 
 def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
