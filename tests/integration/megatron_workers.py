@@ -1,12 +1,13 @@
 """Workers for the Megatron integration tests, run on every rank of a GlooPool (module-level so they pickle)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import json
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.integrations.megatron.equivalence import rel_max
+from megatron_ring.integrations.megatron.equivalence import compare_to_reference, cp1_reference, rel_max
 from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -27,6 +28,83 @@ def _expect_error(fn: Callable[[], Any]) -> str:
     except (ValueError, TypeError) as err:
         return f"{type(err).__name__}: {err}"
     return ""
+
+
+def _reference_key(cfg_data: Mapping[str, Any], docs: Optional[tuple[int, ...]]) -> str:
+    """What the cp = 1 reference depends on: everything but the name, the attention and the parallel
+    sizes, and the packed documents' lengths (None: the unpacked batch)."""
+    return json.dumps([{k: v for k, v in cfg_data.items() if k not in ("name", "attention", "parallel")}, docs],
+                      sort_keys=True)
+
+
+def _layout_key(cfg_data: Mapping[str, Any], world: int) -> str:
+    from megatron_ring.config.gpt import GPTConfig
+
+    return repr(GPTConfig.parse(cfg_data).check_world_size(world))
+
+
+def compare_cases(cases: Mapping[str, tuple[Any, ...]]) -> dict[str, tuple[bool, Any]]:
+    """Every case of this pool's world size, in one call: ``name -> (world, cfg)`` runs
+    ``compare_to_reference(cfg)``, ``name -> (world, cfg, doc_lengths)`` runs
+    ``compare_packed_to_reference(cfg, doc_lengths)``.
+
+    Each distinct cp = 1 reference (configs with the same model and dtype share one) is made once,
+    all of them first under one ``dp = world`` parallel_state; the cases then run grouped by layout,
+    so Megatron's parallel_state is re-initialised once per layout, not twice per case. Results per
+    case as ``megatron_ring.testing.gloo.run_cases`` gives them: ``(True, result)`` or ``(False, traceback)``.
+    """
+    from megatron_ring.integrations.megatron.equivalence import compare_packed_to_reference, cp1_packed_reference
+    from megatron_ring.testing.gloo import run_cases
+
+    world = dist.get_world_size()
+    mine = {name: (case[1], tuple(case[2]) if len(case) > 2 else None)
+            for name, case in cases.items() if case[0] == world}
+    layouts: dict[str, list[str]] = {}
+    for name, (cfg, _) in mine.items():
+        layouts.setdefault(_layout_key(cfg, world), []).append(name)
+    order = [name for names in layouts.values() for name in names]
+    references: dict[str, Any] = {}
+
+    def one(name: str) -> dict[str, Any]:
+        for cfg, docs in mine.values():  # every reference before the first layout switch
+            key = _reference_key(cfg, docs)
+            if key not in references:
+                references[key] = cp1_reference(cfg) if docs is None else cp1_packed_reference(cfg, docs)
+        cfg, docs = mine[name]
+        reference = references[_reference_key(cfg, docs)]
+        if docs is None:
+            return compare_to_reference(cfg, reference=reference)
+        return compare_packed_to_reference(cfg, docs, reference=reference)
+
+    try:
+        return dict(zip(order, run_cases(one, [((name,), {}) for name in order])))
+    finally:
+        _forget_hierarchical_cp_groups()
+
+
+def _forget_hierarchical_cp_groups() -> None:
+    """Drop megatron-core's module-global list of hierarchical CP groups (``a2a+p2p``).
+
+    ``destroy_model_parallel`` does not reset it and the pool reset between test modules only clears
+    Megatron globals that are process groups themselves, so the list kept the destroyed groups, and
+    their gloo threads, alive: the pool was recycled after every module that used ``a2a+p2p``.
+    Megatron made these groups for our layout, so ``init_megatron``'s next re-initialisation destroys
+    them; without the list (None, as before any hierarchical layout) nothing else holds them.
+    """
+    from megatron.core import parallel_state
+
+    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+
+
+def case_results(per_rank: list[dict[str, tuple[bool, Any]]], case: str) -> list[Any]:
+    """Every rank's result of ``case`` from :func:`compare_cases`; WorkerError with each failed rank's traceback."""
+    from megatron_ring.testing.gloo import WorkerError
+
+    failed = {rank: out[case][1] for rank, out in enumerate(per_rank) if not out[case][0]}
+    if failed:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+        raise WorkerError(f"{case} failed on ranks {sorted(failed)}:\n{text}")
+    return [out[case][1] for out in per_rank]
 
 
 def core_attention_cp1_cases(seq: int = 16, batch: int = 2) -> dict[str, Any]:
@@ -234,6 +312,28 @@ def generate_with_runner(cfg_data: dict[str, Any], layout: ParallelLayout, *, ba
     return torch.stack(out, dim=1).tolist()
 
 
+def greedy_across_layouts(cases: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, tuple[bool, Any]]]:
+    """Every case's greedy tokens, in one pool call: ``{case: {"reference": cfg, "layouts": {name: (cfg, layout)}}}``
+    -> ``{case: {"reference" or layout name: (ok, tokens or traceback)}}``.
+
+    All references (:func:`generate_without_cache`, one dp = world parallel_state) run first, then
+    every case of one layout (:func:`generate_with_runner`) back to back, so parallel_state and the
+    runner's process groups are made once per layout instead of once per layout and case.
+    """
+    from megatron_ring.testing.gloo import run_cases
+
+    out: dict[str, dict[str, tuple[bool, Any]]] = {case: {} for case in cases}
+    for case, spec in cases.items():
+        out[case]["reference"] = run_cases(generate_without_cache, [((spec["reference"],), {})])[0]
+    names = list(dict.fromkeys(name for spec in cases.values() for name in spec["layouts"]))
+    for name in names:
+        for case, spec in cases.items():
+            if name in spec["layouts"]:
+                cfg, layout = spec["layouts"][name]
+                out[case][name] = run_cases(generate_with_runner, [((cfg, layout), {})])[0]
+    return out
+
+
 def generate_without_cache(cfg_data: dict[str, Any], *, batch: int = 2, prompt_len: int = 16, new_tokens: int = 6,
                            seed: int = 1234) -> list[list[int]]:
     """Reference greedy tokens: Megatron's plain GPTModel forward over the whole sequence at every step.
@@ -302,10 +402,14 @@ def per_layer_comm_types() -> dict[str, Any]:
     layers = [RingAttention(config, n, AttnMaskType.causal, "self", cp_comm_type=comms[n % 3]) for n in (1, 2, 3)]
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(4, 2, 4, 16, generator=gen) for _ in range(3))
-    outs = [layer(q, k, v, None) for layer in layers]
-    return {"comms": [layer.cp_comm_type for layer in layers],
-            "hierarchical": [isinstance(layer.ring_group, CPGroups) for layer in layers],
-            "same_output": all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)}
+    try:
+        outs = [layer(q, k, v, None) for layer in layers]
+        return {"comms": [layer.cp_comm_type for layer in layers],
+                "hierarchical": [isinstance(layer.ring_group, CPGroups) for layer in layers],
+                "same_output": all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)}
+    finally:
+        del layers
+        _forget_hierarchical_cp_groups()
 
 
 def core_attention_dilated_cases(seq: int = 24, batch: int = 2) -> dict[str, Any]:

@@ -2,11 +2,15 @@
 
 Every case builds, on each rank, the unsharded reference (Megatron's own DotProductAttention,
 tp = pp = cp = 1) and the configured model with the same weights and tokens, then compares loss,
-full logits and every parameter gradient (summed over CP ranks). Workers live in
+full logits and every parameter gradient (summed over CP ranks). The cases of one pool size run in
+one pool call (megatron_workers.compare_cases): each distinct reference is made once and shared by
+the cases of the same model, and cases of the same layout run back to back, as Megatron's
+parallel_state re-initialisation is most of a case's time. Workers live in
 tests/integration/megatron_workers.py; process pools are shared (tests/conftest.py).
 """
 from __future__ import annotations
 
+from functools import partial, update_wrapper
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("pydantic")
 
 from megatron_ring.config import load_mapping  # noqa: E402
-from megatron_ring.integrations.megatron.equivalence import compare_to_reference  # noqa: E402
+from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
 from tests.integration import megatron_workers  # noqa: E402
 from megatron_ring.testing.configs import with_changes  # noqa: E402
 
@@ -58,11 +62,21 @@ CASES = {
 }
 
 
+RUN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def compared(gloo_pool: Any) -> Any:
+    """``compared(P)`` -> every rank's ``{case: (ok, result)}`` of the P-rank cases, one pool call per P."""
+    run = update_wrapper(partial(megatron_workers.compare_cases, CASES), megatron_workers.compare_cases)
+    return runs_per_size(gloo_pool, run, RUN_TIMEOUT_S)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpt_matches_cp1_reference(gloo_pool: Any, case: str) -> None:
+def test_gpt_matches_cp1_reference(compared: Any, case: str) -> None:
     world, cfg = CASES[case]
     bf16 = cfg["dtype"] == "bf16"
-    results = gloo_pool(world).run(compare_to_reference, cfg)
+    results = megatron_workers.case_results(compared(world), case)
     tol = BF16_TOL if bf16 else FP32_TOL
     last_stage = [r for r in results if "loss" in r]
     assert len(last_stage) == world // cfg["parallel"].get("pp", 1)

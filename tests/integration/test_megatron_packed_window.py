@@ -8,6 +8,7 @@ Windowed: ``model.window_size`` (and ``window_attn_skip_freq``) against the wind
 """
 from __future__ import annotations
 
+from functools import partial, update_wrapper
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ pytest.importorskip("pydantic")
 import torch  # noqa: E402
 
 from megatron_ring.config import load_mapping  # noqa: E402
-from megatron_ring.integrations.megatron.equivalence import compare_packed_to_reference, compare_to_reference  # noqa: E402
+from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
 from megatron_ring.testing.configs import with_changes  # noqa: E402
 from tests.integration import megatron_workers  # noqa: E402
 
@@ -47,9 +48,9 @@ PACKED = {
 
 
 @pytest.mark.parametrize("case", list(PACKED))
-def test_packed_gpt_matches_each_document_alone_at_cp1(gloo_pool: Any, case: str) -> None:
-    world, cfg = PACKED[case]
-    for r in gloo_pool(world).run(compare_packed_to_reference, cfg, DOCS):
+def test_packed_gpt_matches_each_document_alone_at_cp1(compared: Any, case: str) -> None:
+    world, _ = PACKED[case]
+    for r in megatron_workers.case_results(compared(world), f"packed-{case}"):
         assert r["loss_err"] <= TOL, r
         assert r["logits_err"] <= TOL, r
         assert r["grad_err"] <= TOL, r
@@ -66,10 +67,23 @@ WINDOWED = {
 }
 
 
+RUN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def compared(gloo_pool: Any) -> Any:
+    """``compared(P)`` -> every rank's ``{case: (ok, result)}`` of the P-rank packed and windowed cases, in one
+    pool call per P (megatron_workers.compare_cases: each cp = 1 reference made once, cases grouped by layout)."""
+    cases = {**{f"packed-{name}": (world, cfg, DOCS) for name, (world, cfg) in PACKED.items()},
+             **{f"windowed-{name}": (world, cfg) for name, (world, cfg) in WINDOWED.items()}}
+    run = update_wrapper(partial(megatron_workers.compare_cases, cases), megatron_workers.compare_cases)
+    return runs_per_size(gloo_pool, run, RUN_TIMEOUT_S)
+
+
 @pytest.mark.parametrize("case", list(WINDOWED))
-def test_windowed_gpt_matches_cp1_reference(gloo_pool: Any, case: str) -> None:
-    world, cfg = WINDOWED[case]
-    results = gloo_pool(world).run(compare_to_reference, cfg)
+def test_windowed_gpt_matches_cp1_reference(compared: Any, case: str) -> None:
+    world, _ = WINDOWED[case]
+    results = megatron_workers.case_results(compared(world), f"windowed-{case}")
     for r in results:
         assert r["loss_err"] <= TOL and r["logits_err"] <= TOL and r["grad_err"] <= TOL, r
 

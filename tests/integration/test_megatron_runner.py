@@ -7,6 +7,7 @@ forward over the whole sequence at every step (no cache, tp = pp = cp = 1).
 """
 from __future__ import annotations
 
+from functools import partial, update_wrapper
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ pytest.importorskip("pydantic")
 
 from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
+from megatron_ring.testing.gloo import WorkerError, runs_per_size  # noqa: E402
 from tests.integration import megatron_workers  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
@@ -40,14 +42,37 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("model", [{"num_query_groups": 2}, {"position_embedding": "learned_absolute"},
-                                   {"num_query_groups": 2, "window_size": [5, 0]}],
-                         ids=["rope-gqa", "learned-mha", "rope-gqa-window5"])
-def test_greedy_tokens_identical_across_layouts(gloo_pool: Any, model: dict[str, Any]) -> None:
-    pool = gloo_pool(4)
-    reference = pool.run(megatron_workers.generate_without_cache, _model("local", ParallelLayout(dp=4), **model))[0]
-    for name, (attention, layout) in LAYOUTS.items():
-        tokens = pool.run(megatron_workers.generate_with_runner, _model(attention, layout, **model), layout)
+MODELS = {"rope-gqa": {"num_query_groups": 2}, "learned-mha": {"position_embedding": "learned_absolute"},
+          "rope-gqa-window5": {"num_query_groups": 2, "window_size": [5, 0]}}
+RUN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def greedy(gloo_pool: Any) -> Any:
+    """Every model's reference and layout tokens on the pool of 4, in one pool call (layouts made once each)."""
+    cases = {model_id: {"reference": _model("local", ParallelLayout(dp=4), **model),
+                        "layouts": {name: (_model(attention, layout, **model), layout)
+                                    for name, (attention, layout) in LAYOUTS.items()}}
+             for model_id, model in MODELS.items()}
+    run = update_wrapper(partial(megatron_workers.greedy_across_layouts, cases), megatron_workers.greedy_across_layouts)
+    return runs_per_size(gloo_pool, run, RUN_TIMEOUT_S)
+
+
+def _tokens(per_rank: list[Any], model_id: str, name: str) -> list[Any]:
+    """Every rank's tokens of one run; WorkerError with the tracebacks of the ranks where it failed."""
+    failed = {rank: out[model_id][name][1] for rank, out in enumerate(per_rank) if not out[model_id][name][0]}
+    if failed:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+        raise WorkerError(f"{model_id} {name} failed on ranks {sorted(failed)}:\n{text}")
+    return [out[model_id][name][1] for out in per_rank]
+
+
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_greedy_tokens_identical_across_layouts(greedy: Any, model_id: str) -> None:
+    per_rank = greedy(4)
+    reference = _tokens(per_rank, model_id, "reference")[0]
+    for name in LAYOUTS:
+        tokens = _tokens(per_rank, model_id, name)
         assert all(t == reference for t in tokens), (name, tokens, reference)
 
 

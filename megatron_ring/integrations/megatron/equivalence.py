@@ -48,25 +48,17 @@ def _worst_gradient(model: Any, cp_group: Any, ref_grads: dict[str, torch.Tensor
     return worst, worst_name
 
 
-def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234) -> dict[str, Any]:
-    """Same weights, same tokens: ``cfg_data``'s model vs the cp = 1 local-attention model.
+def cp1_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234) -> dict[str, Any]:
+    """The cp = 1 side of :func:`compare_to_reference`: ``cfg_data``'s model unsharded (tp = pp = cp = 1,
+    attention local, same dtype) on the whole batch, built on this rank under a ``dp = world`` parallel_state.
 
-    Every rank first builds the unsharded reference (tp = pp = cp = 1, attention local, same dtype),
-    runs loss + backward on the whole batch, then builds the configured model, loads the same
-    weights, runs its shard of the batch and compares loss, logits and every parameter gradient
-    (summed over CP ranks, as Megatron's DP x CP reduction does). Returns relative errors: max-abs
-    based for fp32, L2-norm based for the gradients of half-precision models.
+    Returns ``loss`` (float tensor), ``logits`` and ``grads`` (float32, by parameter name) and the full
+    state dict ``weights``. It does not depend on ``cfg_data``'s ``parallel`` or ``attention``, so
+    configs that differ only there can share one (pass it as ``compare_to_reference(reference=)``).
     """
-    cfg = GPTConfig.parse(cfg_data)
     world = dist.get_world_size()
     ref_cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
-    m = cfg.model
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
-    labels = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
-    position_ids = torch.arange(m.seq_length).expand(batch, -1)
-    n_tokens = batch * m.seq_length
-
+    tokens, labels, position_ids = _batch(ref_cfg, batch, seed)
     init_megatron(ParallelLayout(dp=world), seed=seed)
     ref = build_gpt_model(ref_cfg)
     ref_loss_tok = ref(tokens, position_ids, None, labels=labels)
@@ -75,12 +67,42 @@ def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int 
     ref_grads = {name: p.grad.float().clone() for name, p in unwrap(ref).named_parameters()}
     with torch.no_grad():
         ref_logits = ref(tokens, position_ids, None).float()
-    weights = full_state_dict(ref)
-    del ref
+    return {"loss": ref_loss.detach(), "logits": ref_logits, "grads": ref_grads, "weights": full_state_dict(ref)}
+
+
+def _batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens, labels and position ids both sides of :func:`compare_to_reference` run on."""
+    m = cfg.model
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    labels = torch.randint(0, m.vocab_size, (batch, m.seq_length), generator=gen)
+    return tokens, labels, torch.arange(m.seq_length).expand(batch, -1)
+
+
+def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int = 1234,
+                         reference: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Same weights, same tokens: ``cfg_data``'s model vs the cp = 1 local-attention model.
+
+    Every rank first builds the unsharded reference (tp = pp = cp = 1, attention local, same dtype),
+    runs loss + backward on the whole batch, then builds the configured model, loads the same
+    weights, runs its shard of the batch and compares loss, logits and every parameter gradient
+    (summed over CP ranks, as Megatron's DP x CP reduction does). Returns relative errors: max-abs
+    based for fp32, L2-norm based for the gradients of half-precision models.
+
+    ``reference``: :func:`cp1_reference` of a config with the same model and dtype, made with the same
+    ``batch`` and ``seed`` (callers comparing many layouts of one model compute it once); None: made here.
+    """
+    cfg = GPTConfig.parse(cfg_data)
+    world = dist.get_world_size()
+    tokens, labels, position_ids = _batch(cfg, batch, seed)
+    n_tokens = batch * cfg.model.seq_length
+    if reference is None:
+        reference = cp1_reference(cfg_data, batch=batch, seed=seed)
+    ref_loss, ref_logits, ref_grads = reference["loss"], reference["logits"], reference["grads"]
 
     init_megatron(cfg.check_world_size(world), seed=seed)
     model = build_gpt_model(cfg)
-    load_full_state_dict(model, weights)
+    load_full_state_dict(model, reference["weights"])
     part = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
     inp, out = stage_forward(model, part["tokens"], part["position_ids"], part["labels"])
     result: dict[str, Any] = {"rank": dist.get_rank()}
@@ -100,28 +122,19 @@ def compare_to_reference(cfg_data: dict[str, Any], *, batch: int = 2, seed: int 
     return result
 
 
-def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
-                                seed: int = 1234) -> dict[str, Any]:
-    """Same weights: ``cfg_data``'s model on one packed THD row of documents vs each document alone at cp = 1.
+def cp1_packed_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
+                         seed: int = 1234) -> dict[str, Any]:
+    """The cp = 1 side of :func:`compare_packed_to_reference`: every document alone through ``cfg_data``'s
+    model unsharded (tp = pp = cp = 1, attention local), built on this rank under a ``dp = world`` parallel_state.
 
-    The reference runs every document as its own sequence through the unsharded local-attention
-    model (tp = pp = cp = 1, Megatron's ``DotProductAttention``) and sums token losses and
-    gradients. The configured model (pp = 1) gets all documents packed in one row, each padded to
-    a multiple of ``2 * cp`` (:func:`pack_documents`), split per document over the CP group
-    (:func:`get_thd_batch_on_this_cp_rank`) and ``packed_seq_params``. Returns relative errors of
-    loss, real-token logits and every parameter gradient (summed over CP ranks).
+    Returns ``loss`` (float, summed over documents, per real token), ``logits`` (the documents' real
+    tokens, concatenated), ``grads`` (float32, by parameter name) and the full state dict ``weights``;
+    like :func:`cp1_reference`, shareable by configs that differ only in ``parallel`` or ``attention``.
     """
-    cfg = GPTConfig.parse(cfg_data)
-    if cfg.parallel.pp != 1:
-        raise ValueError(f"compare_packed_to_reference needs parallel.pp = 1, got {cfg.parallel.pp}")
     world = dist.get_world_size()
     ref_cfg = GPTConfig.parse({**cfg_data, "attention": "local", "parallel": {"tp": 1, "pp": 1, "cp": 1}})
-    vocab = cfg.model.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    docs = [{"tokens": torch.randint(0, vocab, (n,), generator=gen), "labels": torch.randint(0, vocab, (n,), generator=gen)}
-            for n in doc_lengths]
+    docs = _documents(ref_cfg, doc_lengths, seed)
     n_tokens = sum(doc_lengths)
-
     init_megatron(ParallelLayout(dp=world), seed=seed)
     ref = build_gpt_model(ref_cfg)
     ref_logits, ref_loss = [], 0.0
@@ -133,13 +146,45 @@ def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[
         with torch.no_grad():
             ref_logits.append(ref(tokens, positions, None)[0].float())
     ref_grads = {name: p.grad.float().clone() for name, p in unwrap(ref).named_parameters()}
-    weights = full_state_dict(ref)
-    del ref
+    return {"loss": ref_loss, "logits": torch.cat(ref_logits), "grads": ref_grads, "weights": full_state_dict(ref)}
+
+
+def _documents(cfg: GPTConfig, doc_lengths: Sequence[int], seed: int) -> list[dict[str, torch.Tensor]]:
+    """The documents (tokens, labels) both sides of :func:`compare_packed_to_reference` run on."""
+    vocab = cfg.model.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    return [{"tokens": torch.randint(0, vocab, (n,), generator=gen),
+             "labels": torch.randint(0, vocab, (n,), generator=gen)} for n in doc_lengths]
+
+
+def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[int], *,
+                                seed: int = 1234, reference: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Same weights: ``cfg_data``'s model on one packed THD row of documents vs each document alone at cp = 1.
+
+    The reference runs every document as its own sequence through the unsharded local-attention
+    model (tp = pp = cp = 1, Megatron's ``DotProductAttention``) and sums token losses and
+    gradients. The configured model (pp = 1) gets all documents packed in one row, each padded to
+    a multiple of ``2 * cp`` (:func:`pack_documents`), split per document over the CP group
+    (:func:`get_thd_batch_on_this_cp_rank`) and ``packed_seq_params``. Returns relative errors of
+    loss, real-token logits and every parameter gradient (summed over CP ranks).
+
+    ``reference``: :func:`cp1_packed_reference` of a config with the same model and dtype, made with the
+    same ``doc_lengths`` and ``seed``; None: made here.
+    """
+    cfg = GPTConfig.parse(cfg_data)
+    if cfg.parallel.pp != 1:
+        raise ValueError(f"compare_packed_to_reference needs parallel.pp = 1, got {cfg.parallel.pp}")
+    world = dist.get_world_size()
+    docs = _documents(cfg, doc_lengths, seed)
+    n_tokens = sum(doc_lengths)
+    if reference is None:
+        reference = cp1_packed_reference(cfg_data, doc_lengths, seed=seed)
+    ref_loss, ref_grads = reference["loss"], reference["grads"]
 
     init_megatron(cfg.check_world_size(world), seed=seed)
     cp_group = ps.get_context_parallel_group()
     model = build_gpt_model(cfg)
-    load_full_state_dict(model, weights)
+    load_full_state_dict(model, reference["weights"])
     batch, params = pack_documents(docs, 2 * cfg.parallel.cp)
     part = get_thd_batch_on_this_cp_rank(batch, params.cu_seqlens_q_padded)
     loss_tok = model(part["tokens"], part["position_ids"], None, labels=part["labels"], packed_seq_params=params)
@@ -154,7 +199,7 @@ def compare_packed_to_reference(cfg_data: dict[str, Any], doc_lengths: Sequence[
         logits = model(part["tokens"], part["position_ids"], None, packed_seq_params=params).float()
     full = gather_logits(logits, cu_seqlens=params.cu_seqlens_q_padded)[0]
     real = batch["loss_mask"][0].bool()
-    result["logits_err"] = rel_max(full[real], torch.cat(ref_logits))
+    result["logits_err"] = rel_max(full[real], reference["logits"])
     return result
 
 
