@@ -105,7 +105,7 @@ def _forget_framework_state() -> None:
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()
         for name, value in vars(parallel_state).items():  # globals destroy_model_parallel forgets (0.16.1)
-            if isinstance(value, dist.ProcessGroup):
+            if _holds_groups(value):
                 setattr(parallel_state, name, None)
     writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
     if writer is not None:  # the checkpoint writer's queue lives in a manager process, stopped below
@@ -121,6 +121,13 @@ def _forget_framework_state() -> None:
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:  # ZeRO-3's stack of modules in forward keeps the last model (and its groups)
         offload.FWD_MODULE_STACK.clear()
+
+
+def _holds_groups(value: Any) -> bool:
+    """A process group, or a list or tuple with one (Megatron's ``_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``)."""
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(item, dist.ProcessGroup) for item in value)
+    return isinstance(value, dist.ProcessGroup)
 
 
 def _framework_lru_caches() -> list[Any]:

@@ -76,24 +76,7 @@ def compare_cases(cases: Mapping[str, tuple[Any, ...]]) -> dict[str, tuple[bool,
             return compare_to_reference(cfg, reference=reference)
         return compare_packed_to_reference(cfg, docs, reference=reference)
 
-    try:
-        return dict(zip(order, run_cases(one, [((name,), {}) for name in order])))
-    finally:
-        _forget_hierarchical_cp_groups()
-
-
-def _forget_hierarchical_cp_groups() -> None:
-    """Drop megatron-core's module-global list of hierarchical CP groups (``a2a+p2p``).
-
-    ``destroy_model_parallel`` does not reset it and the pool reset between test modules only clears
-    Megatron globals that are process groups themselves, so the list kept the destroyed groups, and
-    their gloo threads, alive: the pool was recycled after every module that used ``a2a+p2p``.
-    Megatron made these groups for our layout, so ``init_megatron``'s next re-initialisation destroys
-    them; without the list (None, as before any hierarchical layout) nothing else holds them.
-    """
-    from megatron.core import parallel_state
-
-    parallel_state._HIERARCHICAL_CONTEXT_PARALLEL_GROUPS = None
+    return dict(zip(order, run_cases(one, [((name,), {}) for name in order])))
 
 
 def case_results(per_rank: list[dict[str, tuple[bool, Any]]], case: str) -> list[Any]:
@@ -409,7 +392,6 @@ def per_layer_comm_types() -> dict[str, Any]:
                 "same_output": all(torch.allclose(o, outs[0], atol=1e-5) for o in outs)}
     finally:
         del layers
-        _forget_hierarchical_cp_groups()
 
 
 def core_attention_dilated_cases(seq: int = 24, batch: int = 2) -> dict[str, Any]:
