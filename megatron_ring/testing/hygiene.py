@@ -4,7 +4,7 @@ Run on every rank of a :class:`~megatron_ring.testing.gloo.GlooPool`:
 
 * :func:`snapshot` once at the worker's start (the pool's ``setup``): remembers ``torch.nn.functional``;
 * :func:`reset` after a test module: destroys every process group but the world, drops the caches
-  that hold groups (ours, Megatron's ``parallel_state``, DeepSpeed's ``groups``), puts back the
+  that hold groups (ours, ``torch.compile``'s, Megatron's ``parallel_state``, DeepSpeed's ``groups``), puts back the
   functions a test replaced in ``torch.nn.functional`` (DeepSpeed's ``zero.Init`` replaces ``linear``),
   stops the processes a test left running under the worker (Megatron's checkpoint writer keeps a
   queue manager), and returns :func:`probe`'s numbers;
@@ -97,6 +97,13 @@ def _forget_own_groups() -> None:
     if state is not None:
         state._OWN_GROUPS.clear()
         state._own_minutes = None
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:  # compiled code and its guards hold the groups it was traced with
+        dynamo.reset()
+        _forget_compiled_functions()
+    bench = sys.modules.get("megatron_ring.perf.bench.attention_worker")
+    if bench is not None:  # the single-process baseline's group of rank 0
+        bench._SOLO = None
 
 
 def _forget_framework_state() -> None:
@@ -121,6 +128,17 @@ def _forget_framework_state() -> None:
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:  # ZeRO-3's stack of modules in forward keeps the last model (and its groups)
         offload.FWD_MODULE_STACK.clear()
+
+
+def _forget_compiled_functions() -> None:
+    """Drop what dynamo installed in the globals of the modules whose functions it compiled
+    (``__compiled_fn_N``, ``__resume_at_N``): their graphs hold the groups they were traced with, and
+    ``torch._dynamo.reset`` leaves them there."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict):
+            for name in [n for n in namespace if n.startswith(("__compiled_fn", "__resume_at"))]:
+                del namespace[name]
 
 
 def _holds_groups(value: Any) -> bool:
