@@ -1,9 +1,11 @@
 """Shared fixtures: gloo process pools reused across tests, cleaned and probed after every module.
 
 ``gloo_pool(P)`` gives a running P-rank :class:`GlooPool`. Pools belong to a family, named by a
-module's ``pytest.mark.pool_family(NAME)`` (default ``"core"``): the tests are ordered so that each
-family's modules run together, and only one family's pools live at a time, so the Megatron,
-DeepSpeed and transformers state of one family never reaches another's ranks. After each module
+module's ``pytest.mark.pool_family(NAME)``: ``"core"`` (the default; pure torch workers) or
+``"frameworks"`` (workers that import Megatron-core, DeepSpeed or transformers). The tests are
+ordered so that each family's modules run together, and only one family's pools live at a time:
+the frameworks' imports, globals and memory never reach the core numerics' ranks, and their ranks
+pay those imports (about 6 s of CPU each) once per run. After each module
 the pools it used run :func:`megatron_ring.testing.hygiene.reset` on every rank; a rank still
 holding more than ``WORKER_THREADS_BOUND`` threads, a gloo thread beyond the world group's, any
 process group but the world or a child process is a leak:
@@ -23,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from megatron_ring.testing import hygiene  # noqa: E402
 from megatron_ring.testing.gloo import GlooPool, WorkerError  # noqa: E402
 
-FAMILIES = ("core", "megatron", "deepspeed")
+FAMILIES = ("core", "frameworks")
 """Pool families in the order their modules run."""
 WORKER_THREADS_BOUND = 64
 """Threads a worker may hold after a reset (a fresh one holds about 10)."""

@@ -15,7 +15,7 @@ pytest.importorskip("deepspeed")
 from megatron_ring.testing.tiny_hf import PAD_ID, save_tiny_model  # noqa: E402
 from tests.integration import hf_runner_workers as workers  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("deepspeed")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
 NEW_TOKENS = 6
 TIMEOUT_S = 300
 

@@ -13,7 +13,7 @@ import pytest
 from megatron_ring.config import load_mapping
 from tests.integration.inference_workers import greedy_tokens
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,

@@ -22,7 +22,7 @@ from tests.integration import megatron_checkpoint_workers as workers  # noqa: E4
 from tests.integration.hf_runner_workers import reference  # noqa: E402
 from tests.integration.megatron_workers import generate_with_runner  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
 TOL = 1e-5
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -13,7 +13,7 @@ from megatron_ring.config import load_mapping  # noqa: E402
 from megatron_ring.testing.configs import with_changes  # noqa: E402
 from tests.integration import megatron_workers  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 

@@ -24,7 +24,7 @@ from megatron_ring.testing.gloo import runs_per_size  # noqa: E402
 from tests.integration import megatron_workers  # noqa: E402
 from megatron_ring.testing.configs import with_changes  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 FP32_TOL, BF16_TOL = 1e-5, 2e-2

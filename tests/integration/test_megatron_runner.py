@@ -21,7 +21,7 @@ from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_ring.testing.gloo import WorkerError, runs_per_size  # noqa: E402
 from tests.integration import megatron_workers  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("megatron")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 TINY = load_mapping(CONFIGS / "tiny_local.yaml")

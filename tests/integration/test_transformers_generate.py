@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.pool_family("deepspeed")
+pytestmark = pytest.mark.pool_family("frameworks")
 
 from megatron_ring.hf import cp_context, ring_generate  # noqa: E402
 from megatron_ring.testing.gloo import runs_per_size  # noqa: E402

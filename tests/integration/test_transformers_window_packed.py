@@ -17,7 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.pool_family("deepspeed")
+pytestmark = pytest.mark.pool_family("frameworks")
 
 from megatron_ring.attention.reference import rel_err  # noqa: E402
 from megatron_ring.hf import cp_context, ring_forward, ring_generate  # noqa: E402
