@@ -328,6 +328,8 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[megatron_ring] rank {env['rank']}: config error:\n{err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except TrainingStopped as err:  # every rank reaches the same verdict (gathered or all-reduced)
+        if err.__cause__ is not None:  # a save failed under us: a collective broken by a lost peer names the peer
+            monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
         monitor.done()
         print(f"[megatron_ring] rank {env['rank']}: training stopped: {err}", file=sys.stderr, flush=True)
         return EXIT_STOPPED
