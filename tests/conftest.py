@@ -112,8 +112,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each family's tests together (stable: the order within a family is the usual one)."""
+    """Each family's tests together (stable: the order within a family is the usual one); under
+    ``-n 2 --dist loadgroup`` (scripts/test.sh) the launcher tests go to one process and the rest,
+    with the pools, to the other (Note [Two test processes])."""
     items.sort(key=lambda item: FAMILIES.index(family_of(item)))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("launcher" if item.get_closest_marker("launcher") else "pools"))
+
+
+# Note [Two test processes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# One pytest process used 1.43 of the 2 cores: the launcher tests mostly wait (the launcher's
+# start-up, its once-a-second polls, a peer timeout running out) while the pool tests compute. So
+# scripts/test.sh runs two pytest-xdist workers with --dist loadgroup: the tests marked ``launcher``
+# in one, everything else (and every gloo pool) in the other. Each worker keeps its own pools and
+# leak records; a worker hands them to the controller, which reports them and fails the run.
 
 
 _POOLS = Pools()
@@ -134,6 +147,16 @@ def gloo_pool(request: pytest.FixtureRequest, _pools: Pools) -> Iterator[Callabl
     _pools.after_module(request.module.__name__)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ARG001
+    """On pytest-xdist's controller: take a finished worker's pool report."""
+    report = getattr(node, "workeroutput", {}).get("pool_report")
+    if report:
+        _POOLS.worst = {k: max(v, _POOLS.worst.get(k, v)) for k, v in report["worst"].items()}
+        _POOLS.leaks.extend(report["leaks"])
+        _POOLS.recycled_for_memory.extend(report["recycled_for_memory"])
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ARG001
     if _POOLS.worst:
         numbers = ", ".join(f"{k} {v:g}" for k, v in _POOLS.worst.items())
@@ -147,5 +170,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _POOLS.leaks and exitstatus == 0:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller reports
+        workeroutput["pool_report"] = {"worst": _POOLS.worst, "leaks": [str(leak) for leak in _POOLS.leaks],
+                                       "recycled_for_memory": _POOLS.recycled_for_memory}
+    elif _POOLS.leaks and exitstatus == 0:
         session.exitstatus = 1
