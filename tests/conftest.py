@@ -113,20 +113,29 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each family's tests together (stable: the order within a family is the usual one); under
-    ``-n 2 --dist loadgroup`` (scripts/test.sh) the launcher tests go to one process and the rest,
-    with the pools, to the other (Note [Two test processes])."""
+    ``-n 2 --dist loadgroup`` (scripts/test.sh) each test goes to one of two processes (Note [Two
+    test processes])."""
     items.sort(key=lambda item: FAMILIES.index(family_of(item)))
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("launcher" if item.get_closest_marker("launcher") else "pools"))
+        item.add_marker(pytest.mark.xdist_group(process_of(item)))
+
+
+def process_of(item: pytest.Item) -> str:
+    """Which of the two test processes runs ``item`` (Note [Two test processes])."""
+    if item.get_closest_marker("launcher") or (family_of(item) == "core" and "/unit/" not in item.nodeid):
+        return "launchers+core"
+    return "frameworks+unit"
 
 
 # Note [Two test processes]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # One pytest process used 1.43 of the 2 cores: the launcher tests mostly wait (the launcher's
 # start-up, its once-a-second polls, a peer timeout running out) while the pool tests compute. So
-# scripts/test.sh runs two pytest-xdist workers with --dist loadgroup: the tests marked ``launcher``
-# in one, everything else (and every gloo pool) in the other. Each worker keeps its own pools and
-# leak records; a worker hands them to the controller, which reports them and fails the run.
+# scripts/test.sh runs two pytest-xdist workers with --dist loadgroup: one runs the tests marked
+# ``launcher`` and the core family's pool tests (gloo, probe), the other the frameworks family and
+# the unit tests, about the same CPU each (launcher tests alone beside every pool test left the
+# second process running alone for minutes). Each worker keeps its own pools and leak records and
+# hands them to the controller, which reports them and fails the run on a leak.
 
 
 _POOLS = Pools()

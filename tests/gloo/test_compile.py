@@ -8,6 +8,7 @@ import pytest
 
 from tests.gloo import compile_workers
 
+pytestmark = pytest.mark.slow
 COMPILE_TIMEOUT_S = 480  # inductor on two busy CPU cores
 
 

@@ -12,7 +12,7 @@ from megatron_ring.config import load_mapping  # noqa: E402
 from megatron_ring.perf.bench.train_memory import run_train_memory  # noqa: E402
 from megatron_ring.runtime.pool import WorkerError  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TINY = load_mapping(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "tiny_ring_cp2.yaml")
 # one trial per cp where possible: every trial starts fresh processes (the search itself is unit-tested)
 SEARCH = {"unit": 16, "start": 64, "ceiling": 64, "trial_timeout_s": 120.0, "progress": lambda line: None}

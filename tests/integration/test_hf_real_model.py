@@ -24,7 +24,7 @@ from megatron_ring.inference.prompts import Document, text_prompts  # noqa: E402
 from megatron_ring.integrations.hf.checkpoint import load_causal_lm, prepare_gguf, resolve_checkpoint  # noqa: E402
 from tests.integration import hf_runner_workers as workers  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks"), pytest.mark.slow]
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DOCUMENT = Path(__file__).resolve().parents[2] / "data" / "corpus" / "GPL-3.txt"
 NEW_TOKENS = 8

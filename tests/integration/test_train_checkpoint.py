@@ -21,7 +21,7 @@ from megatron_ring.training.checkpoint import (COMPLETE, CheckpointError, latest
                                                save_checkpoint, write_failure_cause)
 from tests.integration import train_workers  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks"), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "mp_rank_00_model_states.pt"

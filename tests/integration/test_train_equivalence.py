@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 
 from tests.integration import train_workers  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks"), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "megatron"

@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 from tests.integration import train_workers, zero3_workers  # noqa: E402
 from tests.integration.test_train_equivalence import ROOT, assert_same  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks"), pytest.mark.slow]
 
 STEPS = 3
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,

@@ -26,7 +26,7 @@ from megatron_ring.config import ConfigError  # noqa: E402
 from megatron_ring.training.schema import parse_train_spec  # noqa: E402
 from tests.integration import train_workers  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks"), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "configs" / "megatron"

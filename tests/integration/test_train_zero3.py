@@ -19,7 +19,7 @@ pytest.importorskip("deepspeed")
 from tests.integration import zero3_workers  # noqa: E402
 from tests.integration.test_train_equivalence import ROOT, assert_same, config, reference  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks"), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
