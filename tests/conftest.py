@@ -98,11 +98,12 @@ class Pools:
         self._pools.clear()
 
 
-def family_of(item: pytest.Item) -> str:
-    marker = item.get_closest_marker("pool_family")
+def family_of(node: pytest.Item | pytest.Module) -> str:
+    """The pool family a test (or its module) names with ``pool_family``; ``"core"`` by default."""
+    marker = node.get_closest_marker("pool_family")
     family = marker.args[0] if marker else "core"
     if family not in FAMILIES:
-        raise pytest.UsageError(f"{item.nodeid}: pool_family {family!r} is not one of {FAMILIES}")
+        raise pytest.UsageError(f"{node.nodeid}: pool_family {family!r} is not one of {FAMILIES}")
     return family
 
 
@@ -150,8 +151,7 @@ def _pools() -> Iterator[Pools]:
 @pytest.fixture(scope="module")
 def gloo_pool(request: pytest.FixtureRequest, _pools: Pools) -> Iterator[Callable[[int], GlooPool]]:
     """``gloo_pool(P)`` -> a running :class:`GlooPool` of P ranks of this module's family; reset after the module."""
-    marker = request.node.get_closest_marker("pool_family")
-    family = marker.args[0] if marker else "core"
+    family = family_of(request.node)
     yield lambda world_size: _pools.get(family, world_size)
     _pools.after_module(request.module.__name__)
 
