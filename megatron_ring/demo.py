@@ -22,6 +22,7 @@ from megatron_ring.attention.transport import ring_stats
 from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.sharding import shard_sequence
 from megatron_ring.attention.reference import attention_reference, rel_err
+from megatron_ring.parallel.groups import leave_distributed
 from megatron_ring.runtime.args import positive_int, usage_error
 
 
@@ -140,7 +141,7 @@ def demo_main(argv: Optional[Sequence[str]] = None) -> int:
         if args.comm == "a2a+p2p":
             inside = all(r["a2a_in_one_node"] for r in rows)
             print(f"a2a groups within one node: {'yes' if inside else 'NO'}")
-    dist.destroy_process_group()
+    leave_distributed()
     return 0
 
 

@@ -14,8 +14,10 @@ tests/README.md.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -112,20 +114,50 @@ def pytest_configure(config: pytest.Config) -> None:
                                        f"({', '.join(FAMILIES)}; default core)")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each family's tests together (stable: the order within a family is the usual one); under
-    ``-n 2 --dist loadgroup`` (scripts/test.sh) each test goes to one of two processes (Note [Two
-    test processes])."""
+    ``-n 2 --dist loadgroup`` (scripts/test.sh) each test file goes to one of two processes (Note
+    [Two test processes])."""
     items.sort(key=lambda item: FAMILIES.index(family_of(item)))
+    for item, process in processes_of(items).items():
+        item.add_marker(pytest.mark.xdist_group(process))
+
+
+STORED_DURATIONS = Path(__file__).with_name("durations.json")
+UNKNOWN_TEST_S = 0.5
+"""The time assumed for a test that tests/durations.json does not list (a new one)."""
+LAUNCHERS, FRAMEWORKS = "launchers+core", "frameworks+core+unit"
+"""The two test processes' xdist groups."""
+
+
+def processes_of(items: list[pytest.Item]) -> dict[pytest.Item, str]:
+    """Which of the two test processes runs each item (Note [Two test processes]): the launcher
+    tests in one, the frameworks family's and the unit tests in the other, the core family's pool
+    test files shared out, the longest first, to the process with less stored time so far."""
+    stored = json.loads(STORED_DURATIONS.read_text())["tests"] if STORED_DURATIONS.exists() else {}
+    files: dict[str, list[pytest.Item]] = {}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(process_of(item)))
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    load = {LAUNCHERS: 0.0, FRAMEWORKS: 0.0}
+    process: dict[str, str] = {}
+    shared = []
+    for name, file_items in files.items():
+        seconds = sum(stored.get(item.nodeid, UNKNOWN_TEST_S) for item in file_items)
+        first = file_items[0]
+        if first.get_closest_marker("launcher"):
+            process[name] = LAUNCHERS
+        elif family_of(first) != "core" or "/unit/" in name:
+            process[name] = FRAMEWORKS
+        else:
+            shared.append((seconds, name))
+            continue
+        load[process[name]] += seconds
+    for seconds, name in sorted(shared, reverse=True):
+        process[name] = min(load, key=load.get)
+        load[process[name]] += seconds
+    return {item: process[item.nodeid.split("::")[0]] for item in items}
 
-
-def process_of(item: pytest.Item) -> str:
-    """Which of the two test processes runs ``item`` (Note [Two test processes])."""
-    if item.get_closest_marker("launcher") or (family_of(item) == "core" and "/unit/" not in item.nodeid):
-        return "launchers+core"
-    return "frameworks+unit"
 
 
 # Note [Two test processes]
@@ -133,10 +165,13 @@ def process_of(item: pytest.Item) -> str:
 # One pytest process used 1.43 of the 2 cores: the launcher tests mostly wait (the launcher's
 # start-up, its once-a-second polls, a peer timeout running out) while the pool tests compute. So
 # scripts/test.sh runs two pytest-xdist workers with --dist loadgroup: one runs the tests marked
-# ``launcher`` and the core family's pool tests (gloo, probe), the other the frameworks family and
-# the unit tests, about the same CPU each (launcher tests alone beside every pool test left the
-# second process running alone for minutes). Each worker keeps its own pools and leak records and
-# hands them to the controller, which reports them and fails the run on a leak.
+# ``launcher``, the other the frameworks family and the unit tests (so that only one process pays
+# the frameworks' pool start-up), and the core family's pool test files go to either, so that the
+# two have about the same stored time (tests/durations.json). Launcher tests beside every core pool
+# test left the second process idle for the last two minutes of the run (a profile of CPU seconds
+# per test: 551 s in that process, 324 s in the other). A file stays in one process, so its
+# module-scoped fixtures (a shared launch, a pool) are made once. Each worker keeps its own pools
+# and leak records and hands them to the controller, which reports them and fails the run on a leak.
 
 
 _POOLS = Pools()

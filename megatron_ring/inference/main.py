@@ -31,7 +31,7 @@ from megatron_ring.inference.prompts import answers, text_prompts
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
 from megatron_ring.integrations.deepspeed import config as ds_config
 from megatron_ring.integrations.deepspeed import process_group as ds_glue
-from megatron_ring.parallel.groups import init_parallel
+from megatron_ring.parallel.groups import init_parallel, leave_distributed
 from megatron_ring.runtime.faults import PeerMonitor
 from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
 
@@ -179,7 +179,7 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
         print(format_table([result]), flush=True)
         if spec.output:
             print(f"[megatron_ring] result written to {write_json_atomic(spec.output, result)}", flush=True)
-    dist.destroy_process_group()
+    leave_distributed()
     return 0
 
 

@@ -8,6 +8,7 @@ object from :func:`megatron_ring.integrations.megatron.state.parallel_from_megat
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -123,3 +124,23 @@ def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOU
     groups = ParallelGroups(layout=layout, rank=rank, groups=mine, ranks=ranks, timeout=timeout)
     _CREATED[key] = (world, groups)
     return groups
+
+
+def leave_distributed() -> None:
+    """End this process's part in torch.distributed: wait for every rank, forget the groups
+    :func:`init_parallel` cached, destroy every process group and join their threads now.
+
+    Note [Leaving torch.distributed]: a gloo group's threads end when its last reference goes. A
+    group still referenced at interpreter exit (our cache of a layout's groups) is destroyed during
+    finalisation, after the peers may have closed their sockets, and one run in ten of
+    ``torchrun --nnodes 2 -m megatron_ring.demo`` ended with ``terminate called without an active
+    exception`` (SIGABRT) on one rank, or with the launcher waiting for it. The barrier lets no
+    rank close its sockets while another still talks; the collection joins the threads while the
+    interpreter is whole.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    _CREATED.clear()
+    dist.destroy_process_group()
+    gc.collect()

@@ -56,7 +56,8 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: in
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # report everything, the parent decides
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a task may have left torch.distributed itself
+        dist.destroy_process_group()
     results.close()
     results.join_thread()  # every result is in the pipe
     os._exit(0)  # Note [A worker's exit]

@@ -58,7 +58,7 @@ from megatron_ring.config import ConfigError
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
 from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
 from megatron_ring.integrations.deepspeed.zero3 import gradient_divisor_excess, partition_over_dp_cp
-from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.parallel.groups import ParallelGroups, leave_distributed
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
                                                 load_checkpoint, read_marker, save_checkpoint, verify_checkpoint)
 from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files, masked_loss
@@ -343,5 +343,5 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     elif rank == 0:
         print(f"[megatron_ring] the checkpoint is already at step {run.start_step} = {SECTION}.steps; "
               "nothing to train", flush=True)
-    dist.destroy_process_group()
+    leave_distributed()
     return 0

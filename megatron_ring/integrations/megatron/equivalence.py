@@ -18,6 +18,7 @@ from megatron_ring.integrations.megatron.model import build_gpt_model, full_stat
     is_gated_fc1, load_full_state_dict, shard_of, unwrap
 from megatron_ring.integrations.megatron.pipeline import stage_backward, stage_forward
 from megatron_ring.integrations.megatron.state import init_megatron
+from megatron_ring.parallel.groups import leave_distributed
 from megatron_ring.parallel.layout import ParallelLayout
 
 
@@ -230,5 +231,5 @@ def check_config_main(argv: Optional[Sequence[str]] = None) -> int:
             loss = f"loss {r['loss']:.6f} (cp=1 reference {r['ref_loss']:.6f}), logits rel err {r['logits_err']:.1e}, " \
                 if "loss" in r else ""
             print(f"rank {r['rank']}: {loss}max grad rel err {r['grad_err']:.1e} ({r['grad_worst']})")
-    dist.destroy_process_group()
+    leave_distributed()
     return 0
