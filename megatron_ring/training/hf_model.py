@@ -9,13 +9,16 @@ rank] in :mod:`megatron_ring.training.loop`).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.integrations.hf.attention import register
+from megatron_ring.integrations.hf.checkpoint import local_dir_once, resolve_checkpoint
 from megatron_ring.integrations.hf.sharded_forward import sharded_logits
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.data import Batch
@@ -24,17 +27,27 @@ from megatron_ring.training.schema import TrainSpec
 
 def build_causal_lm(spec: TrainSpec) -> PreTrainedModel:
     """The fp32 model of ``spec.train.transformers`` in training mode: random weights from
-    ``megatron_ring.seed``, or the local checkpoint's."""
+    ``megatron_ring.seed``, or the pretrained checkpoint's with the section's config overrides
+    (``spec.transformers``); a GGUF file is de-quantised once, by rank 0, into its cache. Under
+    DeepSpeed's ``bf16`` section the engine casts the module to bf16 and keeps these fp32 values as
+    the optimizer's master weights."""
     register()
     section = spec.train.transformers
     kwargs: dict[str, Any] = {"attn_implementation": section.attention, "dtype": torch.float32}
-    if section.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(spec.path(section.path, existing=True), config=spec.transformers,
+    source = section.source(spec.base_dir)
+    if source is not None:
+        model = AutoModelForCausalLM.from_pretrained(pretrained_dir(source), config=spec.transformers,
                                                      local_files_only=True, **kwargs)
     else:
         torch.manual_seed(spec.train.seed)
         model = AutoModelForCausalLM.from_config(spec.transformers, **kwargs)
     return model.train()
+
+
+def pretrained_dir(source: CheckpointSource) -> Path:
+    """The local checkpoint directory of ``source`` (a GGUF file converted by rank 0 while the others wait)."""
+    path = resolve_checkpoint(source.checkpoint)
+    return local_dir_once(path, source.gguf_file, Path(source.cache_dir) if source.cache_dir else None)
 
 
 def causal_lm_token_loss(engine: Any, batch: Batch, groups: ParallelGroups) -> torch.Tensor:

@@ -278,8 +278,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         if not deepspeed_engine:
             problems.add(f"{SECTION}.transformers trains under engine 'deepspeed' only; {SECTION}.engine = "
                          "'megatron' trains a configs/megatron model")
-        hf_path = _resolve(train.transformers.path, base_dir, must_exist=True) if train.transformers.path else None
-        hf_config = problems.run(transformers_config, train.transformers, hf_path, layout, train.data.kind)
+        hf_config = problems.run(transformers_config, train.transformers, base_dir, layout, train.data.kind)
     else:
         model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
     if model is not None and deepspeed_engine:
