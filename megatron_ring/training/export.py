@@ -102,8 +102,8 @@ def export_deepspeed_checkpoint(ckpt_dir: Path, tag: str, marker: dict[str, Any]
                          "export existed); export writes the transformers models of megatron_ring.transformers")
     config_dict = dict(record["config"])
     config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
-    state = deepspeed_fp32_state_dict(ckpt_dir, tag)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = deepspeed_fp32_state_dict(ckpt_dir, tag, [name for name, _ in model.named_parameters()])
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     missing = [k for k in missing if k not in tied]
@@ -132,8 +132,9 @@ def save_tokenizer(source: dict[str, Any], out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def deepspeed_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, Any]:
-    """The full fp32 state dict of a DeepSpeed checkpoint at any dp x cp layout and ZeRO stage."""
+def deepspeed_fp32_state_dict(ckpt_dir: Path, tag: str, names: list[str]) -> dict[str, Any]:
+    """The full fp32 state dict of a DeepSpeed checkpoint at any dp x cp layout and ZeRO stage; ``names``: the
+    model's parameters in ``named_parameters()`` order (the order of a stage-0 optimizer's fp32 copies)."""
     import torch
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARTITION_COUNT, \
         SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE
@@ -141,9 +142,16 @@ def deepspeed_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, Any]:
 
     tag_dir = ckpt_dir / tag
     optim_files = sorted(tag_dir.glob("*_optim_states.pt"), key=lambda p: zero_to_fp32.natural_keys(p.name))
-    if not optim_files:  # fp32 at ZeRO stage 0: the module holds the trained weights
+    if not optim_files:  # ZeRO stage 0: the module's weights, or the fp32 copies of a bf16 optimizer
         states = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        return {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+        state = {k: v.float() if v.is_floating_point() else v for k, v in states["module"].items()}
+        masters = stage0_masters(states.get("optimizer"))
+        if masters is not None:
+            if len(masters) != len(names):
+                raise ValueError(f"checkpoint {str(tag_dir)!r}: {len(masters)} fp32 master weights for "
+                                 f"{len(names)} parameters")
+            state.update(zip(names, masters))
+        return state
     first = torch.load(optim_files[0], map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
     if ZERO_STAGE in first:
         return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
@@ -158,6 +166,17 @@ def deepspeed_fp32_state_dict(ckpt_dir: Path, tag: str) -> dict[str, Any]:
     model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(tag_dir)))
     state = zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(count, groups, model_states, False)
     return zero_to_fp32.to_torch_tensor(state)
+
+
+def stage0_masters(optimizer: Any) -> Optional[list[Any]]:
+    """The fp32 master weights, in parameter order, that DeepSpeed's bf16/fp16 optimizer keeps at ZeRO stage 0
+    (``fp32_groups``: one tensor per parameter; ``fp32_groups_flat``: one flat tensor per group, which
+    needs the shapes and is not written by the optimizers used here); None for a plain fp32 optimizer."""
+    if not isinstance(optimizer, dict) or "fp32_groups" not in optimizer:
+        if isinstance(optimizer, dict) and "fp32_groups_flat" in optimizer:
+            raise ValueError("a fused fp16/bf16 optimizer checkpoint (fp32_groups_flat) cannot be exported yet")
+        return None
+    return [t.float() for group in optimizer["fp32_groups"] for t in group]
 
 
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
