@@ -114,8 +114,9 @@ def test_export_zero3_checkpoint_round_trip(gloo_pool: Any, tiny_pretrained: Pat
     reference.load_state_dict(trained["weights"], strict=False)
     reference.tie_weights()
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    ids = tokenizer("The GNU General Public License is a free, copyleft license for software.",
-                    return_tensors="pt").input_ids[:, :16]
+    text = (ROOT / "data" / "corpus" / "GPL-3.txt").read_text()[:2000]
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :16]
+    assert ids.shape == (1, 16)
     with torch.no_grad():
         got, want = exported(ids).logits, reference(ids).logits
     assert (got - want).abs().max() <= REL_TOL * want.abs().max(), "exported logits differ from the trained model's"
@@ -127,14 +128,3 @@ def test_export_zero3_checkpoint_round_trip(gloo_pool: Any, tiny_pretrained: Pat
                                                          timeout_s=300)):
         assert torch.equal(tokens, expected), f"rank {rank}: {tokens.tolist()} != {expected.tolist()}"
 
-
-def test_export_refuses_what_is_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from megatron_ring.cli import main
-
-    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
-    assert "CHECKPOINT = " in capsys.readouterr().err
-    (tmp_path / "step00000002").mkdir()
-    assert main(["export", str(tmp_path / "step00000002"), str(tmp_path / "out")]) == 2
-    assert "has no complete.json" in capsys.readouterr().err
-    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
-    assert "is not a training checkpoint" in capsys.readouterr().err
