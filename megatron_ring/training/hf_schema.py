@@ -99,7 +99,7 @@ def transformers_config(section: TransformersModelSection, base_dir: Path, layou
     if source is None:
         config = _from_arguments(section.config or {})
     else:
-        config = _with_overrides(_from_checkpoint(source), section.config or {})
+        config = _with_overrides(_from_checkpoint(source, section.checkpoint or ""), section.config or {})
     if data_kind == "text" and config.vocab_size < MIN_VOCAB:
         problems.append(f"{FIELD} vocab_size = {config.vocab_size}: the byte-level tokenizer of data.kind = 'text' "
                         f"needs at least {MIN_VOCAB} ids (ASCII + end of document)")
@@ -149,24 +149,32 @@ def _from_arguments(arguments: dict[str, Any]) -> Any:
         raise ConfigError(f"{FIELD}.config: {config_class.__name__} rejects it: {err}") from None
 
 
-def _from_checkpoint(source: CheckpointSource) -> Any:
-    """The config of a pretrained checkpoint (weights unread; a GGUF file's metadata when not yet converted)."""
+def _from_checkpoint(source: CheckpointSource, given: str) -> Any:
+    """The config of a pretrained checkpoint (weights unread; a GGUF file's metadata when not yet converted);
+    ``given``: the ``checkpoint`` value as the config file writes it."""
     from megatron_ring.integrations.hf.checkpoint import gguf_location, load_config, resolve_checkpoint
 
     try:
         path = resolve_checkpoint(source.checkpoint)
+    except ValueError as err:
+        if given.startswith("package:"):
+            raise ConfigError(f"{FIELD}.{err}") from None
+        raise ConfigError(f"{FIELD}.checkpoint = {given!r}: {source.checkpoint!r} does not exist (relative paths start "
+                          "at the config file's folder); give a checkpoint directory, a GGUF file, or "
+                          "package:<python package>") from None
+    try:
         gguf_location(path, source.gguf_file)
     except ValueError as err:
         raise ConfigError(f"{FIELD}.{err}") from None
     if path.is_dir() and source.gguf_file is None and not (path / "config.json").is_file():
         present = sorted(p.name for p in path.glob("*.gguf"))
-        raise ConfigError(f"{FIELD}.checkpoint = {source.checkpoint!r} is not a checkpoint folder (no config.json"
+        raise ConfigError(f"{FIELD}.checkpoint = {given!r} is not a checkpoint folder (no config.json"
                           + (f"; GGUF files there: {present}, name one as gguf_file" if present else "")
                           + "); allowed: a folder saved by save_pretrained, a .gguf file, or package:<module>")
     try:
         return load_config(path, source.gguf_file, Path(source.cache_dir) if source.cache_dir else None)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{FIELD}.checkpoint = {source.checkpoint!r}: transformers cannot read its config: "
+        raise ConfigError(f"{FIELD}.checkpoint = {given!r}: transformers cannot read its config: "
                           f"{err}") from None
 
 
