@@ -7,7 +7,7 @@
 - DeepSpeed's ``bf16`` section (fp32 master weights) at ZeRO 0 and 3, cp 2 x dp 2, on the tiny Llama of
   ``test_train_hf``: every step's loss within 2e-2 of the fp32 run's.
 - Export round trip: a tiny Llama saved with SmolLM2's tokenizer is the pretrained checkpoint, trained 2
-  steps at cp 2 x dp 2 under ZeRO-3 and saved; ``megatron-ring export`` gathers the partitions in this one
+  steps at cp 2 under ZeRO-3 (partitioned over the 2 ranks) and saved; ``megatron-ring export`` gathers the partitions in this one
   process; ``from_pretrained(OUT_DIR)`` gives the logits of the trained weights (gathered from the
   running engine) within 1e-5, the tokenizer comes along, and the hf runner serves the folder at cp 2
   with the greedy tokens of single-process ``generate``.
@@ -102,9 +102,10 @@ def test_export_zero3_checkpoint_round_trip(gloo_pool: Any, tiny_pretrained: Pat
     from megatron_ring.parallel.layout import ParallelLayout
     from tests.integration import hf_runner_workers
 
-    world, raw = hf_config("cp2-dp2", 3, steps=2, checkpoint={"dir": str(tmp_path / "ckpt")})
-    raw["megatron_ring"]["transformers"] = {"checkpoint": str(tiny_pretrained), "attention": "ring"}
-    trained = gloo_pool(world).run(zero3_workers.run_gathered, raw, str(ROOT), timeout_s=300)[0]
+    _, raw = hf_config("cp2-dp2", 3, steps=2, checkpoint={"dir": str(tmp_path / "ckpt")},
+                       transformers={"checkpoint": str(tiny_pretrained), "attention": "ring"})
+    raw["megatron_ring"]["layout"], raw["train_batch_size"] = {"cp": 2, "dp": 1}, 2  # 1 row x 2 micro-batches
+    trained = gloo_pool(2).run(zero3_workers.run_gathered, raw, str(ROOT), timeout_s=300)[0]
     out = tmp_path / "exported"
     assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
