@@ -7,8 +7,8 @@
 - DeepSpeed's ``bf16`` section (fp32 master weights) at ZeRO 0 and 3, cp 2 x dp 2, on the tiny Llama of
   ``test_train_hf``: every step's loss within 2e-2 of the fp32 run's.
 - Export round trip: a tiny Llama saved with SmolLM2's tokenizer is the pretrained checkpoint, trained 2
-  steps at cp 2 under ZeRO-3 (partitioned over the 2 ranks) and saved; ``megatron-ring export`` gathers the partitions in this one
-  process; ``from_pretrained(OUT_DIR)`` gives the logits of the trained weights (gathered from the
+  steps at cp 2 under ZeRO-3 (partitioned over the 2 ranks) and saved; ``megatron-ring export`` gathers
+  the partitions in this one process; ``from_pretrained(OUT_DIR)`` gives the logits of the trained weights (gathered from the
   running engine) within 1e-5, the tokenizer comes along, and the hf runner serves the folder at cp 2
   with the greedy tokens of single-process ``generate``.
 """

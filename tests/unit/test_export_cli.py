@@ -49,7 +49,8 @@ def test_megatron_checkpoints_go_to_the_megatron_exporter(tmp_path: Path, monkey
     """The latest complete step of engine 'megatron' goes to ``export_megatron_checkpoint(dir, tag, out)``."""
     calls = []
     module = types.ModuleType("megatron_ring.training.export_megatron")
-    module.export_megatron_checkpoint = lambda d, tag, out: calls.append((d, tag, out)) or out  # type: ignore[attr-defined]
+    module.export_megatron_checkpoint = (  # type: ignore[attr-defined]
+        lambda d, tag, out: calls.append((d, tag, out)) or out)
     monkeypatch.setitem(sys.modules, module.__name__, module)
     complete_step(tmp_path / "ckpt", 2, engine="megatron")
     complete_step(tmp_path / "ckpt", 10, engine="megatron")
