@@ -110,7 +110,7 @@ class MegatronTrainer:
                 forward_step_func=self._forward_step,
                 data_iterator=iterators if len(self.model) > 1 else iterators[0],
                 model=self.model if len(self.model) > 1 else self.model[0],
-                num_microbatches=len(batches), seq_length=self.spec.train.seq_len,
+                num_microbatches=len(batches), seq_length=batches[0].tokens.shape[1] * self.groups.layout.cp,
                 micro_batch_size=self.spec.micro_batch, forward_only=False)
             updated, _, _ = self.optimizer.step()
         if updated:
