@@ -213,9 +213,13 @@ class Batch:
 
 
 def padded_length(n: int, cp: int) -> int:
-    """``n`` rounded up to a multiple of ``2 * cp`` (zigzag sharding); ``n`` itself at cp = 1."""
-    multiple = 2 * cp if cp > 1 else 1
-    return -(-n // multiple) * multiple
+    """``n`` rounded up to a multiple of ``2 * cp`` (zigzag sharding; the ring's packed path asks it at cp = 1 too)."""
+    return -(-n // (2 * cp)) * 2 * cp
+
+
+def row_length(seq_len: int, cp: int) -> int:
+    """The length of an unpacked row of ``seq_len`` tokens on the model: padded for zigzag at cp > 1."""
+    return padded_length(seq_len, cp) if cp > 1 else seq_len
 
 
 def pad_row(full: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
@@ -316,7 +320,7 @@ class TrainData:
             "loss_mask": torch.ones(len(ids), seq_len, dtype=torch.float32),
             "position_ids": torch.arange(seq_len).expand(len(ids), -1),
         }
-        full = pad_row(full, padded_length(seq_len, self.cp))
+        full = pad_row(full, row_length(seq_len, self.cp))
         part = {k: shard_sequence(v, self.cp_rank, self.cp, dim=1).contiguous() for k, v in full.items()}
         return Batch(**part)
 

@@ -295,9 +295,9 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         hf_path = _resolve(train.transformers.path, base_dir, must_exist=True) if train.transformers.path else None
         hf_config = problems.run(transformers_config, train.transformers, hf_path, layout, train.data.kind)
     else:
-        from megatron_ring.training.data import padded_length  # a row of any length is padded for zigzag
+        from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
 
-        model = problems.run(_model_config, train, base_dir, seq_len=padded_length(train.seq_len, layout.cp))
+        model = problems.run(_model_config, train, base_dir, seq_len=row_length(train.seq_len, layout.cp))
     if model is not None and deepspeed_engine:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
                      model=f"{SECTION}.model = {train.model!r}")

@@ -229,9 +229,12 @@ def check_lengths(docs: Sequence[Document], seq_len: int, max_positions: Optiona
 
 
 @functools.lru_cache(maxsize=4)
-def _cached_documents(kind: str, files: tuple[Path, ...], source_json: str, seq_len: int) -> tuple[Document, ...]:
+def _cached_documents(kind: str, files: tuple[tuple[Path, int, int], ...], source_json: str,
+                      seq_len: int) -> tuple[Document, ...]:
+    """The documents of ``files`` (each with its size and modification time: a changed file is read again)."""
     tokenizer = cached_tokenizer(source_json)
-    docs = text_documents(files, tokenizer, seq_len) if kind == "documents" else chat_documents(files, tokenizer)
+    paths = [path for path, _, _ in files]
+    docs = text_documents(paths, tokenizer, seq_len) if kind == "documents" else chat_documents(paths, tokenizer)
     return tuple(docs)
 
 
@@ -241,6 +244,7 @@ def load_documents(kind: str, files: Sequence[Path], source: CheckpointSource, s
     tokenizer once per process; DataError (file, line, field) on bad input or a too-long document."""
     if kind not in DOCUMENT_KINDS:
         raise ValueError(f"data.kind = {kind!r}; allowed: {list(DOCUMENT_KINDS)}")
-    docs = _cached_documents(kind, tuple(files), source.model_dump_json(), seq_len)
+    stamped = tuple((Path(f), f.stat().st_size, f.stat().st_mtime_ns) for f in map(Path, files))
+    docs = _cached_documents(kind, stamped, source.model_dump_json(), seq_len)
     check_lengths(docs, seq_len, max_positions)
     return docs
