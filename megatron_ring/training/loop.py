@@ -140,8 +140,12 @@ def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
 # --- one step ----------------------------------------------------------------------------------
 
 def gpt_token_loss(engine: Any, batch: Batch, groups: ParallelGroups) -> torch.Tensor:
-    """Per-token losses ``[micro, seq_local]`` of the Megatron GPT on this rank's shard of ``batch``."""
-    return engine(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    """Per-token losses ``[micro, seq_local]`` of the Megatron GPT on this rank's shard of ``batch`` (a packed
+    row of documents as THD: Note [Packed training rows] in :mod:`megatron_ring.training.data`)."""
+    from megatron_ring.integrations.megatron.packed import packed_seq_params
+
+    return engine(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                  packed_seq_params=packed_seq_params(batch.cu_seqlens))
 
 
 TokenLoss = Callable[[Any, Batch, ParallelGroups], torch.Tensor]

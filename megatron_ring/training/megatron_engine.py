@@ -174,8 +174,11 @@ class MegatronTrainer:
     def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         """One micro-batch through this chunk: per-token losses ``[micro, s_local]`` on the last stage,
         hidden states ``[s_local, micro, h]`` elsewhere, and the loss function Megatron calls on them."""
+        from megatron_ring.integrations.megatron.packed import packed_seq_params
+
         batch = next(data_iterator).to(self.device)
-        output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+        output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                       packed_seq_params=packed_seq_params(batch.cu_seqlens))  # Note [Packed training rows]
         return output, partial(_summed_loss, batch.loss_mask)
 
     def _global_loss(self, sums: list[dict[str, torch.Tensor]]) -> float:

@@ -318,7 +318,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         if train.data.paths and not missing:
             problems.run(check_corpus_length, train, base_dir)
     if train.data.kind in DOCUMENT_KINDS:
-        for problem in document_problems(train, base_dir, hf_config):
+        for problem in document_problems(train, base_dir, hf_config if model is None else model):
             problems.add(problem)
     if model is not None and model.attention != "local" and model.model.attention_dropout > 0:
         problems.add(f"model.attention_dropout = {model.model.attention_dropout} in {train.model!r}: "
@@ -377,26 +377,33 @@ def tokenizer_source(train: TrainSection, base_dir: Path) -> tuple[Optional[Chec
     return source.model_copy(update={"checkpoint": str(_resolve(source.checkpoint, base_dir, must_exist=True))}), field
 
 
-def document_problems(train: TrainSection, base_dir: Path, hf_config: Any) -> list[str]:
-    """What stops data.kind documents/chat: no tokenizer (a random model and no ``data.tokenizer``), a model
-    other than a ``"ring"`` transformers one under DeepSpeed's engine, missing files, bad data (file, line,
-    field), a document longer than seq_len or the model's positions, ids beyond the model's vocabulary."""
+def document_problems(train: TrainSection, base_dir: Path, model_config: Any) -> list[str]:
+    """What stops data.kind documents/chat: no tokenizer (a random model or a model file, and no
+    ``data.tokenizer``), attention that would cross documents (not ``"ring"``), pp > 1, missing files, bad
+    data (file, line, field), a document longer than seq_len or the model's positions, ids beyond the
+    model's vocabulary. ``model_config``: the transformers config or the :class:`GPTConfig`."""
     from megatron_ring.training.data import corpus_files
     from megatron_ring.training.tokenized import load_documents, tokenizer_for
 
     d, found = train.data, []
-    if train.transformers is None or train.engine != "deepspeed":
-        found.append(f"{SECTION}.data.kind = {d.kind!r} trains a transformers model under engine 'deepspeed' "
-                     f"({SECTION}.transformers); allowed for a configs/megatron model: 'text', 'synthetic'")
-    elif train.transformers.attention != "ring":
+    if train.transformers is None and train.layout.pp > 1:
+        found.append(f"{SECTION}.data.kind = {d.kind!r} with {SECTION}.layout.pp = {train.layout.pp}: packed rows "
+                     "differ in length from one micro-batch to the next, which Megatron's pipeline schedules do not "
+                     "send between stages; allowed: pp = 1, or data.kind 'text' / 'synthetic'")
+    if train.transformers is None and getattr(model_config, "attention", None) not in (None, "ring"):
+        found.append(f"attention = {model_config.attention!r} (model file or {SECTION}.attention) would attend "
+                     f"across the packed documents of data.kind = {d.kind!r}; allowed: 'ring' (at any cp)")
+    if train.transformers is not None and train.transformers.attention != "ring":
         found.append(f"{SECTION}.data.kind = {d.kind!r} packs documents that attend only within themselves, which "
                      f"the ring does at any cp; {SECTION}.transformers.attention = "
                      f"{train.transformers.attention!r}; allowed: 'ring'")
     source, field = tokenizer_source(train, base_dir)
     if source is None:
-        found.append(f"{SECTION}.data.kind = {d.kind!r} tokenizes with the model's own tokenizer, but "
-                     f"{SECTION}.transformers.config is a random model with none; set {SECTION}.data.tokenizer = "
-                     "{'checkpoint': ...} (a checkpoint directory, a GGUF file or package:<module>)")
+        model = f"{SECTION}.transformers.config is a random model" if train.transformers is not None else \
+            f"{SECTION}.model = {train.model!r} is a model file"
+        found.append(f"{SECTION}.data.kind = {d.kind!r} tokenizes with the model's own tokenizer, but {model} "
+                     f"with none; set {SECTION}.data.tokenizer = {{'checkpoint': ...}} (a checkpoint directory, a "
+                     "GGUF file or package:<module>)")
     if not d.paths:
         found.append(f"{SECTION}.data.paths is empty; give the {d.kind} files/folders")
     missing = [i for i, entry in enumerate(d.paths) if not _resolve(entry, base_dir, must_exist=True).exists()]
@@ -405,7 +412,8 @@ def document_problems(train: TrainSection, base_dir: Path, hf_config: Any) -> li
                      f"{str(base_dir)!r})")
     if found or source is None:
         return found
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    max_positions = getattr(model_config, "max_position_embeddings", None)  # None for a GPTConfig (RoPE)
+    vocab = getattr(model_config, "vocab_size", None) or getattr(getattr(model_config, "model", None), "vocab_size", None)
     if max_positions is not None and train.seq_len > max_positions:
         found.append(f"{SECTION}.seq_len = {train.seq_len}: more than the model's max_position_embeddings = "
                      f"{max_positions}; allowed: at most {max_positions}")
@@ -417,7 +425,6 @@ def document_problems(train: TrainSection, base_dir: Path, hf_config: Any) -> li
         return found + err.located()
     except ValueError as err:
         return found + [f"{SECTION}.data.paths: {err}"]
-    vocab = getattr(hf_config, "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
         found.append(f"{field}: its tokenizer has {len(tokenizer)} ids, more than the model's vocab_size = {vocab}; "
                      "allowed: the model's own tokenizer")

@@ -56,7 +56,7 @@ def reference(docs: Sequence[Document], vocab_size: int = VOCAB_SIZE) -> dict[st
         total = total + (F.cross_entropy(logits, doc.ids[1:], reduction="none") * mask).sum()
         count += mask.sum()
     (total / count).backward()
-    return {"loss": float(total / count), "grads": {n: p.grad for n, p in model.named_parameters()}}
+    return {"loss": float(total.detach() / count), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
 def assert_same(got: dict[str, Any], ref: dict[str, Any], what: str, tol: float = TOL) -> None:
@@ -122,7 +122,7 @@ def test_chat_loss_mask_is_the_assistant_turns(chat: tuple[Any, tuple[Document, 
     assert learned == ["4.<|im_end|>\n6, of course.<|im_end|>\n", "Red.<|im_end|>\n"]
     assert [d.origin.rsplit(":", 1)[1] for d in docs] == ["1", "2"]
     whole = tokenizer.decode(docs[1].ids)
-    assert "The mat in the hall was red.\n\nWhat colour was the mat?" in whole
+    assert "<|im_start|>user\nThe mat in the hall was red. The cat sat on it all day.\n\nWhat colour was the mat?" in whole
 
 
 def test_chat_tokens_outside_assistant_turns_carry_no_loss(gloo_pool: Any,
@@ -137,3 +137,89 @@ def test_chat_tokens_outside_assistant_turns_carry_no_loss(gloo_pool: Any,
     for name, grad in plain["grads"].items():
         assert torch.equal(grad, scrambled["grads"][name]), name
     assert_same(plain, reference(docs, SMOLLM_VOCAB), "chat at cp 2 vs one process", EAGER_TOL)
+
+
+# --- the whole loop: chat data, DeepSpeed's engine, cp 2 = cp 1 ----------------------------------
+
+def chat_config(cp: int, path: Path) -> dict[str, Any]:
+    """A tiny random Llama with SmolLM2's vocabulary on ``path``'s conversations: 2 AdamW steps, 2 rows a step."""
+    return {
+        "train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
+        "megatron_ring": {
+            "transformers": {"config": {"model_type": "llama", "vocab_size": SMOLLM_VOCAB, "hidden_size": 32,
+                                        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                        "num_key_value_heads": 2, "max_position_embeddings": 256}},
+            "layout": {"cp": cp, "dp": 1}, "seq_len": 120, "steps": 2,
+            "data": {"kind": "chat", "paths": [str(path)], "tokenizer": SMOLLM, "seed": 3},
+            "log": {"progress": False},
+        },
+    }
+
+
+@pytest.mark.slow
+def test_chat_run_through_the_loop_at_cp2_equals_cp1(gloo_pool: Any, chat: tuple[Any, tuple[Document, ...]],
+                                                     tmp_path: Path) -> None:
+    """``launch/train.py``'s loop on ``data.kind: chat`` (the config check, the packed rows, DeepSpeed's
+    engine): per-step losses and final weights at cp 2 within 1e-5 of cp 1."""
+    from tests.integration import zero3_workers
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    lines = [CHATS[i % 2] for i in range(6)]
+    lines[2] = {"document": "Rain fell on the hills for three days.", "question": "How long did it rain?",
+                "answer": "Three days."}
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in lines))
+    runs = {cp: gloo_pool(cp).run(zero3_workers.run_gathered, chat_config(cp, path), str(tmp_path), timeout_s=TIMEOUT_S)[0]
+            for cp in (1, 2)}
+    one, two = runs[1], runs[2]
+    assert len(one["losses"]) == 2
+    for a, b in zip(two["losses"], one["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (two["losses"], one["losses"])
+    worst = max(rel_err(two["weights"][k], w) for k, w in one["weights"].items())
+    assert worst <= 1e-5, worst
+
+
+# --- Megatron's engine: a packed row of 3 documents = the 3 as separate rows, cp 2 -----------------
+
+MEGATRON_TEXTS = {"a.txt": "Ring one", "b.txt": "attention: ok.", "c.txt": "zig"}
+"""Byte-level documents of 9, 15 and 4 tokens with EOS (8, 14 and 3 inputs: none a multiple of 4)."""
+
+
+def megatron_config(folder: Path, *, packing: bool) -> dict[str, Any]:
+    """The tiny GPT (vocabulary 260 for the byte tokenizer saved in ``folder/tokenizer``) at cp 2 under
+    Megatron's engine, 2 steps over the 3 documents: one packed row a step, or 3 micro-batches of one."""
+    accum = 1 if packing else 3
+    return {
+        "train_batch_size": accum, "gradient_accumulation_steps": accum,
+        "megatron_ring": {
+            "engine": "megatron", "model": str(folder / "gpt.yaml"), "attention": "ring",
+            "layout": {"cp": 2, "dp": 1}, "seq_len": 64, "steps": 2,
+            "data": {"kind": "documents", "paths": [str(folder / "docs")], "suffixes": [".txt"], "packing": packing,
+                     "shuffle": False, "tokenizer": {"checkpoint": str(folder / "tokenizer")}},
+            "log": {"progress": False},
+            "megatron": {"optimizer": {"lr": 1e-3, "adam_eps": 1e-4}, "scheduler": {"decay_style": "constant"}},
+        },
+    }
+
+
+def test_megatron_engine_packed_row_equals_separate_rows(gloo_pool: Any, tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from megatron_ring.config import load_mapping
+    from megatron_ring.testing.tiny_hf import byte_tokenizer
+    from tests.integration import train_workers
+
+    byte_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "docs").mkdir()
+    for name, text in MEGATRON_TEXTS.items():
+        (tmp_path / "docs" / name).write_text(text)
+    model = load_mapping(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "tiny_ring_cp2.yaml")
+    model["model"]["vocab_size"] = 260
+    (tmp_path / "gpt.yaml").write_text(json.dumps(model))  # JSON is YAML
+    packed = train_workers.run_on_pool(gloo_pool(2), megatron_config(tmp_path, packing=True), str(tmp_path))
+    separate = train_workers.run_on_pool(gloo_pool(2), megatron_config(tmp_path, packing=False), str(tmp_path))
+    assert len(packed["losses"]) == 2
+    train_workers.assert_same_training(packed, separate, "megatron cp 2: packed vs separate rows",
+                                       loss_tol=TOL, weight_tol=1e-5)
