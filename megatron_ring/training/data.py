@@ -40,14 +40,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
 from megatron_ring.attention.sharding import shard_sequence
-
-if TYPE_CHECKING:
-    from megatron_ring.training.tokenized import Document
 
 
 class ByteTokenizer:
@@ -156,11 +153,21 @@ class SyntheticSequences:
         return f"synthetic:{self.vocab_size}:{self.seq_len}:{self.count}:{self.seed}"
 
 
+@dataclass(frozen=True)
+class Document:
+    """One document: ``ids`` int64 ``[n]``, ``target`` float32 ``[n]`` (1 where the token is learned),
+    and where it came from (``file:line`` or ``file``, for messages)."""
+
+    ids: torch.Tensor
+    target: torch.Tensor
+    origin: str
+
+
 class DocumentRows:
     """Rows of whole documents (Note [Packed training rows]): row i is ``self[i]``, a list of documents
     whose inputs (``n - 1`` tokens each) add up to at most ``seq_len``."""
 
-    def __init__(self, docs: Sequence["Document"], seq_len: int, *, packing: bool, source: str) -> None:
+    def __init__(self, docs: Sequence[Document], seq_len: int, *, packing: bool, source: str) -> None:
         self.docs, self.seq_len, self.packing, self.source = tuple(docs), seq_len, packing, source
         rows: list[list[int]] = []
         used = seq_len + 1
@@ -180,7 +187,7 @@ class DocumentRows:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> list["Document"]:
+    def __getitem__(self, index: int) -> list[Document]:
         return [self.docs[i] for i in self.rows[index]]
 
     def fingerprint(self) -> str:
@@ -234,7 +241,7 @@ def pad_row(full: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tenso
     return out
 
 
-def packed_batch(docs: Sequence["Document"], cp: int, cp_rank: int) -> Batch:
+def packed_batch(docs: Sequence[Document], cp: int, cp_rank: int) -> Batch:
     """This CP rank's part of one packed row of ``docs`` (Note [Packed training rows])."""
     parts: dict[str, list[torch.Tensor]] = {"tokens": [], "labels": [], "loss_mask": [], "position_ids": []}
     lengths = []

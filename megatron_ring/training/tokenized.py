@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -42,23 +41,13 @@ import torch
 
 from megatron_ring.config import ConfigError
 from megatron_ring.config.checkpoint import CheckpointSource
-from megatron_ring.training.schema import DOCUMENT_KINDS
+from megatron_ring.training.data import Document
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(ConfigError):
     """Bad training data: the message names the file, the line (JSONL) and the field."""
-
-
-@dataclass(frozen=True)
-class Document:
-    """One document: ``ids`` int64 ``[n]``, ``target`` float32 ``[n]`` (1 where the token is learned),
-    and where it came from (``file:line`` or ``file``, for messages)."""
-
-    ids: torch.Tensor
-    target: torch.Tensor
-    origin: str
 
 
 def load_tokenizer(source: CheckpointSource) -> Any:
@@ -242,8 +231,8 @@ def load_documents(kind: str, files: Sequence[Path], source: CheckpointSource, s
                    max_positions: Optional[int] = None) -> tuple[Document, ...]:
     """The documents of ``files`` for ``kind`` (``documents`` or ``chat``), tokenized by ``source``'s
     tokenizer once per process; DataError (file, line, field) on bad input or a too-long document."""
-    if kind not in DOCUMENT_KINDS:
-        raise ValueError(f"data.kind = {kind!r}; allowed: {list(DOCUMENT_KINDS)}")
+    if kind not in ("documents", "chat"):  # schema.DOCUMENT_KINDS (schema imports this module)
+        raise ValueError(f"data.kind = {kind!r}; allowed: 'documents', 'chat'")
     stamped = tuple((Path(f), f.stat().st_size, f.stat().st_mtime_ns) for f in map(Path, files))
     docs = _cached_documents(kind, stamped, source.model_dump_json(), seq_len)
     check_lengths(docs, seq_len, max_positions)

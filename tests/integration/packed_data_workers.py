@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.testing.tiny_hf import VOCAB_SIZE, tiny_model
-from megatron_ring.training.data import DocumentRows, PackedSequences, TrainData, masked_loss
+from megatron_ring.training.data import Document, DocumentRows, PackedSequences, TrainData, masked_loss
 from megatron_ring.training.hf_model import causal_lm_token_loss
-from megatron_ring.training.tokenized import Document
 
 
 def step_loss_and_grads(model: torch.nn.Module, data: TrainData, *, scramble_unlearned_labels: bool = False

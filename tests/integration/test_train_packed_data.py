@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron_ring.attention.reference import rel_err  # noqa: E402
 from megatron_ring.testing.tiny_hf import VOCAB_SIZE, tiny_model  # noqa: E402
-from megatron_ring.training.tokenized import Document  # noqa: E402
+from megatron_ring.training.data import Document  # noqa: E402
 from tests.integration import packed_data_workers as workers  # noqa: E402
 
 TOL = 1e-6
