@@ -8,7 +8,10 @@ attention on one process, each document (or row) alone and unpadded:
   gradients within 1e-6 (fp32), and each document alone on one process within 1e-5;
 * rows of odd token counts (13 tokens: padded to 16 at cp 2, 18 at cp 3) train like cp 1 (1e-5);
 * chat data from SmolLM2's own tokenizer and chat template: the loss mask covers exactly the
-  assistant turns, and labels changed everywhere else leave loss and gradients bit-identical.
+  assistant turns, and labels changed everywhere else leave loss and gradients bit-identical;
+* the whole loop (config check, packed rows, DeepSpeed's engine) on chat data: cp 2 = cp 1 (slow);
+* a Megatron GPT (THD ``packed_seq_params``) under Megatron's and DeepSpeed's engines: a packed row of
+  3 documents trains like the 3 as separate micro-batches at cp 2 (losses 1e-6, weights 1e-5).
 """
 from __future__ import annotations
 
@@ -182,30 +185,38 @@ def test_chat_run_through_the_loop_at_cp2_equals_cp1(gloo_pool: Any, chat: tuple
     assert worst <= 1e-5, worst
 
 
-# --- Megatron's engine: a packed row of 3 documents = the 3 as separate rows, cp 2 -----------------
+# --- a Megatron GPT: a packed row of 3 documents = the 3 as separate rows, cp 2 ---------------------
 
 MEGATRON_TEXTS = {"a.txt": "Ring one", "b.txt": "attention: ok.", "c.txt": "zig"}
 """Byte-level documents of 9, 15 and 4 tokens with EOS (8, 14 and 3 inputs: none a multiple of 4)."""
 
 
-def megatron_config(folder: Path, *, packing: bool) -> dict[str, Any]:
+def megatron_config(folder: Path, engine: str, *, packing: bool) -> dict[str, Any]:
     """The tiny GPT (vocabulary 260 for the byte tokenizer saved in ``folder/tokenizer``) at cp 2 under
-    Megatron's engine, 2 steps over the 3 documents: one packed row a step, or 3 micro-batches of one."""
+    ``engine``, 2 steps over the 3 documents: one packed row a step, or 3 micro-batches of one."""
     accum = 1 if packing else 3
+    if engine == "megatron":
+        keys: dict[str, Any] = {"megatron": {"optimizer": {"lr": 1e-3, "adam_eps": 1e-4},
+                                             "scheduler": {"decay_style": "constant"}}}
+        top: dict[str, Any] = {}
+    else:
+        keys, top = {}, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-4, "torch_adam": True}},
+                         "steps_per_print": 10**6}
     return {
-        "train_batch_size": accum, "gradient_accumulation_steps": accum,
+        "train_batch_size": accum, "gradient_accumulation_steps": accum, **top,
         "megatron_ring": {
-            "engine": "megatron", "model": str(folder / "gpt.yaml"), "attention": "ring",
+            "engine": engine, "model": str(folder / "gpt.yaml"), "attention": "ring",
             "layout": {"cp": 2, "dp": 1}, "seq_len": 64, "steps": 2,
             "data": {"kind": "documents", "paths": [str(folder / "docs")], "suffixes": [".txt"], "packing": packing,
                      "shuffle": False, "tokenizer": {"checkpoint": str(folder / "tokenizer")}},
-            "log": {"progress": False},
-            "megatron": {"optimizer": {"lr": 1e-3, "adam_eps": 1e-4}, "scheduler": {"decay_style": "constant"}},
+            "log": {"progress": False}, **keys,
         },
     }
 
 
-def test_megatron_engine_packed_row_equals_separate_rows(gloo_pool: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+def test_megatron_gpt_packed_row_equals_separate_rows(gloo_pool: Any, tmp_path: Path, engine: str) -> None:
+    """A Megatron GPT (THD packed_seq_params through RingAttention) under either engine."""
     pytest.importorskip("megatron.core")
     from megatron_ring.config import load_mapping
     from megatron_ring.testing.tiny_hf import byte_tokenizer
@@ -218,8 +229,8 @@ def test_megatron_engine_packed_row_equals_separate_rows(gloo_pool: Any, tmp_pat
     model = load_mapping(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "tiny_ring_cp2.yaml")
     model["model"]["vocab_size"] = 260
     (tmp_path / "gpt.yaml").write_text(json.dumps(model))  # JSON is YAML
-    packed = train_workers.run_on_pool(gloo_pool(2), megatron_config(tmp_path, packing=True), str(tmp_path))
-    separate = train_workers.run_on_pool(gloo_pool(2), megatron_config(tmp_path, packing=False), str(tmp_path))
+    packed = train_workers.run_on_pool(gloo_pool(2), megatron_config(tmp_path, engine, packing=True), str(tmp_path))
+    separate = train_workers.run_on_pool(gloo_pool(2), megatron_config(tmp_path, engine, packing=False), str(tmp_path))
     assert len(packed["losses"]) == 2
-    train_workers.assert_same_training(packed, separate, "megatron cp 2: packed vs separate rows",
+    train_workers.assert_same_training(packed, separate, f"GPT under {engine} at cp 2: packed vs separate rows",
                                        loss_tol=TOL, weight_tol=1e-5)
