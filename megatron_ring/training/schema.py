@@ -27,6 +27,8 @@ size (a ``seq_len`` that is not a multiple of ``2 * cp`` is padded, never reject
 train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, the model YAML with the
 layout and sequence length written into it (heads divisible by tp, ...), its dtype against
 DeepSpeed's, the data paths and the corpus length (one sample of ``seq_len + 1`` tokens at least),
+for ``data.kind`` documents / chat the data itself through the checkpoint's tokenizer (each error
+naming the file, line and field: :func:`document_problems`),
 attention dropout (0 with RingAttention), the checkpoint directory and the log file (written to and removed),
 and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
 model is built (optimizer type and params:
@@ -142,7 +144,8 @@ class TrainSection(StrictModel):
         None, description="a transformers causal LM instead of model (training/hf_schema.py)")
     attention: Optional[Literal["local", "sdpa", "ring"]] = Field(None, description="override the model file's attention")
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
-    seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
+    seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding; any length: "
+                         "padded for zigzag); kinds documents/chat: the most input tokens of a packed row")
     steps: int = Field(..., ge=1, description="optimizer steps of the whole run")
     data: DataSection = Field(default_factory=DataSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
