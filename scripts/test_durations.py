@@ -23,23 +23,28 @@ ROOT = Path(__file__).resolve().parents[1]
 STORED = ROOT / "tests" / "durations.json"
 
 
-def read_junit(path: Path) -> dict[str, float]:
-    """Test id -> seconds, from a pytest junit XML (``classname`` is the dotted module path)."""
+def read_junit(path: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """(test id -> wall seconds, test id -> CPU seconds) from a pytest junit XML (``classname`` is the
+    dotted module path; the CPU seconds are the ``cpu_s`` property tests/conftest.py records)."""
     times: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         module, _, cls = case.get("classname", "").partition(".Test")
         file = module.replace(".", "/") + ".py"
         name = f"{file}::Test{cls}::{case.get('name')}" if cls else f"{file}::{case.get('name')}"
         times[name] = times.get(name, 0.0) + float(case.get("time", 0.0))
-    return times
+        for prop in case.iter("property"):
+            if prop.get("name") == "cpu_s":
+                cpu[name] = cpu.get(name, 0.0) + float(prop.get("value", 0.0))
+    return times, cpu
 
 
-def load(path: Path) -> tuple[dict[str, float], dict]:
-    """(test id -> seconds, the run's record) from a junit XML or a stored JSON."""
+def load(path: Path) -> tuple[dict[str, float], dict[str, float], dict]:
+    """(test id -> seconds, test id -> CPU seconds, the run's record) from a junit XML or a stored JSON."""
     if path.suffix == ".xml":
-        return read_junit(path), {}
+        return *read_junit(path), {}
     stored = json.loads(path.read_text())
-    return stored["tests"], stored.get("run", {})
+    return stored["tests"], stored.get("cpu", {}), stored.get("run", {})
 
 
 def totals(times: dict[str, float], depth: int) -> dict[str, float]:
@@ -77,13 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.source.is_file():
         parser.error(f"source {str(args.source)!r} is not a file (a junit XML or a stored durations JSON)")
-    times, run = load(args.source)
+    times, cpu, run = load(args.source)
     if args.store:
         run = {"date": date.today().isoformat(), "note": args.note, "cpus": os.cpu_count(),
-               "wall_s_of_tests": round(sum(times.values()), 1)}
-        args.store.write_text(json.dumps({"run": run, "tests": {k: round(v, 3) for k, v in sorted(times.items())}},
-                                         indent=0) + "\n")
+               "wall_s_of_tests": round(sum(times.values()), 1), "cpu_s_of_tests": round(sum(cpu.values()), 1)}
+        stored = {"run": run, "tests": {k: round(v, 3) for k, v in sorted(times.items())},
+                  "cpu": {k: round(v, 3) for k, v in sorted(cpu.items())}}
+        args.store.write_text(json.dumps(stored, indent=0) + "\n")
     print(report(times, run, args.top, args.files))
+    if cpu:
+        print(report(cpu, {"note": "CPU seconds: each test's process and its ranks"}, args.top, args.files))
     return 0
 
 

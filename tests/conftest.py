@@ -124,6 +124,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(process))
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its descendants so far: the ended ones (reaped, counted by the
+    kernel) and the running ones (pool ranks, a launcher and its ranks)."""
+    import resource
+
+    import psutil
+
+    total = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+_CPU_AT_SETUP: dict[str, float] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _CPU_AT_SETUP[item.nodeid] = cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test's CPU seconds (set-up to teardown, its processes included) as the junit property
+    ``cpu_s``, which scripts/test_durations.py stores beside the wall time."""
+    if call.when == "teardown" and item.nodeid in _CPU_AT_SETUP:
+        item.user_properties.append(("cpu_s", round(cpu_seconds() - _CPU_AT_SETUP.pop(item.nodeid), 3)))
+    yield
+
+
 STORED_DURATIONS = Path(__file__).with_name("durations.json")
 UNKNOWN_TEST_S = 0.5
 """The time assumed for a test that tests/durations.json does not list (a new one)."""
@@ -134,8 +169,10 @@ LAUNCHERS, FRAMEWORKS = "launchers+core", "frameworks+core+unit"
 def processes_of(items: list[pytest.Item]) -> dict[pytest.Item, str]:
     """Which of the two test processes runs each item (Note [Two test processes]): the launcher
     tests in one, the frameworks family's and the unit tests in the other, the core family's pool
-    test files shared out, the longest first, to the process with less stored time so far."""
-    stored = json.loads(STORED_DURATIONS.read_text())["tests"] if STORED_DURATIONS.exists() else {}
+    test files shared out, the costliest first, to the process with less so far; a test's cost is its
+    stored CPU seconds (tests/durations.json, its wall time where it has none)."""
+    stored = json.loads(STORED_DURATIONS.read_text()) if STORED_DURATIONS.exists() else {}
+    weights = stored.get("cpu") or stored.get("tests", {})
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -143,7 +180,7 @@ def processes_of(items: list[pytest.Item]) -> dict[pytest.Item, str]:
     process: dict[str, str] = {}
     shared = []
     for name, file_items in files.items():
-        seconds = sum(stored.get(item.nodeid, UNKNOWN_TEST_S) for item in file_items)
+        seconds = sum(weights.get(item.nodeid, UNKNOWN_TEST_S) for item in file_items)
         first = file_items[0]
         if first.get_closest_marker("launcher"):
             process[name] = LAUNCHERS

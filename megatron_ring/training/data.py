@@ -14,18 +14,37 @@ The path of a training sequence:
    one stopped. Step s uses run samples ``s*G .. s*G+G-1`` (G = global batch); within a step,
    sample ``j = (m * dp + d) * micro + i`` is row i of micro-batch m on data-parallel rank d.
 4. Each row is cut zigzag for this CP rank (chunks r and 2P-1-r of 2P, Megatron's
-   ``get_batch_on_this_cp_rank``): tokens, labels, loss mask and global position ids alike.
+   ``get_batch_on_this_cp_rank``): tokens, labels, loss mask and global position ids alike. A row
+   whose length is not a multiple of ``2 * cp`` is padded at its end first (loss mask 0; under the
+   causal mask no real token sees the padding), so ``seq_len`` may be any length.
+
+Documents through a checkpoint's tokenizer (``data.kind`` ``documents`` / ``chat``,
+:mod:`megatron_ring.training.tokenized`) take the packed path instead (Note [Packed training rows]).
+
+Note [Packed training rows]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+:class:`DocumentRows` packs whole documents into rows (greedily, in order, up to ``seq_len``
+input tokens a row; ``packing: false`` puts one document in a row). A document of ``n`` tokens
+gives ``n - 1`` inputs and their next-token labels, its own target mask shifted onto the labels,
+so no label crosses a document boundary. A micro-batch becomes *one* packed row of every document
+of its rows (:func:`packed_batch`): each document padded at its end to a multiple of ``2 * cp``
+(loss mask 0, positions continuing), positions restarting at 0 per document, the padded boundaries
+in ``Batch.cu_seqlens``, and every document cut zigzag on its own (chunks r and 2P-1-r of every
+document: the core's varlen sharding, Note [Packed documents (varlen)] in
+:mod:`megatron_ring.attention.sharding`). Every rank therefore holds exactly ``total / cp`` tokens
+and, per document, the same causal work up to one chunk; the ring attends within documents only.
+The same rows at any cp give the same global loss: only the padding differs, and it carries no loss.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
-from megatron_ring.attention.sharding import check_divisible, shard_sequence
+from megatron_ring.attention.sharding import shard_sequence
 
 
 class ByteTokenizer:
@@ -134,21 +153,111 @@ class SyntheticSequences:
         return f"synthetic:{self.vocab_size}:{self.seq_len}:{self.count}:{self.seed}"
 
 
+@dataclass(frozen=True)
+class Document:
+    """One document: ``ids`` int64 ``[n]``, ``target`` float32 ``[n]`` (1 where the token is learned),
+    and where it came from (``file:line`` or ``file``, for messages)."""
+
+    ids: torch.Tensor
+    target: torch.Tensor
+    origin: str
+
+
+class DocumentRows:
+    """Rows of whole documents (Note [Packed training rows]): row i is ``self[i]``, a list of documents
+    whose inputs (``n - 1`` tokens each) add up to at most ``seq_len``."""
+
+    def __init__(self, docs: Sequence[Document], seq_len: int, *, packing: bool, source: str) -> None:
+        self.docs, self.seq_len, self.packing, self.source = tuple(docs), seq_len, packing, source
+        rows: list[list[int]] = []
+        used = seq_len + 1
+        for i, doc in enumerate(self.docs):
+            n = doc.ids.numel() - 1
+            if n > seq_len:
+                raise ValueError(f"{doc.origin}: {n} input tokens, more than seq_len = {seq_len}")
+            if not packing or used + n > seq_len:
+                rows.append([])
+                used = 0
+            rows[-1].append(i)
+            used += n
+        if not rows:
+            raise ValueError("the data holds no document")
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[Document]:
+        return [self.docs[i] for i in self.rows[index]]
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        for doc in self.docs:
+            digest.update(doc.ids.numpy().tobytes())
+            digest.update(doc.target.numpy().tobytes())
+        return f"{self.source}:{len(self.docs)}:{self.seq_len}:packing={self.packing}:{digest.hexdigest()[:16]}"
+
+
 @dataclass
 class Batch:
     """One micro-batch on one rank; every tensor is ``[micro, seq_len / cp]`` (this CP rank's zigzag part).
 
-    ``position_ids`` are the tokens' global positions (for RoPE / learned embeddings).
+    ``position_ids`` are the tokens' global positions (for RoPE / learned embeddings). A packed
+    micro-batch (``cu_seqlens`` set: int32 ``[n_docs + 1]``, the documents' padded global boundaries)
+    is one row ``[1, total / cp]`` of documents, positions restarting per document (Note [Packed training rows]).
     """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.tokens, self.labels, self.loss_mask, self.position_ids)))
+                       (self.tokens, self.labels, self.loss_mask, self.position_ids)),
+                     cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.to(device))
+
+
+def padded_length(n: int, cp: int) -> int:
+    """``n`` rounded up to a multiple of ``2 * cp`` (zigzag sharding; the ring's packed path asks it at cp = 1 too)."""
+    return -(-n // (2 * cp)) * 2 * cp
+
+
+def row_length(seq_len: int, cp: int) -> int:
+    """The length of an unpacked row of ``seq_len`` tokens on the model: padded for zigzag at cp > 1."""
+    return padded_length(seq_len, cp) if cp > 1 else seq_len
+
+
+def pad_row(full: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """``[b, s]`` tokens/labels/loss_mask/position_ids padded at their end to ``length`` (id 0, loss mask
+    0, positions continuing)."""
+    s = full["tokens"].shape[1]
+    if length == s:
+        return full
+    out = {k: torch.nn.functional.pad(v, (0, length - s)) for k, v in full.items() if k != "position_ids"}
+    last = full["position_ids"][:, -1:]
+    out["position_ids"] = torch.cat([full["position_ids"], last + torch.arange(1, length - s + 1)], dim=1)
+    return out
+
+
+def packed_batch(docs: Sequence[Document], cp: int, cp_rank: int) -> Batch:
+    """This CP rank's part of one packed row of ``docs`` (Note [Packed training rows])."""
+    parts: dict[str, list[torch.Tensor]] = {"tokens": [], "labels": [], "loss_mask": [], "position_ids": []}
+    lengths = []
+    for doc in docs:
+        n = doc.ids.numel() - 1
+        pad = padded_length(n, cp) - n
+        parts["tokens"].append(torch.nn.functional.pad(doc.ids[:-1], (0, pad)))
+        parts["labels"].append(torch.nn.functional.pad(doc.ids[1:], (0, pad)))
+        parts["loss_mask"].append(torch.nn.functional.pad(doc.target[1:].float(), (0, pad)))
+        parts["position_ids"].append(torch.arange(n + pad))
+        lengths.append(n + pad)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    full = {k: torch.cat(v)[None] for k, v in parts.items()}
+    if cp > 1:
+        full = {k: shard_sequence(v, cp_rank, cp, dim=1, cu_seqlens=cu).contiguous() for k, v in full.items()}
+    return Batch(**full, cu_seqlens=cu)
 
 
 def masked_loss(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -161,7 +270,6 @@ class TrainData:
 
     def __init__(self, samples: Samples, *, micro_batch: int, grad_accum: int, dp: int, dp_rank: int,
                  cp: int, cp_rank: int, shuffle: bool, seed: int) -> None:
-        check_divisible(samples.seq_len, cp, "zigzag", what="seq_len")
         if not 0 <= dp_rank < dp or not 0 <= cp_rank < cp:
             raise ValueError(f"dp_rank = {dp_rank} / cp_rank = {cp_rank} out of range for dp = {dp}, cp = {cp}")
         self.samples = samples
@@ -178,9 +286,13 @@ class TrainData:
         """The samples and their order: equal fingerprints give equal batches at every step."""
         return f"{self.samples.fingerprint()}:shuffle={self.shuffle}:seed={self.seed}"
 
-    def tokens_per_step(self) -> int:
-        """Tokens (inputs) of the whole global batch of one step."""
-        return self.global_batch * self.samples.seq_len
+    def tokens_per_step(self, step: int = 0) -> int:
+        """Tokens (inputs, padding not counted) of the whole global batch of ``step``."""
+        if not isinstance(self.samples, DocumentRows):
+            return self.global_batch * self.samples.seq_len
+        base = step * self.global_batch
+        return sum(doc.ids.numel() - 1 for k in range(base, base + self.global_batch)
+                   for doc in self.samples[self.sample_index(k)])
 
     def sample_index(self, k: int) -> int:
         """Index into ``samples`` of the k-th sample of the run."""
@@ -205,6 +317,8 @@ class TrainData:
         return [self._batch(ids) for ids in self.step_sample_ids(step)]
 
     def _batch(self, ids: list[int]) -> Batch:
+        if isinstance(self.samples, DocumentRows):
+            return packed_batch([doc for i in ids for doc in self.samples[i]], self.cp, self.cp_rank)
         rows = torch.stack([self.samples[i] for i in ids])  # [micro, seq_len + 1]
         seq_len = self.samples.seq_len
         full = {
@@ -213,6 +327,7 @@ class TrainData:
             "loss_mask": torch.ones(len(ids), seq_len, dtype=torch.float32),
             "position_ids": torch.arange(seq_len).expand(len(ids), -1),
         }
+        full = pad_row(full, row_length(seq_len, self.cp))
         part = {k: shard_sequence(v, self.cp_rank, self.cp, dim=1).contiguous() for k, v in full.items()}
         return Batch(**part)
 

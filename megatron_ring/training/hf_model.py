@@ -67,6 +67,8 @@ def pretrained_dir(source: CheckpointSource) -> Path:
 
 
 def causal_lm_token_loss(engine: Any, batch: Batch, groups: ParallelGroups) -> torch.Tensor:
-    """Per-token cross entropy ``[micro, seq_local]`` (fp32) of this rank's shard of ``batch``."""
-    logits = sharded_logits(engine, batch.tokens, batch.position_ids, groups.cp)
+    """Per-token cross entropy ``[micro, seq_local]`` (fp32) of this rank's shard of ``batch``; a packed
+    batch (``cu_seqlens``, Note [Packed training rows] in :mod:`megatron_ring.training.data`) attends
+    within each document only."""
+    logits = sharded_logits(engine, batch.tokens, batch.position_ids, groups.cp, batch.cu_seqlens)
     return F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(), reduction="none").view_as(batch.labels)

@@ -61,8 +61,8 @@ from megatron_ring.integrations.deepspeed.zero3 import gradient_divisor_excess, 
 from megatron_ring.parallel.groups import ParallelGroups, leave_distributed
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
                                                 load_checkpoint, read_marker, save_checkpoint, verify_checkpoint)
-from megatron_ring.training.data import Batch, TrainData, build_samples, corpus_files, masked_loss
-from megatron_ring.training.schema import SECTION, TrainSpec, load_train_spec
+from megatron_ring.training.data import Batch, DocumentRows, TrainData, build_samples, corpus_files, masked_loss
+from megatron_ring.training.schema import DOCUMENT_KINDS, SECTION, TrainSpec, load_train_spec
 
 EXIT_CONFIG = 2
 """Exit status of every rank when the config is invalid (nothing was started)."""
@@ -120,9 +120,18 @@ def build_deepspeed_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
 def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
     """This rank's view of the training data (DP rank and CP rank from ``groups``)."""
     d = spec.train.data
-    files = corpus_files([spec.path(p, existing=True) for p in d.paths], d.suffixes) if d.kind == "text" else ()
-    samples = build_samples(d.kind, vocab_size=spec.vocab_size, seq_len=spec.train.seq_len, files=files,
-                            synthetic_samples=d.synthetic_samples, seed=d.seed)
+    files = corpus_files([spec.path(p, existing=True) for p in d.paths], d.file_suffixes()) \
+        if d.kind != "synthetic" else ()
+    if d.kind in DOCUMENT_KINDS:
+        from megatron_ring.training.schema import tokenizer_source
+        from megatron_ring.training.tokenized import load_documents
+
+        source, _ = tokenizer_source(spec.train, spec.base_dir)
+        docs = load_documents(d.kind, files, source, spec.train.seq_len)
+        samples = DocumentRows(docs, spec.train.seq_len, packing=d.packing, source=d.kind)
+    else:
+        samples = build_samples(d.kind, vocab_size=spec.vocab_size, seq_len=spec.train.seq_len, files=files,
+                                synthetic_samples=d.synthetic_samples, seed=d.seed)
     return TrainData(samples, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, dp=spec.layout.dp,
                      dp_rank=groups.coords["dp"], cp=spec.layout.cp, cp_rank=groups.cp_rank,
                      shuffle=d.shuffle, seed=d.seed)
@@ -131,8 +140,12 @@ def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
 # --- one step ----------------------------------------------------------------------------------
 
 def gpt_token_loss(engine: Any, batch: Batch, groups: ParallelGroups) -> torch.Tensor:
-    """Per-token losses ``[micro, seq_local]`` of the Megatron GPT on this rank's shard of ``batch``."""
-    return engine(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    """Per-token losses ``[micro, seq_local]`` of the Megatron GPT on this rank's shard of ``batch`` (a packed
+    row of documents as THD: Note [Packed training rows] in :mod:`megatron_ring.training.data`)."""
+    from megatron_ring.integrations.megatron.packed import packed_seq_params
+
+    return engine(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                  packed_seq_params=packed_seq_params(batch.cu_seqlens))
 
 
 TokenLoss = Callable[[Any, Batch, ParallelGroups], torch.Tensor]
@@ -261,10 +274,10 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
             finite = math.isfinite(loss)
             if not finite and spec.train.stop_on_nonfinite_loss:
                 raise TrainingStopped(nonfinite_message(loss, step + 1, ckpt_dir))
+            tokens = data.tokens_per_step(step)
             record = {
                 "step": step + 1, "loss": loss, "lr": float(engine.get_lr()[0]),
-                "tokens": data.tokens_per_step(), "step_s": seconds,
-                "tokens_per_s": data.tokens_per_step() / seconds,
+                "tokens": tokens, "step_s": seconds, "tokens_per_s": tokens / seconds,
                 "consumed_samples": (step + 1) * spec.global_batch,
                 "memory_bytes_per_rank": gather_ints(memory_bytes(device), device),
             }

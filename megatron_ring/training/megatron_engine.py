@@ -110,7 +110,7 @@ class MegatronTrainer:
                 forward_step_func=self._forward_step,
                 data_iterator=iterators if len(self.model) > 1 else iterators[0],
                 model=self.model if len(self.model) > 1 else self.model[0],
-                num_microbatches=len(batches), seq_length=self.spec.train.seq_len,
+                num_microbatches=len(batches), seq_length=batches[0].tokens.shape[1] * self.groups.layout.cp,
                 micro_batch_size=self.spec.micro_batch, forward_only=False)
             updated, _, _ = self.optimizer.step()
         if updated:
@@ -174,8 +174,11 @@ class MegatronTrainer:
     def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         """One micro-batch through this chunk: per-token losses ``[micro, s_local]`` on the last stage,
         hidden states ``[s_local, micro, h]`` elsewhere, and the loss function Megatron calls on them."""
+        from megatron_ring.integrations.megatron.packed import packed_seq_params
+
         batch = next(data_iterator).to(self.device)
-        output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+        output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                       packed_seq_params=packed_seq_params(batch.cu_seqlens))  # Note [Packed training rows]
         return output, partial(_summed_loss, batch.loss_mask)
 
     def _global_loss(self, sums: list[dict[str, torch.Tensor]]) -> float:

@@ -23,10 +23,12 @@ A config for ``launch/train.py`` is one JSON file::
 model, so a bad config stops every rank before anything is built, with every problem in one
 error: unknown keys in our section (did-you-mean) and strict types, unknown top-level DeepSpeed
 keys (did-you-mean against DeepSpeed's own key names), the layout against the launched world
-size, ``seq_len`` against ``2 * cp`` (zigzag), ``train_batch_size =
+size (a ``seq_len`` that is not a multiple of ``2 * cp`` is padded, never rejected), ``train_batch_size =
 train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp``, the model YAML with the
 layout and sequence length written into it (heads divisible by tp, ...), its dtype against
 DeepSpeed's, the data paths and the corpus length (one sample of ``seq_len + 1`` tokens at least),
+for ``data.kind`` documents / chat the data itself through the checkpoint's tokenizer (each error
+naming the file, line and field: :func:`document_problems`),
 attention dropout (0 with RingAttention), the checkpoint directory and the log file (written to and removed),
 and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
 model is built (optimizer type and params:
@@ -47,6 +49,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field
 
 from megatron_ring.config import ConfigError, Problems, StrictModel, TimeoutSeconds, check_writable, load_mapping
+from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
@@ -54,6 +57,8 @@ from megatron_ring.training.megatron_section import MegatronSection
 from megatron_ring.training.hf_schema import TransformersModelSection, transformers_config
 
 SECTION = "megatron_ring"
+DOCUMENT_KINDS = ("documents", "chat")
+"""``data.kind`` values read through a checkpoint's tokenizer (:mod:`megatron_ring.training.tokenized`)."""
 """Key of our section in the DeepSpeed training JSON."""
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -83,15 +88,30 @@ class DataSection(StrictModel):
 
     ``kind: text`` reads ``paths`` (files, or folders searched recursively for ``suffixes``), in
     sorted order, through the byte-level tokenizer; ``kind: synthetic`` draws uniform random
-    tokens from ``seed`` (explicitly opted into, never a silent fallback).
+    tokens from ``seed`` (explicitly opted into, never a silent fallback). ``kind: documents``
+    (text files) and ``kind: chat`` (JSONL conversations, loss on assistant tokens) tokenize with a
+    checkpoint's own tokenizer: ``tokenizer`` or else the model's checkpoint
+    (:mod:`megatron_ring.training.tokenized`), and pack whole documents into rows, each attending
+    only within itself (Note [Packed training rows] in :mod:`megatron_ring.training.data`).
     """
 
-    kind: Literal["text", "synthetic"] = "text"
+    kind: Literal["text", "synthetic", "documents", "chat"] = "text"
     paths: list[str] = Field(default_factory=list, description="text files or folders (relative to the config file)")
-    suffixes: list[str] = Field(default_factory=lambda: [".md", ".txt", ".py", ".rst"])
+    suffixes: Optional[list[str]] = Field(None, description="file endings searched for in folders; default "
+                                          "['.md', '.txt', '.py', '.rst'], for kind: chat ['.jsonl']")
+    tokenizer: Optional[CheckpointSource] = Field(None, description="kinds documents/chat: the checkpoint whose "
+                                                  "tokenizer reads the data; default: the model's checkpoint")
+    packing: bool = Field(True, description="kinds documents/chat: several documents per row (each attending "
+                          "only within itself); false: one document per row")
     shuffle: bool = True
     seed: int = 1234
     synthetic_samples: int = Field(4096, ge=1, description="number of distinct sequences for kind: synthetic")
+
+    def file_suffixes(self) -> list[str]:
+        """``suffixes``, or the default of the kind."""
+        if self.suffixes is not None:
+            return self.suffixes
+        return [".jsonl"] if self.kind == "chat" else [".md", ".txt", ".py", ".rst"]
 
 
 class CheckpointSection(StrictModel):
@@ -124,7 +144,8 @@ class TrainSection(StrictModel):
         None, description="a transformers causal LM instead of model (training/hf_schema.py)")
     attention: Optional[Literal["local", "sdpa", "ring"]] = Field(None, description="override the model file's attention")
     layout: LayoutConfig = Field(default_factory=LayoutConfig)
-    seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding)")
+    seq_len: int = Field(..., ge=2, description="tokens per sequence (global, before CP sharding; any length: "
+                         "padded for zigzag); kinds documents/chat: the most input tokens of a packed row")
     steps: int = Field(..., ge=1, description="optimizer steps of the whole run")
     data: DataSection = Field(default_factory=DataSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
@@ -257,10 +278,6 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     if layout.world_size != world_size:
         problems.add(f"{SECTION}.layout = {layout.describe()} does not match the world size {world_size}; "
                      "the product tp*pp*cp*dp must equal the number of launched processes")
-    seq_len_ok = train.seq_len % (2 * layout.cp) == 0
-    if not seq_len_ok:
-        problems.add(f"{SECTION}.seq_len = {train.seq_len} is not divisible by 2 * layout.cp = {2 * layout.cp} "
-                     f"(zigzag sharding over cp = {layout.cp}); allowed: a multiple of {2 * layout.cp}")
     batch = problems.run(check_batch, ds, layout.dp)
     micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
     if deepspeed_engine:
@@ -280,7 +297,9 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                          "'megatron' trains a configs/megatron model")
         hf_config = problems.run(transformers_config, train.transformers, base_dir, layout, train.data.kind)
     else:
-        model = problems.run(_model_config, train, base_dir, seq_len=train.seq_len if seq_len_ok else None)
+        from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
+
+        model = problems.run(_model_config, train, base_dir, seq_len=row_length(train.seq_len, layout.cp))
     if model is not None and deepspeed_engine:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
                      model=f"{SECTION}.model = {train.model!r}")
@@ -300,6 +319,9 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                          "tokenizer of data.kind = 'text' needs at least 128 ids (ASCII + end of document)")
         if train.data.paths and not missing:
             problems.run(check_corpus_length, train, base_dir)
+    if train.data.kind in DOCUMENT_KINDS:
+        for problem in document_problems(train, base_dir, hf_config if model is None else model):
+            problems.add(problem)
     if model is not None and model.attention != "local" and model.model.attention_dropout > 0:
         problems.add(f"model.attention_dropout = {model.model.attention_dropout} in {train.model!r}: "
                      f"attention = {model.attention!r} (RingAttention) trains without attention dropout; "
@@ -339,6 +361,77 @@ def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:
     return found
 
 
+def tokenizer_source(train: TrainSection, base_dir: Path) -> tuple[Optional[CheckpointSource], str]:
+    """The checkpoint whose tokenizer reads kinds documents/chat, and the field naming it: ``data.tokenizer``,
+    else the model's pretrained checkpoint (``transformers.checkpoint``); ``(None, ...)`` when neither exists
+    (a random model)."""
+    field = f"{SECTION}.data.tokenizer"
+    source = train.data.tokenizer
+    if source is None and train.transformers is not None:
+        own = train.transformers.source(base_dir)  # its paths already resolved
+        if own is not None:
+            return own, f"{SECTION}.transformers.checkpoint"
+    if source is None:
+        return None, field
+    if source.checkpoint.startswith("package:"):
+        return source, field
+    return source.model_copy(update={"checkpoint": str(_resolve(source.checkpoint, base_dir, must_exist=True))}), field
+
+
+def document_problems(train: TrainSection, base_dir: Path, model_config: Any) -> list[str]:
+    """What stops data.kind documents/chat: no tokenizer (a random model or a model file, and no
+    ``data.tokenizer``), attention that would cross documents (not ``"ring"``), pp > 1, missing files, bad
+    data (file, line, field), a document longer than seq_len or the model's positions, ids beyond the
+    model's vocabulary. ``model_config``: the transformers config or the :class:`GPTConfig`."""
+    from megatron_ring.training.data import corpus_files
+    from megatron_ring.training.tokenized import load_documents, tokenizer_for
+
+    d, found = train.data, []
+    if train.transformers is None and train.layout.pp > 1:
+        found.append(f"{SECTION}.data.kind = {d.kind!r} with {SECTION}.layout.pp = {train.layout.pp}: packed rows "
+                     "differ in length from one micro-batch to the next, which Megatron's pipeline schedules do not "
+                     "send between stages; allowed: pp = 1, or data.kind 'text' / 'synthetic'")
+    if train.transformers is None and getattr(model_config, "attention", None) not in (None, "ring"):
+        found.append(f"attention = {model_config.attention!r} (model file or {SECTION}.attention) would attend "
+                     f"across the packed documents of data.kind = {d.kind!r}; allowed: 'ring' (at any cp)")
+    if train.transformers is not None and train.transformers.attention != "ring":
+        found.append(f"{SECTION}.data.kind = {d.kind!r} packs documents that attend only within themselves, which "
+                     f"the ring does at any cp; {SECTION}.transformers.attention = "
+                     f"{train.transformers.attention!r}; allowed: 'ring'")
+    source, field = tokenizer_source(train, base_dir)
+    if source is None:
+        model = f"{SECTION}.transformers.config is a random model" if train.transformers is not None else \
+            f"{SECTION}.model = {train.model!r} is a model file"
+        found.append(f"{SECTION}.data.kind = {d.kind!r} tokenizes with the model's own tokenizer, but {model} "
+                     f"with none; set {SECTION}.data.tokenizer = {{'checkpoint': ...}} (a checkpoint directory, a "
+                     "GGUF file or package:<module>)")
+    if not d.paths:
+        found.append(f"{SECTION}.data.paths is empty; give the {d.kind} files/folders")
+    missing = [i for i, entry in enumerate(d.paths) if not _resolve(entry, base_dir, must_exist=True).exists()]
+    for i in missing:
+        found.append(f"{SECTION}.data.paths[{i}] = {d.paths[i]!r} does not exist (relative paths start at "
+                     f"{str(base_dir)!r})")
+    if found or source is None:
+        return found
+    max_positions = getattr(model_config, "max_position_embeddings", None)  # None for a GPTConfig (RoPE)
+    vocab = getattr(model_config, "vocab_size", None) or getattr(getattr(model_config, "model", None), "vocab_size", None)
+    if max_positions is not None and train.seq_len > max_positions:
+        found.append(f"{SECTION}.seq_len = {train.seq_len}: more than the model's max_position_embeddings = "
+                     f"{max_positions}; allowed: at most {max_positions}")
+    try:
+        tokenizer = tokenizer_for(source, field=field)
+        files = corpus_files([_resolve(p, base_dir, must_exist=True) for p in d.paths], d.file_suffixes())
+        load_documents(d.kind, files, source, train.seq_len, max_positions)
+    except ConfigError as err:
+        return found + err.located()
+    except ValueError as err:
+        return found + [f"{SECTION}.data.paths: {err}"]
+    if vocab is not None and len(tokenizer) > vocab:
+        found.append(f"{field}: its tokenizer has {len(tokenizer)} ids, more than the model's vocab_size = {vocab}; "
+                     "allowed: the model's own tokenizer")
+    return found
+
+
 def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
     """ConfigError unless the text corpus holds one sample, ``seq_len + 1`` tokens (its byte count
     plus one end-of-document token per file, from the files' sizes: nothing is read)."""
@@ -346,7 +439,7 @@ def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
 
     d = train.data
     try:
-        files = corpus_files([_resolve(p, base_dir, must_exist=True) for p in d.paths], d.suffixes)
+        files = corpus_files([_resolve(p, base_dir, must_exist=True) for p in d.paths], d.file_suffixes())
     except ValueError as err:
         raise ConfigError(f"{SECTION}.data.paths: {err}") from None
     tokens = sum(f.stat().st_size + 1 for f in files)

@@ -54,7 +54,6 @@ BAD = {
     "global batch": ("train_batch_size", 6, ["train_batch_size = 6", "2 * 2 * 2 = 8"]),
     "layout vs world": ("megatron_ring.layout", {"tp": 1, "pp": 1, "cp": 2, "dp": 4},
                         ["megatron_ring.layout", "world size 4", "= 8"]),
-    "seq_len vs 2*cp": ("megatron_ring.seq_len", 126, ["megatron_ring.seq_len = 126", "2 * layout.cp = 4"]),
     "pipeline": ("megatron_ring.layout", {"pp": 2, "cp": 2}, ["layout.pp", "2"]),
     "heads vs tp": ("megatron_ring.layout", {"tp": 3, "cp": 1, "dp": 1}, ["num_attention_heads = 4", "tp = 3"]),
     "missing model": ("megatron_ring.model", "../megatron/nope.yaml", ["nope.yaml", "does not exist"]),
@@ -94,6 +93,16 @@ BAD = {
                      ["megatron_ring.collective_timeout_s = 1e+300", "less than or equal to 604800"]),
     "NaN peer timeout": ("megatron_ring.peer_timeout_s", float("nan"), ["megatron_ring.peer_timeout_s = nan"]),
 }
+
+
+def test_seq_len_of_any_length_is_padded_for_zigzag() -> None:
+    """No "divisible by 2 * cp" rule: a row of 126 tokens at cp 2 runs padded to 128 (loss mask 0 there)."""
+    spec = parse(changed(good(), "megatron_ring.seq_len", 126))
+    assert spec.train.seq_len == 126 and spec.model.model.seq_length == 128
+    data = TrainData(PackedSequences(torch.arange(300), 126), micro_batch=1, grad_accum=1, dp=1, dp_rank=0,
+                     cp=2, cp_rank=0, shuffle=False, seed=0)
+    batch = data.step_batches(0)[0]
+    assert batch.tokens.shape == (1, 64) and float(batch.loss_mask.sum()) == 62  # chunks 0 and 3: 2 padding tokens
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -191,7 +200,7 @@ def test_resume_refuses_other_data_or_batch(tmp_path: Path) -> None:
 
 def test_every_problem_is_reported_at_once() -> None:
     raw = changed(good(), "train_batch_size", 6)
-    raw = changed(raw, "megatron_ring.seq_len", 126)
+    raw = changed(raw, "megatron_ring.data.paths", ["../../nowhere"])
     raw = changed(raw, "gradient_clip", 1.0)
     raw = changed(raw, "optimizer.type", "AdamWW")
     raw = changed(raw, "zero_optimization", {"stage": 3, "reduce_scatter": False})
@@ -199,7 +208,7 @@ def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ConfigError) as err:
         parse(raw)
     text = str(err.value)
-    for needle in ("(6 problems)", "train_batch_size = 6", "megatron_ring.seq_len = 126", "gradient_clip",
+    for needle in ("(6 problems)", "train_batch_size = 6", "megatron_ring.data.paths[0]", "gradient_clip",
                    "optimizer.type = 'AdamWW'", "reduce_scatter = false", "selects bf16"):
         assert needle in text, text
 

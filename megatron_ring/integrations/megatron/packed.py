@@ -135,6 +135,17 @@ def pack_documents(docs: Sequence[Mapping[str, torch.Tensor]], multiple: int,
     return batch, params
 
 
+def packed_seq_params(cu_seqlens_padded: Optional[torch.Tensor]) -> Optional[PackedSeqParams]:
+    """Self-attention THD params of a row whose documents already end in their padding (padding counted as
+    part of each document: under the causal mask no real token sees it, and it carries no loss); None for None."""
+    if cu_seqlens_padded is None:
+        return None
+    cu = cu_seqlens_padded.to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                           cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def get_thd_batch_on_this_cp_rank(batch: Mapping[str, Optional[torch.Tensor]], cu_seqlens_padded: torch.Tensor, *,
                                   cp_rank: Optional[int] = None,
                                   cp_size: Optional[int] = None) -> dict[str, Optional[torch.Tensor]]:
