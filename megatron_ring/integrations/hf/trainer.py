@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from megatron_ring.attention.sharding import chunks_per_rank, shard_sequence
-from megatron_ring.integrations.hf.context import SHARDING
+from megatron_ring.integrations.hf.context import SHARDING, cp_context
 from megatron_ring.integrations.hf.sharded_forward import sharded_logits
 from megatron_ring.parallel.groups import ParallelGroups
 
@@ -126,6 +126,10 @@ class RingTrainer(Trainer):
             raise ValueError(f"layout cp = {layout.cp} x dp = {layout.dp} does not cover the {world} processes; "
                              f"allowed: cp * dp = {world}")
         super().__init__(*args, **kwargs)
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ValueError("RingTrainer computes the cross entropy itself; label_smoothing_factor = "
+                             f"{self.args.label_smoothing_factor} and compute_loss_func = {self.compute_loss_func!r} "
+                             "are not supported; allowed: label_smoothing_factor 0, no compute_loss_func")
         if self.args.world_size != world:
             raise ValueError(f"the Trainer sees {self.args.world_size} processes but torch.distributed has {world}; "
                              "start torch.distributed before building TrainingArguments")
@@ -156,9 +160,19 @@ class RingTrainer(Trainer):
             count += next_token_targets(batch).ne(IGNORE).sum().to(device)
         if self.groups.layout.dp > 1:
             dist.all_reduce(count, group=self.groups.dp)
+        if batches and count.item() == 0:
+            raise ValueError("the global batch of this step has no valid target (every label is -100 or padding)")
         return batches, count
 
     # --- forward and loss ----------------------------------------------------------------------------
+
+    def training_step(self, model: Any, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The Trainer's step (forward and backward) inside the CP context, so that layers recomputed in
+        the backward (``gradient_checkpointing``) run their ring attention over the same group."""
+        with cp_context(self.groups.cp) as ctx:
+            ctx.sharded = True  # compute_loss cuts the shards itself
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
