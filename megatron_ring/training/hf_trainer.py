@@ -16,7 +16,9 @@ shared-memory op] in integrations/deepspeed/process_group.py), and before the mo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,16 +49,62 @@ class RingTrainerArguments:
     rows: int = field(default=32, metadata={"help": "number of training rows"})
 
 
-def init_trainer_groups(cp: int, *, timeout: timedelta = timedelta(minutes=10)) -> ParallelGroups:
+def init_trainer_groups(cp: int, *, deepspeed: bool = False,
+                        timeout: timedelta = timedelta(minutes=10)) -> ParallelGroups:
     """Start torch.distributed from the launcher's environment and DeepSpeed's comm backend on it,
-    and return the groups of ``cp`` x ``dp = processes / cp`` (tp = pp = 1). Call before ``TrainingArguments``."""
+    and return the groups of ``cp`` x ``dp = processes / cp`` (tp = pp = 1). Call before ``TrainingArguments``.
+
+    ``deepspeed``: the Trainer will run DeepSpeed; on CPU this also configures accelerate's process
+    state for it (Note [DeepSpeed under the Trainer on CPU]), and ``TrainingArguments`` must then be
+    built with ``accelerator_config={"use_configured_state": True}`` (:func:`accelerator_config`).
+    """
     if not dist.is_initialized():
         init_distributed(timeout=timeout)
     init_deepspeed_comm()
     world = dist.get_world_size()
     if cp < 1 or world % cp:
         raise ValueError(f"cp = {cp} does not divide the {world} processes; allowed: a divisor of {world}")
-    return init_parallel(ParallelLayout(cp=cp, dp=world // cp), timeout=timeout)
+    groups = init_parallel(ParallelLayout(cp=cp, dp=world // cp), timeout=timeout)
+    if deepspeed and needs_configured_state():
+        configure_deepspeed_state()
+    return groups
+
+
+def needs_configured_state() -> bool:
+    """Whether DeepSpeed under the Trainer needs :func:`configure_deepspeed_state`: on CPU (no GPU, or
+    ``DS_ACCELERATOR=cpu``), with more than one process."""
+    on_cpu = os.environ.get("DS_ACCELERATOR", "") == "cpu" or not torch.cuda.is_available()
+    return on_cpu and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def configure_deepspeed_state() -> None:
+    """accelerate's process state for DeepSpeed over the running gloo group (CPU).
+
+    Note [DeepSpeed under the Trainer on CPU]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    ``TrainingArguments(deepspeed=...)`` builds accelerate's ``PartialState`` for DeepSpeed without a
+    backend; accelerate then looks for a GPU-like device to pick one (nccl, hccl, ...) and, on a CPU
+    machine, finds none and falls back to *one process*: every rank would train alone on its own
+    batches, silently. Given the backend (``gloo``, the group already running) and DeepSpeed's flag,
+    ``PartialState`` adopts the running group with its real world size and marks the state as
+    DeepSpeed's; ``TrainingArguments(accelerator_config={"use_configured_state": True})`` makes the
+    Trainer take that state instead of building its own. GPUs need none of this.
+    """
+    from accelerate.state import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        state = PartialState(backend=dist.get_backend())
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    if state.num_processes != dist.get_world_size() or str(state.distributed_type) != "DistributedType.DEEPSPEED":
+        raise RuntimeError(f"accelerate's state for DeepSpeed on CPU has {state.num_processes} processes "
+                           f"({state.distributed_type}), torch.distributed {dist.get_world_size()}")
+
+
+def accelerator_config(deepspeed: bool) -> dict[str, Any] | None:
+    """The ``TrainingArguments.accelerator_config`` that :func:`init_trainer_groups` asks for, or None."""
+    return {"use_configured_state": True} if deepspeed and needs_configured_state() else None
 
 
 def check_arguments(ours: RingTrainerArguments) -> None:
@@ -121,9 +169,21 @@ def trainer_main(argv: Sequence[str] | None = None) -> int:
     ours, rest = HfArgumentParser(RingTrainerArguments).parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True)
     check_arguments(ours)
-    groups = init_trainer_groups(ours.cp)  # before TrainingArguments (see the module's docstring)
+    parser = HfArgumentParser(TrainingArguments)
+    namespace, unknown = parser.parse_known_args(rest)
+    if unknown:
+        raise ValueError(f"unknown arguments {unknown}")
+    fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    inputs = {k: v for k, v in vars(namespace).items() if k in fields}
+    groups = init_trainer_groups(ours.cp, deepspeed=bool(inputs.get("deepspeed")))  # before TrainingArguments
     try:
-        (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(args=rest)
+        configured = accelerator_config(bool(inputs.get("deepspeed")))
+        if configured is not None:
+            if inputs.get("accelerator_config") is not None:
+                raise ValueError("--accelerator_config with --deepspeed on CPU: the example sets it "
+                                 f"({configured}); allowed: none")
+            inputs["accelerator_config"] = configured
+        args = TrainingArguments(**inputs)
         trainer = build_trainer(ours, args, groups)
         trainer.train()
         if dist.get_rank() == 0:

@@ -67,5 +67,5 @@ def test_ring_trainer_cp2_deepspeed_equals_cp1(gloo_pool: Any, out: Path, refere
 
 def test_ring_trainer_cp2_dp2_ddp_recomputed_equals_cp1(gloo_pool: Any, out: Path, reference: dict[str, Any]) -> None:
     """DDP instead of DeepSpeed, two DP groups, and every layer recomputed in the backward (its ring too)."""
-    got = run(gloo_pool(4), out, cp=2, attention="ring", micro=1, deepspeed=None, gradient_checkpointing=True)
+    got = run(gloo_pool(4), out, cp=2, attention="ring", micro=1, deepspeed=None, activation_checkpointing=True)
     train_workers.assert_same_training(got, reference, "cp2 dp2 DDP recomputed", loss_tol=REL_TOL, weight_tol=REL_TOL)

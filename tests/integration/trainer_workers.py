@@ -22,8 +22,11 @@ def train(ours: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
     """Train with the example's :func:`build_trainer` on this rank; ``{"losses", "weights"}`` (weights
     gathered under ZeRO-3, on rank 0 only). The launcher's variables, accelerate's process state and
     transformers' DeepSpeed config are put back afterwards for the pool's next worker."""
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED")}
-    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
+    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                            "ACCELERATE_USE_DEEPSPEED")}
+    world = str(dist.get_world_size())  # what a launcher sets (accelerate reads it)
+    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=world,
+                      LOCAL_WORLD_SIZE=world, MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     linear = torch.nn.functional.linear  # ZeRO-3's zero.Init replaces it for good
     try:
         return _train(ours, training)
@@ -42,12 +45,15 @@ def _train(ours: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
     from transformers import TrainingArguments
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from megatron_ring.training.hf_trainer import RingTrainerArguments, build_trainer, init_trainer_groups, step_losses
+    from megatron_ring.training.hf_trainer import (RingTrainerArguments, accelerator_config, build_trainer,
+                                                   init_trainer_groups, step_losses)
 
     args_ours = RingTrainerArguments(**ours)
-    groups = init_trainer_groups(args_ours.cp)
+    deepspeed_on = training.get("deepspeed") is not None
+    groups = init_trainer_groups(args_ours.cp, deepspeed=deepspeed_on)
     try:
-        trainer = build_trainer(args_ours, TrainingArguments(**training), groups)
+        args = TrainingArguments(**training, accelerator_config=accelerator_config(deepspeed_on))
+        trainer = build_trainer(args_ours, args, groups)
         trainer.train()
         params = list(trainer.model.parameters())
         with deepspeed.zero.GatheredParameters(params) if trainer.is_deepspeed_enabled else _nothing():
