@@ -34,6 +34,8 @@ from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.training.data import corpus_files
 
 TEXT_SUFFIXES = (".txt", ".md")
+EXIT_USAGE = 2
+"""Exit status of the example for bad arguments (nothing was started)."""
 
 
 @dataclass
@@ -168,11 +170,14 @@ def trainer_main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, rest = HfArgumentParser(RingTrainerArguments).parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True)
-    check_arguments(ours)
-    parser = HfArgumentParser(TrainingArguments)
-    namespace, unknown = parser.parse_known_args(rest)
-    if unknown:
-        raise ValueError(f"unknown arguments {unknown}")
+    namespace, unknown = HfArgumentParser(TrainingArguments).parse_known_args(rest)
+    try:
+        if unknown:
+            raise ValueError(f"unknown arguments {unknown}")
+        check_arguments(ours)
+    except ValueError as err:  # before any process group: one line, exit status 2
+        print(f"trainer_finetune: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
     inputs = {k: v for k, v in vars(namespace).items() if k in fields}
     groups = init_trainer_groups(ours.cp, deepspeed=bool(inputs.get("deepspeed")))  # before TrainingArguments
