@@ -1,8 +1,8 @@
 """transformers' Trainer with ring attention (RingTrainer) trains exactly like transformers' own Trainer at cp 1.
 
 A tiny random Llama (GQA, RoPE, byte tokenizer) trains for 3 AdamW steps on rows of the licence
-corpus of 17 to 32 tokens (so every batch is right-padded, to lengths that are not multiples of
-2 * cp), global batch 4 (2 rows per micro-batch, 2 micro-batches accumulated). The reference is
+corpus of 16 to 32 tokens (11 of the 16 lengths not a multiple of 2 * cp = 4; each row right-padded
+to the longest of its micro-batch), global batch 4 (2 rows per micro-batch, 2 micro-batches accumulated). The reference is
 transformers' own ``Trainer`` with sdpa attention in one process, without DeepSpeed; against it,
 ``RingTrainer`` at cp 2 under DeepSpeed ZeRO-1 (the shipped configs/deepspeed/trainer_cp2.json) and
 ZeRO-3, and at cp 2 x dp 2 under DDP (no DeepSpeed, one row per micro-batch) with gradient

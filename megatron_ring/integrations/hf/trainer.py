@@ -132,7 +132,8 @@ class RingTrainer(Trainer):
                              "are not supported; allowed: label_smoothing_factor 0, no compute_loss_func")
         if self.args.world_size != world:
             raise ValueError(f"the Trainer sees {self.args.world_size} processes but torch.distributed has {world}; "
-                             "start torch.distributed before building TrainingArguments")
+                             "start torch.distributed before building TrainingArguments, and on CPU pass use_cpu=True (DDP) or "
+                             "the accelerator_config of megatron_ring.training.hf_trainer (DeepSpeed)")
         self.groups = groups
         self.loss_is_scaled_for_ga = True  # Note [The loss of a RingTrainer rank]
 
