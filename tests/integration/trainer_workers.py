@@ -23,7 +23,8 @@ def train(ours: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
     gathered under ZeRO-3, on rank 0 only). The launcher's variables, accelerate's process state and
     transformers' DeepSpeed config are put back afterwards for the pool's next worker."""
     saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                            "ACCELERATE_USE_DEEPSPEED")}
+                                            "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED")}
+    threads = torch.get_num_threads()  # accelerate's CPU set-up may change it
     world = str(dist.get_world_size())  # what a launcher sets (accelerate reads it)
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=world,
                       LOCAL_WORLD_SIZE=world, MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"))
@@ -32,6 +33,7 @@ def train(ours: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
         return _train(ours, training)
     finally:
         torch.nn.functional.linear = linear
+        torch.set_num_threads(threads)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
