@@ -183,7 +183,9 @@ def export_main(argv: Optional[Sequence[str]] = None) -> int:
     """``megatron-ring export CHECKPOINT OUT_DIR``; exit status 2 with one line on bad input."""
     from megatron_ring.runtime.args import usage_error
 
-    parser = argparse.ArgumentParser(prog="megatron-ring export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="megatron-ring export", description="Write a transformers checkpoint "
+                                     "(config.json, model.safetensors, the tokenizer) from a training checkpoint "
+                                     "of either engine, saved at any layout; offline, in this one process.")
     parser.add_argument("checkpoint", type=Path, help="a training checkpoint.dir (its latest complete step) or a "
                         "step folder")
     parser.add_argument("out_dir", type=Path, help="the transformers checkpoint folder to write (new or empty)")
