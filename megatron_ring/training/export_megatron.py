@@ -24,7 +24,8 @@ every pipeline stage (and virtual stage) are one tensor ``decoder.layers.<name>`
 axis ``[num_layers, ...]``, each stage writing its layers' rows; a TP-split parameter is stored whole,
 each TP rank writing its slice; a gated fc1 ``[gate; up]`` is written as two halves, each split over
 TP, so the stored tensor is the unsharded ``[gate; up]`` again; tied output weights are stored once,
-as the embedding. The global tensors are therefore exactly the tp = pp = 1 parameters the converter
+as the embedding; the layers' norms are stored under Transformer Engine's names (the layer spec's
+``sharded_state_dict_keys_map``). The global tensors are therefore exactly the tp = pp = 1 parameters the converter
 makes (``HFWeights``), whatever layout saved them; cp and dp ranks hold replicas.
 """
 from __future__ import annotations
@@ -122,7 +123,8 @@ def read_global_tensors(folder: Path, needed: list[str]) -> dict[str, torch.Tens
 
     reader = dcp.FileSystemReader(str(folder))
     stored = reader.read_metadata().state_dict_metadata
-    keys = sorted({_stored_key(name) for name in needed})
+    renames = _layer_key_renames()
+    keys = sorted({_stored_key(name, renames) for name in needed})
     missing = [key for key in keys if key not in stored]
     if missing:
         raise ValueError(f"{str(folder)!r} lacks the model tensors {missing}")
@@ -131,11 +133,27 @@ def read_global_tensors(folder: Path, needed: list[str]) -> dict[str, torch.Tens
     out = {}
     for name in needed:
         layer = _LAYER.match(name)
-        out[name] = state[_stored_key(name)][int(layer.group(1))] if layer else state[name]
+        out[name] = state[_stored_key(name, renames)][int(layer.group(1))] if layer else state[name]
     return out
 
 
-def _stored_key(name: str) -> str:
-    """The key a global parameter name is stored under: layers share one stacked tensor."""
+def _stored_key(name: str, renames: dict[str, str]) -> str:
+    """The key a global parameter name is stored under: layers share one stacked tensor, and some
+    layer parameters are stored under the name of their fused Transformer-Engine counterpart."""
     layer = _LAYER.match(name)
-    return f"decoder.layers.{layer.group(2)}" if layer else name
+    if not layer:
+        return name
+    inner = layer.group(2)
+    for old, new in renames.items():
+        if inner.startswith(old):
+            inner = new + inner[len(old):]
+    return f"decoder.layers.{inner}"
+
+
+def _layer_key_renames() -> dict[str, str]:
+    """The layer spec's ``sharded_state_dict_keys_map``: Megatron stores the local spec's norms under the
+    names of Transformer Engine's fused norm + linear (``input_layernorm.`` as
+    ``self_attention.linear_qkv.layer_norm_``), so that checkpoints of both specs are interchangeable."""
+    from megatron_ring.integrations.megatron.specs import get_gpt_layer_ring_spec
+
+    return dict(get_gpt_layer_ring_spec(normalization="RMSNorm").submodules.sharded_state_dict_keys_map)

@@ -36,6 +36,10 @@ MODEL_FILE = "model.json"
 "hf_config": its transformers config or None}``."""
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""A checkpoint directory holding one of these has a tokenizer (a model saved alone has none)."""
+
+
 @dataclass(frozen=True)
 class PretrainedSource:
     """Where the weights of a training run come from: the model file's checkpoint keys and its
@@ -91,12 +95,14 @@ def pretrained_gpt_config(data: dict[str, Any], *, seq_len: Optional[int], where
 
 
 def load_pretrained_weights(pretrained: PretrainedSource) -> tuple[Any, Any]:
-    """``(HFWeights, tokenizer)`` of the checkpoint on every rank (fp32 on CPU); a GGUF file is converted
+    """``(HFWeights, tokenizer or None)`` of the checkpoint on every rank (fp32 on CPU); a GGUF file is converted
     by rank 0 while the others wait (Note [GGUF conversion cache]), so a job converts it once. Collective."""
     import torch
     import torch.distributed as dist
 
-    from megatron_ring.integrations.hf.checkpoint import load_causal_lm, prepare_gguf
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ring.integrations.hf.checkpoint import load_tokenizer, local_dir, prepare_gguf
     from megatron_ring.integrations.megatron.hf_weights import HFWeights
 
     source, where = pretrained.source, "the training config's model file"
@@ -105,8 +111,9 @@ def load_pretrained_weights(pretrained: PretrainedSource) -> tuple[Any, Any]:
         if dist.get_rank() == 0:
             prepare_gguf(*location, cache)
         dist.barrier()
-    model, tokenizer = load_causal_lm(path, gguf_file=source.gguf_file, dtype=torch.float32,
-                                      attn_implementation="eager", cache_dir=cache)
+    directory = local_dir(path, source.gguf_file, cache)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
+    tokenizer = load_tokenizer(directory) if any((directory / name).is_file() for name in TOKENIZER_FILES) else None
     try:
         return HFWeights(model.config.to_dict(), model.state_dict()), tokenizer
     except ValueError as err:

@@ -75,6 +75,7 @@ def train_and_export(raw: dict[str, Any], base_dir: str, tokens: torch.Tensor, o
         logits = engine_logits(run.engine, groups, tokens)
         run.engine.destroy()
         result: dict[str, Any] = {"losses": [r["loss"] for r in run.records], "logits": logits}
+        dist.barrier()
         if dist.get_rank() == 0:
             from transformers import AutoModelForCausalLM
 
@@ -86,5 +87,4 @@ def train_and_export(raw: dict[str, Any], base_dir: str, tokens: torch.Tensor, o
             with torch.no_grad():
                 result["exported"] = model.eval()(tokens).logits.float()
             result["files"] = sorted(p.name for p in out.iterdir())
-        dist.barrier()
         return result
