@@ -74,6 +74,9 @@ def test_smollm2_pp2_cp2_trains_like_cp1(gloo_pool: Any) -> None:
     ref = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"cp": 1, "dp": 4}, steps=3, seq_len=32), str(ROOT))
     got = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"pp": 2, "cp": 2}, steps=3, seq_len=32), str(ROOT))
     assert ref["losses"][-1] < ref["losses"][0]
+    # tied embeddings: the last stage's output layer is a copy of the first stage's embedding, kept equal
+    tied = got["weights"].pop("output_layer.weight")
+    assert train_workers.relative_error(tied, got["weights"]["embedding.word_embeddings.weight"]) <= TOL
     train_workers.assert_same_training(got, ref, "SmolLM2 pp2-cp2", loss_tol=TOL, weight_tol=TOL)
 
 
@@ -95,6 +98,7 @@ def test_bf16_close_to_fp32(gloo_pool: Any, tiny_llama: Path) -> None:
     losses = {dtype: train_workers.run_on_pool(pool, config(str(tiny_llama / f"model_{dtype}.yaml"), {"pp": 2, "cp": 2},
                                                             steps=3, seq_len=32), str(ROOT))["losses"]
               for dtype in ("fp32", "bf16")}
+    assert losses["bf16"] != losses["fp32"], "bf16 trained to fp32's very losses: was it bf16?"
     for step, (a, b) in enumerate(zip(losses["bf16"], losses["fp32"]), 1):
         assert abs(a - b) <= BF16_TOL * abs(b), f"step {step}: bf16 loss {a} vs fp32 {b}"
 
