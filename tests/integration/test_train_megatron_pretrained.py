@@ -5,9 +5,10 @@ checkpoint exports back to transformers.
   tp1·pp2·cp2 against cp 1 (dp 4, Megatron's own attention): 3 steps of 4 sequences of 32 tokens,
   fp32, losses within 1e-5 relative and final weights within 1e-5.
 * A small random Llama-shaped checkpoint (save_pretrained of transformers' LlamaConfig; 4 layers, 2
-  K/V heads, tied embeddings) trained 2 steps at pp2·cp2 and tp2·cp2 and saved; its export
-  (``export_megatron_checkpoint``) loaded by ``AutoModelForCausalLM.from_pretrained`` gives the trained
-  Megatron model's logits (forward-only schedule at the training layout) within 1e-5.
+  K/V heads, tied embeddings, a word-level tokenizer) trained 2 steps at pp2·cp2 and tp2·cp2 and
+  saved; its export (``export_megatron_checkpoint``) loaded by ``AutoModelForCausalLM.from_pretrained``
+  gives the trained Megatron model's logits (forward-only schedule at the training layout) within
+  1e-5, and the tokenizer comes with it.
 * The same model in bf16 (fp32 main weights in Megatron's distributed optimizer) at pp2·cp2: every
   step's loss within 2e-2 relative of fp32's.
 
@@ -52,8 +53,10 @@ def config(model: str, layout: dict[str, int], *, steps: int, seq_len: int, ckpt
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama-shaped transformers checkpoint: 4 layers, hidden 64, 4 heads over 2 K/V heads,
-    vocabulary 384 (the byte tokenizer's ids), tied embeddings; and model files naming it (fp32, bf16)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    vocabulary 384 (the byte tokenizer's ids), tied embeddings, a word-level tokenizer of ``<id>``
+    words; and model files naming it (fp32, bf16)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
@@ -61,6 +64,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=True, rms_norm_eps=1e-5)
     LlamaForCausalLM(cfg).save_pretrained(folder / "hf")
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(384)}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<256>").save_pretrained(folder / "hf")
     for dtype in ("fp32", "bf16"):
         (folder / f"model_{dtype}.yaml").write_text(f"name: tiny-llama\ncheckpoint: {folder / 'hf'}\n"
                                                     f"dtype: {dtype}\nattention: ring\n")
@@ -88,7 +94,10 @@ def test_export_round_trip(gloo_pool: Any, tiny_llama: Path, tmp_path: Path, lay
                                timeout_s=300)
     trained = next(r["logits"] for r in results if r["logits"] is not None)
     exported = results[0]["exported"]
-    assert {"config.json", "model.safetensors"} <= set(results[0]["files"])
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(results[0]["files"])
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").encode("<5> <7>") == [5, 7]
     err = train_workers.relative_error(exported, trained)
     assert err <= TOL, f"from_pretrained logits differ from the trained model's: rel {err:.2e}"
 
