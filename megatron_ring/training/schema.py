@@ -172,6 +172,8 @@ class TrainSpec:
     base_dir: Path
     transformers: Optional[Any] = None
     """The ``transformers.PretrainedConfig`` when ``train.transformers`` is set (``model`` is then None)."""
+    pretrained: Optional[Any] = None
+    """The :class:`~megatron_ring.training.pretrained.PretrainedSource` when the model file names a checkpoint."""
 
     @property
     def vocab_size(self) -> int:
@@ -284,7 +286,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
         if (zero3_problem := check_zero3_reduce(ds, layout.cp)) is not None:
             problems.add(zero3_problem)
-    model = hf_config = None
+    model = hf_config = pretrained = None
     if (train.model is None) == (train.transformers is None):
         problems.add(f"{SECTION}: give exactly one of 'model' (a configs/megatron YAML) and 'transformers' "
                      "(a transformers causal LM)")
@@ -300,7 +302,11 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     else:
         from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
 
-        model = problems.run(_model_config, train, base_dir, seq_len=row_length(train.seq_len, layout.cp))
+        model, pretrained = problems.run(_model_config, train, base_dir,
+                                         seq_len=row_length(train.seq_len, layout.cp)) or (None, None)
+        if pretrained is not None and deepspeed_engine:
+            problems.add(f"{SECTION}.model = {train.model!r} names a checkpoint: it trains under {SECTION}.engine = "
+                         f"'megatron' (or give it as {SECTION}.transformers under engine 'deepspeed')")
     if model is not None and deepspeed_engine:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
                      model=f"{SECTION}.model = {train.model!r}")
@@ -335,7 +341,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                      field=f"{SECTION}.log.jsonl", value=train.log.jsonl)
     problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
-                     global_batch=glob, base_dir=base_dir, transformers=hf_config)
+                     global_batch=glob, base_dir=base_dir, transformers=hf_config, pretrained=pretrained)
 
 
 def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:
@@ -451,9 +457,10 @@ def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
                           "add text or lower seq_len")
 
 
-def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> GPTConfig:
+def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> tuple[GPTConfig, Optional[Any]]:
     """The model YAML with our layout, ``seq_len`` (None: the file's own, ours being rejected
-    already) and attention (if set) written into it."""
+    already) and attention (if set) written into it; and where its weights come from when it names a
+    checkpoint (:mod:`megatron_ring.training.pretrained`), else None."""
     path = _resolve(train.model, base_dir, must_exist=True)
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
@@ -462,7 +469,12 @@ def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]
         data["model"]["seq_length"] = seq_len
     if train.attention is not None:
         data["attention"] = train.attention
-    return GPTConfig.parse(data, where=f"model {str(path)!r} with {SECTION}.layout/seq_len")
+    where = f"model {str(path)!r} with {SECTION}.layout/seq_len"
+    if "checkpoint" in data:
+        from megatron_ring.training.pretrained import pretrained_gpt_config
+
+        return pretrained_gpt_config(data, seq_len=seq_len, where=where)
+    return GPTConfig.parse(data, where=where), None
 
 
 def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
