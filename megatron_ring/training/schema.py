@@ -327,7 +327,8 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         if train.data.paths and not missing:
             problems.run(check_corpus_length, train, base_dir)
     if train.data.kind in DOCUMENT_KINDS:
-        for problem in document_problems(train, base_dir, hf_config if model is None else model):
+        for problem in document_problems(train, base_dir, hf_config if model is None else model,
+                                         pretrained.source if pretrained is not None else None):
             problems.add(problem)
     if model is not None and model.attention != "local" and model.model.attention_dropout > 0:
         problems.add(f"model.attention_dropout = {model.model.attention_dropout} in {train.model!r}: "
@@ -368,11 +369,17 @@ def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:
     return found
 
 
-def tokenizer_source(train: TrainSection, base_dir: Path) -> tuple[Optional[CheckpointSource], str]:
+def tokenizer_source(train: TrainSection, base_dir: Path, model_checkpoint: Optional[CheckpointSource] = None
+                     ) -> tuple[Optional[CheckpointSource], str]:
     """The checkpoint whose tokenizer reads kinds documents/chat, and the field naming it: ``data.tokenizer``,
-    else the model's checkpoint (``transformers.path``); ``(None, ...)`` when neither exists (a random model)."""
+    else the model's checkpoint (``transformers.path``, or ``model_checkpoint``: the checkpoint a model
+    file names, :attr:`TrainSpec.pretrained`); ``(None, ...)`` when neither exists (a random model)."""
     field = f"{SECTION}.data.tokenizer"
     source = train.data.tokenizer
+    if source is None and model_checkpoint is not None:
+        own = CheckpointSource(checkpoint=model_checkpoint.checkpoint, gguf_file=model_checkpoint.gguf_file,
+                               cache_dir=model_checkpoint.cache_dir)
+        return own, f"{SECTION}.model = {train.model!r} (its checkpoint)"
     if source is None and train.transformers is not None:
         own = getattr(train.transformers, "checkpoint", None)  # a CheckpointSource-like entry, where the model has one
         if isinstance(own, CheckpointSource):
@@ -386,7 +393,8 @@ def tokenizer_source(train: TrainSection, base_dir: Path) -> tuple[Optional[Chec
     return source.model_copy(update={"checkpoint": str(_resolve(source.checkpoint, base_dir, must_exist=True))}), field
 
 
-def document_problems(train: TrainSection, base_dir: Path, model_config: Any) -> list[str]:
+def document_problems(train: TrainSection, base_dir: Path, model_config: Any,
+                      model_checkpoint: Optional[CheckpointSource] = None) -> list[str]:
     """What stops data.kind documents/chat: no tokenizer (a random model or a model file, and no
     ``data.tokenizer``), attention that would cross documents (not ``"ring"``), pp > 1, missing files, bad
     data (file, line, field), a document longer than seq_len or the model's positions, ids beyond the
@@ -406,7 +414,7 @@ def document_problems(train: TrainSection, base_dir: Path, model_config: Any) ->
         found.append(f"{SECTION}.data.kind = {d.kind!r} packs documents that attend only within themselves, which "
                      f"the ring does at any cp; {SECTION}.transformers.attention = "
                      f"{train.transformers.attention!r}; allowed: 'ring'")
-    source, field = tokenizer_source(train, base_dir)
+    source, field = tokenizer_source(train, base_dir, model_checkpoint)
     if source is None:
         model = f"{SECTION}.transformers.config is a random model" if train.transformers is not None else \
             f"{SECTION}.model = {train.model!r} is a model file"
