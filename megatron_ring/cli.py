@@ -31,6 +31,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
                    "a document's perplexity under the ring at several CP sizes and under DeepSpeed AutoTP"),
     "infer": ("megatron_ring.inference.main", "infer_main",
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
+    "export": ("megatron_ring.training.export", "export_main",
+               "write a transformers checkpoint (safetensors, config, tokenizer) from a training checkpoint"),
 }
 BENCHES: dict[str, tuple[str, str, str]] = {
     "attention": ("megatron_ring.perf.bench.attention", "bench_attention_main",

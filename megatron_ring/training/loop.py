@@ -290,12 +290,23 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
                 log.write({"event": "checkpoint_skipped", "step": step + 1, "reason": f"loss is {loss}"})
             elif ckpt_dir is not None and due:
                 state = {"step": step + 1, "consumed_samples": (step + 1) * spec.global_batch,
-                         "layout": spec.layout.sizes(), "data": data.fingerprint()}
+                         "layout": spec.layout.sizes(), "data": data.fingerprint(), **model_record(spec)}
                 tag = save_checkpoint(engine, ckpt_dir, step + 1, state)
                 log.write({"event": "checkpoint", "step": step + 1, "tag": tag})
     finally:
         log.close()
     return run
+
+
+def model_record(spec: TrainSpec) -> dict[str, Any]:
+    """What a checkpoint records of its model for ``megatron-ring export`` (:mod:`megatron_ring.training.export`):
+    the engine, and for a transformers model its config and where its tokenizer is."""
+    record: dict[str, Any] = {"engine": spec.train.engine}
+    if spec.transformers is not None:
+        from megatron_ring.training.hf_schema import transformers_record
+
+        record["transformers"] = transformers_record(spec.train.transformers, spec.base_dir, spec.transformers)
+    return record
 
 
 def nonfinite_message(loss: float, step: int, ckpt_dir: Optional[Path]) -> str:

@@ -297,8 +297,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
         if not deepspeed_engine:
             problems.add(f"{SECTION}.transformers trains under engine 'deepspeed' only; {SECTION}.engine = "
                          "'megatron' trains a configs/megatron model")
-        hf_path = _resolve(train.transformers.path, base_dir, must_exist=True) if train.transformers.path else None
-        hf_config = problems.run(transformers_config, train.transformers, hf_path, layout, train.data.kind)
+        hf_config = problems.run(transformers_config, train.transformers, base_dir, layout, train.data.kind)
     else:
         from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
 
@@ -372,7 +371,7 @@ def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:
 def tokenizer_source(train: TrainSection, base_dir: Path, model_checkpoint: Optional[CheckpointSource] = None
                      ) -> tuple[Optional[CheckpointSource], str]:
     """The checkpoint whose tokenizer reads kinds documents/chat, and the field naming it: ``data.tokenizer``,
-    else the model's checkpoint (``transformers.path``, or ``model_checkpoint``: the checkpoint a model
+    else the model's checkpoint (``transformers.checkpoint``, or ``model_checkpoint``: the checkpoint a model
     file names, :attr:`TrainSpec.pretrained`); ``(None, ...)`` when neither exists (a random model)."""
     field = f"{SECTION}.data.tokenizer"
     source = train.data.tokenizer
@@ -381,11 +380,9 @@ def tokenizer_source(train: TrainSection, base_dir: Path, model_checkpoint: Opti
                                cache_dir=model_checkpoint.cache_dir)
         return own, f"{SECTION}.model = {train.model!r} (its checkpoint)"
     if source is None and train.transformers is not None:
-        own = getattr(train.transformers, "checkpoint", None)  # a CheckpointSource-like entry, where the model has one
-        if isinstance(own, CheckpointSource):
-            source, field = own, f"{SECTION}.transformers.checkpoint"
-        elif train.transformers.path is not None:
-            source, field = CheckpointSource(checkpoint=train.transformers.path), f"{SECTION}.transformers.path"
+        own = train.transformers.source(base_dir)  # its paths already resolved
+        if own is not None:
+            return own, f"{SECTION}.transformers.checkpoint"
     if source is None:
         return None, field
     if source.checkpoint.startswith("package:"):

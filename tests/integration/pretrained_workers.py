@@ -64,7 +64,7 @@ def engine_logits(engine: Any, groups: Any, tokens: torch.Tensor) -> Optional[to
 def train_and_export(raw: dict[str, Any], base_dir: str, tokens: torch.Tensor, out_dir: str) -> dict[str, Any]:
     """Train ``raw`` (which saves a checkpoint at its last step), then ``{"losses", "logits"}`` on every
     rank (logits: the trained model's on ``tokens`` where this rank holds them, else None); rank 0 then
-    exports the checkpoint into ``out_dir`` and adds ``"exported"``: ``from_pretrained``'s fp32 logits."""
+    exports the checkpoint into ``out_dir`` (``megatron-ring export``'s function) and adds ``"exported"``: ``from_pretrained``'s fp32 logits."""
     with scoped_groups(), children_allowed():
         os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
                           WORLD_SIZE=str(dist.get_world_size()))
@@ -79,10 +79,10 @@ def train_and_export(raw: dict[str, Any], base_dir: str, tokens: torch.Tensor, o
         if dist.get_rank() == 0:
             from transformers import AutoModelForCausalLM
 
-            from megatron_ring.training.export_megatron import export_megatron_checkpoint
+            from megatron_ring.training.export import export_checkpoint
 
             ckpt = spec.path(spec.train.checkpoint.dir)
-            out = export_megatron_checkpoint(ckpt, None, Path(out_dir))
+            out = export_checkpoint(ckpt, Path(out_dir))  # megatron-ring export: the engine told by the marker
             model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
             with torch.no_grad():
                 result["exported"] = model.eval()(tokens).logits.float()

@@ -59,7 +59,9 @@ def test_shipped_config_builds_the_llama_config() -> None:
 BAD = {
     "both models": (with_section(model="../megatron/tiny_ring_cp2.yaml"), ["exactly one of 'model'"]),
     "no model": (with_section(transformers=None), ["exactly one of 'model'"]),
-    "config and path": (with_model(path="nowhere"), ["exactly one of 'config'", "'path'"]),
+    "checkpoint absent": (with_model(checkpoint="nowhere"), ["transformers.checkpoint = 'nowhere'", "does not exist"]),
+    "no model given": (with_model(config=None), ["give 'config'", "'checkpoint'"]),
+    "gguf without checkpoint": (with_model(gguf_file="a.gguf"), ["gguf_file / cache_dir need"]),
     "model type": (with_model_config(model_type="lama"), ["config.model_type = 'lama'", "did you mean 'llama'"]),
     "config key": (with_model_config(hiden_size=32), ["config.hiden_size: unknown to LlamaConfig",
                                                        "did you mean 'hidden_size'"]),
@@ -71,7 +73,7 @@ BAD = {
     "megatron attention": (with_section(attention="ring"), ["megatron_ring.attention = 'ring'",
                                                             "megatron_ring.transformers.attention instead"]),
     "section key": (with_model(atention="ring"), ["atention", "attention"]),
-    "no checkpoint": (with_model(config=None, path="no_such_folder"), ["path = ", "no config.json"]),
+    "no checkpoint": (with_model(config=None, checkpoint="."), ["checkpoint = '.'", "no config.json"]),
 }
 
 
@@ -90,6 +92,23 @@ def test_local_checkpoint_is_loaded(tmp_path: Path) -> None:
 
     spec = load_train_spec(SHIPPED, world_size=4)
     AutoModelForCausalLM.from_config(spec.transformers).save_pretrained(tmp_path)
-    raw = with_model(config=None, path=str(tmp_path))
+    raw = with_model(config=None, checkpoint=str(tmp_path))
     loaded = parse_train_spec(raw, world_size=4, base_dir=SHIPPED.parent)
     assert loaded.transformers.hidden_size == spec.transformers.hidden_size
+
+
+def test_pretrained_config_fields_are_overridden(tmp_path: Path) -> None:
+    """``config`` next to ``checkpoint`` overrides fields of the checkpoint's config: RoPE scaling keeps the
+    checkpoint's rope_theta; a misspelt field gets a did-you-mean; a field that shapes the weights is refused."""
+    from transformers import AutoModelForCausalLM
+
+    spec = load_train_spec(SHIPPED, world_size=4)
+    spec.transformers.rope_parameters = {"rope_type": "default", "rope_theta": 50000.0}
+    AutoModelForCausalLM.from_config(spec.transformers).save_pretrained(tmp_path)
+    rope = {"rope_type": "linear", "factor": 2.0}
+    raw = with_model(checkpoint=str(tmp_path), config={"rope_scaling": rope, "max_position_embeddings": 1024})
+    loaded = parse_train_spec(raw, world_size=4, base_dir=SHIPPED.parent).transformers
+    assert loaded.rope_parameters == {**rope, "rope_theta": 50000.0} and loaded.max_position_embeddings == 1024
+    text = problems_of(with_model(checkpoint=str(tmp_path), config={"rope_scalng": rope, "hidden_size": 32}))
+    assert "config.rope_scalng: unknown to the checkpoint's LlamaConfig (did you mean 'rope_scaling'?)" in text
+    assert "config.hidden_size = 32: the checkpoint's weights fix it at 64" in text

@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_ring.config import ConfigError
 from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
-from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, load_config, prepare_gguf, \
+from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, load_config, local_dir_once, \
     resolve_checkpoint
 from megatron_ring.integrations.megatron.hf_config import model_fields
 
@@ -66,10 +65,7 @@ def load_checkpoint(source: CheckpointSource, *, dtype: torch.dtype, attn_implem
                     where: str) -> tuple[Any, Any]:
     """``(model, tokenizer)`` on every rank (eval mode, on CPU); a GGUF file is converted by rank 0 while the
     others wait, so a job converts it once."""
-    path, location = locate(source, where)
-    if location is not None:
-        if dist.get_rank() == 0:
-            prepare_gguf(*location, _cache_dir(source))
-        dist.barrier()
+    path, _ = locate(source, where)
+    local_dir_once(path, source.gguf_file, _cache_dir(source))
     return load_causal_lm(path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation=attn_implementation,
                           cache_dir=_cache_dir(source))

@@ -113,6 +113,22 @@ def local_dir(path: Path, gguf_file: str | None = None, cache_dir: Path | None =
     return path if location is None else prepare_gguf(*location, cache_dir)
 
 
+def local_dir_once(path: Path, gguf_file: str | None = None, cache_dir: Path | None = None) -> Path:
+    """:func:`local_dir` on every rank of the default process group: a GGUF file is converted by rank 0 while
+    the others wait, so a job converts it once (Note [GGUF conversion cache]). Collective when ``path`` is a
+    GGUF checkpoint and torch.distributed is initialised; otherwise just :func:`local_dir`."""
+    import torch.distributed as dist
+
+    location = gguf_location(path, gguf_file)
+    if location is None:
+        return path
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_rank() == 0:
+            prepare_gguf(*location, cache_dir)
+        dist.barrier()
+    return prepare_gguf(*location, cache_dir)
+
+
 def load_config(path: Path, gguf_file: str | None = None, cache_dir: Path | None = None) -> Any:
     """The ``PretrainedConfig`` of a local checkpoint without its weights: a directory's ``config.json``, a
     converted GGUF's (Note [GGUF conversion cache]), else the GGUF file's metadata (seconds: it is parsed)."""
