@@ -4,16 +4,13 @@ on rank 0, the export of its checkpoint loaded back by ``AutoModelForCausalLM.fr
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_ring.training.loop import init_model_parallel, train
-from megatron_ring.training.schema import parse_train_spec
-from tests.integration.train_workers import children_allowed, scoped_groups
+from tests.integration.train_workers import children_allowed, scoped_groups, trained
 
 
 def engine_logits(engine: Any, groups: Any, tokens: torch.Tensor) -> Optional[torch.Tensor]:
@@ -66,12 +63,7 @@ def train_and_export(raw: dict[str, Any], base_dir: str, tokens: torch.Tensor, o
     rank (logits: the trained model's on ``tokens`` where this rank holds them, else None); rank 0 then
     exports the checkpoint into ``out_dir`` (``megatron-ring export``'s function) and adds ``"exported"``: ``from_pretrained``'s fp32 logits."""
     with scoped_groups(), children_allowed():
-        os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
-                          WORLD_SIZE=str(dist.get_world_size()))
-        spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
-        device = torch.device("cpu")
-        groups = init_model_parallel(spec, device)
-        run = train(spec, groups, device)
+        spec, groups, run = trained(raw, base_dir)
         logits = engine_logits(run.engine, groups, tokens)
         run.engine.destroy()
         result: dict[str, Any] = {"losses": [r["loss"] for r in run.records], "logits": logits}

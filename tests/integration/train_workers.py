@@ -113,14 +113,18 @@ def run_config(raw: dict[str, Any], base_dir: str, *, weights: bool = True) -> d
         return _run_config(raw, base_dir, weights=weights)
 
 
-def _run_config(raw: dict[str, Any], base_dir: str, *, weights: bool) -> dict[str, Any]:
+def trained(raw: dict[str, Any], base_dir: str) -> tuple[Any, Any, Any]:
+    """(spec, groups, run) of the training config ``raw`` run to its end on this pool's ranks."""
     # what a launcher would have set (DeepSpeed's engine insists on LOCAL_RANK); one host
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()))
     spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
-    device = torch.device("cpu")
-    groups = init_model_parallel(spec, device)
-    run = train(spec, groups, device)
+    groups = init_model_parallel(spec, torch.device("cpu"))
+    return spec, groups, train(spec, groups, torch.device("cpu"))
+
+
+def _run_config(raw: dict[str, Any], base_dir: str, *, weights: bool) -> dict[str, Any]:
+    _, groups, run = trained(raw, base_dir)
     full: Optional[dict[str, torch.Tensor]] = None
     if weights:
         full = engine_weights(run.engine, groups)
