@@ -15,7 +15,6 @@ of the document's tokens were kept and how much padding was added.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +23,7 @@ import torch
 from pydantic import Field
 
 from megatron_ring.config import ConfigError, StrictModel
+from megatron_ring.config.json_lines import json_lines
 
 PLACEHOLDER = "\u0000DOCUMENT\u0000"
 
@@ -69,14 +69,8 @@ def load_documents(section: TextSection, base: Optional[Path]) -> list[Document]
         raise ConfigError(f"{field}.question is for 'files'; a JSONL line carries its own 'question'")
     path = find_file(section.jsonl, base, f"{field}.jsonl")
     docs = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, entry in json_lines(path, ConfigError, lambda n: f"{field}.jsonl {str(path)!r} line {n}"):
         where = f"{field}.jsonl {str(path)!r} line {number}"
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{where}: not valid JSON: {err.msg}") from None
         if not isinstance(entry, dict) or set(entry) - {"document", "document_file", "question"} or \
                 ("document" in entry) == ("document_file" in entry):
             raise ConfigError(f"{where}: must be an object with 'document' or 'document_file' (one of them) and an "

@@ -33,7 +33,6 @@ span, so merges of tokens across a turn boundary cannot shift the mask.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -41,6 +40,7 @@ import torch
 
 from megatron_ring.config import ConfigError
 from megatron_ring.config.checkpoint import CheckpointSource
+from megatron_ring.config.json_lines import json_lines
 from megatron_ring.training.data import Document
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -189,16 +189,9 @@ def chat_documents(files: Sequence[Path], tokenizer: Any) -> list[Document]:
                         f"{type(tokenizer).__name__} is not one")
     docs = []
     for path in files:
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
-                docs.append(chat_document(row_messages(row, where), tokenizer, where))
+        for number, row in json_lines(path, DataError, lambda n: f"{path}:{n}"):
+            where = f"{path}:{number}"
+            docs.append(chat_document(row_messages(row, where), tokenizer, where))
     if not docs:
         raise DataError(f"data.paths {[str(f) for f in files]}: no JSON line found")
     return docs

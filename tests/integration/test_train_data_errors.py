@@ -69,7 +69,7 @@ def test_good_chat_config_parses(tmp_path: Path) -> None:
 BAD_LINES = {  # name -> (the second line of the file, what the error says)
     "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]},
                           ["chat.jsonl:2", "field 'messages' has no assistant turn", "roles ['user']"]),
-    "malformed JSON": ('{"messages": [', ["chat.jsonl:2", "malformed JSON"]),
+    "malformed JSON": ('{"messages": [', ["chat.jsonl:2", "not valid JSON"]),
     "unknown role": ({"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},
                      ["chat.jsonl:2", "field 'messages[0].role' = 'bot'", "allowed: ['system', 'user'"]),
     "content not a string": ({"messages": [{"role": "assistant", "content": 3}]},
