@@ -131,8 +131,8 @@ def cpu_seconds() -> float:
 
     import psutil
 
-    total = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    total = sum(usage.ru_utime + usage.ru_stime for usage in usages)
     for child in psutil.Process().children(recursive=True):
         try:
             times = child.cpu_times()
