@@ -2,7 +2,9 @@
 
 ``workload.text`` (:class:`TextSection`) names documents: one per file (``files``), or a JSONL
 file whose lines are ``{"document": ..., "question": ...}`` (``jsonl``; ``document_file`` may
-replace ``document``, a path relative to the JSONL file). Each row of the batch is one document
+replace ``document``, a path relative to the JSONL file; an optional ``answer``, the expected reply,
+is recorded beside the generated one, so that the long-document training lines of ``data.kind: chat``
+are prompt files too). Each row of the batch is one document
 followed by its question, optionally through the tokenizer's chat template (one user message), and
 is fitted to exactly ``prompt_len`` tokens::
 
@@ -32,18 +34,21 @@ class TextSection(StrictModel):
     """Real text prompts (see the module docstring); paths relative to the config file, then the working directory."""
 
     files: list[str] = Field(default_factory=list, description="one document per file")
-    jsonl: Optional[str] = Field(None, description='lines {"document" or "document_file": ..., "question": ...}')
+    jsonl: Optional[str] = Field(None, description='lines {"document" or "document_file": ..., "question": ...} '
+                                 '(optional "answer": the expected reply, recorded)')
     question: Optional[str] = Field(None, description="asked after every document of files")
     chat_template: bool = Field(True, description="wrap each prompt in the tokenizer's chat template")
 
 
 @dataclass
 class Document:
-    """One row's text: the document, its question (may be empty) and where it came from."""
+    """One row's text: the document, its question (may be empty), where it came from and the expected answer
+    (None: not given)."""
 
     text: str
     question: str
     source: str
+    answer: Optional[str] = None
 
 
 def find_file(given: str, base: Optional[Path], field: str) -> Path:
@@ -71,14 +76,16 @@ def load_documents(section: TextSection, base: Optional[Path]) -> list[Document]
     docs = []
     for number, entry in json_lines(path, ConfigError, lambda n: f"{field}.jsonl {str(path)!r} line {n}"):
         where = f"{field}.jsonl {str(path)!r} line {number}"
-        if not isinstance(entry, dict) or set(entry) - {"document", "document_file", "question"} or \
+        if not isinstance(entry, dict) or set(entry) - {"document", "document_file", "question", "answer"} or \
                 ("document" in entry) == ("document_file" in entry):
             raise ConfigError(f"{where}: must be an object with 'document' or 'document_file' (one of them) and an "
-                              f"optional 'question'; got keys {sorted(entry) if isinstance(entry, dict) else entry!r}")
+                              f"optional 'question' and 'answer'; got keys "
+                              f"{sorted(entry) if isinstance(entry, dict) else entry!r}")
         text = entry.get("document")
         if text is None:
             text = find_file(entry["document_file"], path.parent, f"{where}: document_file").read_text()
-        docs.append(Document(str(text), str(entry.get("question", "")), f"{path.name}:{number}"))
+        docs.append(Document(str(text), str(entry.get("question", "")), f"{path.name}:{number}",
+                             None if entry.get("answer") is None else str(entry["answer"])))
     if not docs:
         raise ConfigError(f"{field}.jsonl {str(path)!r} holds no documents")
     return docs
@@ -125,7 +132,8 @@ def text_prompts(documents: list[Document], tokenizer: Any, *, prompt_len: int, 
         rows.append([pad_token_id(tokenizer)] * pad + ids)
         masks.append([0] * pad + [1] * len(ids))
         records.append({"source": doc.source, "question": doc.question, "document_tokens": len(body),
-                        "document_tokens_kept": len(kept), "padding": pad})
+                        "document_tokens_kept": len(kept), "padding": pad,
+                        **({"expected_answer": doc.answer} if doc.answer is not None else {})})
     return torch.tensor(rows, dtype=torch.int64), torch.tensor(masks, dtype=torch.int64), records
 
 

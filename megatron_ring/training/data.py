@@ -38,7 +38,7 @@ The same rows at any cp give the same global loss: only the padding differs, and
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Protocol, Sequence
 
@@ -306,30 +306,39 @@ class TrainData:
             perm = self._perms[epoch]
         return int(perm[pos])
 
+    def step_slots(self, step: int) -> list[list[int]]:
+        """Positions in the run's sample sequence of this DP rank's samples of ``step``: one list of
+        ``micro`` per micro-batch."""
+        base = step * self.global_batch
+        return [[base + (m * self.dp + self.dp_rank) * self.micro_batch + i for i in range(self.micro_batch)]
+                for m in range(self.grad_accum)]
+
     def step_sample_ids(self, step: int) -> list[list[int]]:
         """Sample indices of this DP rank for ``step``: one list of ``micro`` per micro-batch."""
-        base = step * self.global_batch
-        return [[self.sample_index(base + (m * self.dp + self.dp_rank) * self.micro_batch + i)
-                 for i in range(self.micro_batch)] for m in range(self.grad_accum)]
+        return [[self.sample_index(k) for k in slots] for slots in self.step_slots(step)]
 
-    def step_batches(self, step: int) -> list[Batch]:
-        """This rank's ``grad_accum`` micro-batches of ``step``, sharded zigzag for its CP rank."""
-        return [self._batch(ids) for ids in self.step_sample_ids(step)]
+    def step_batches(self, step: int, *, limit: Optional[int] = None) -> list[Batch]:
+        """This rank's ``grad_accum`` micro-batches of ``step``, sharded zigzag for its CP rank; with
+        ``limit``, samples at positions ``>= limit`` of the run (repeats, for a held-out pass) carry loss mask 0."""
+        return [self._batch([self.sample_index(k) for k in slots],
+                            [limit is None or k < limit for k in slots]) for slots in self.step_slots(step)]
 
-    def _batch(self, ids: list[int]) -> Batch:
+    def _batch(self, ids: list[int], learned: Sequence[bool]) -> Batch:
         if isinstance(self.samples, DocumentRows):
-            return packed_batch([doc for i in ids for doc in self.samples[i]], self.cp, self.cp_rank)
+            return packed_batch([doc if keep else replace(doc, target=torch.zeros_like(doc.target))
+                                 for i, keep in zip(ids, learned) for doc in self.samples[i]], self.cp, self.cp_rank)
         rows = torch.stack([self.samples[i] for i in ids])  # [micro, seq_len + 1]
         seq_len = self.samples.seq_len
         full = {
             "tokens": rows[:, :-1],
             "labels": rows[:, 1:],
-            "loss_mask": torch.ones(len(ids), seq_len, dtype=torch.float32),
+            "loss_mask": torch.tensor(learned, dtype=torch.float32)[:, None].expand(-1, seq_len).contiguous(),
             "position_ids": torch.arange(seq_len).expand(len(ids), -1),
         }
         full = pad_row(full, row_length(seq_len, self.cp))
-        part = {k: shard_sequence(v, self.cp_rank, self.cp, dim=1).contiguous() for k, v in full.items()}
-        return Batch(**part)
+        if self.cp > 1:  # cp 1 keeps a row of any length whole
+            full = {k: shard_sequence(v, self.cp_rank, self.cp, dim=1).contiguous() for k, v in full.items()}
+        return Batch(**full)
 
 
 def build_samples(kind: str, *, vocab_size: int, seq_len: int, files: Sequence[Path] = (),

@@ -16,7 +16,8 @@ One rank's run (:func:`train_main`, started by ``launch/train.py``):
    a :class:`~megatron_ring.training.megatron_engine.MegatronTrainer`;
 4. resume from the latest *complete* checkpoint if there is one; then per step: this rank's
    micro-batches (zigzag over CP, split over DP), forward + backward + ``engine.step()``, one
-   metrics line, and a checkpoint every ``save_interval`` steps and at the end.
+   metrics line, and a checkpoint every ``save_interval`` steps and at the end; with an ``eval``
+   section, the held-out loss (:func:`evaluate`) at the start, every ``eval.interval`` steps and at the end.
 
 Note [The loss of a context-parallel rank]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -117,9 +118,10 @@ def build_deepspeed_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
     return engine
 
 
-def build_data(spec: TrainSpec, groups: ParallelGroups) -> TrainData:
-    """This rank's view of the training data (DP rank and CP rank from ``groups``)."""
-    d = spec.train.data
+def build_data(spec: TrainSpec, groups: ParallelGroups, *, held_out: bool = False) -> TrainData:
+    """This rank's view of the training data (DP rank and CP rank from ``groups``); with ``held_out``, of
+    ``eval``'s held-out files, read the same way in order."""
+    d = spec.train.data.held_out(spec.train.eval) if held_out else spec.train.data
     files = corpus_files([spec.path(p, existing=True) for p in d.paths], d.file_suffixes()) \
         if d.kind != "synthetic" else ()
     if d.kind in DOCUMENT_KINDS:
@@ -181,6 +183,37 @@ def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, de
     return float(total / count)
 
 
+def evaluate(engine: Any, held_out: TrainData, groups: ParallelGroups, device: torch.device,
+             token_loss: TokenLoss = gpt_token_loss) -> tuple[float, int]:
+    """``(mean token loss, tokens)`` over every held-out row once, forward only, the same on every rank.
+
+    Rows go out as training batches do (``global_batch`` rows per round, zigzag over CP, split over DP);
+    the last round's slots past the end repeat earlier rows with a zero loss mask, so that every rank
+    runs the same forwards (ZeRO-3 gathers parameters in each) and no row counts twice.
+    """
+    from megatron_ring.training.megatron_engine import MegatronTrainer
+
+    rows = len(held_out.samples)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for round_ in range(-(-rows // held_out.global_batch)):
+        batches = held_out.step_batches(round_, limit=rows)
+        if isinstance(engine, MegatronTrainer):
+            total += engine.eval_sums(batches)
+            continue
+        engine.eval()
+        with torch.no_grad():
+            for batch in batches:
+                b = batch.to(device)
+                total += torch.stack([masked_loss(token_loss(engine, b, groups), b.loss_mask),
+                                      b.loss_mask.sum()]).double()
+        engine.train()
+    if not isinstance(engine, MegatronTrainer):  # the Megatron engine's sums are global already
+        dist.all_reduce(total, group=groups.dp_cp)
+    if total[1] == 0:
+        raise ValueError("the held-out data has no token with a loss (loss_mask is all zero)")
+    return float(total[0] / total[1]), int(total[1])
+
+
 def memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: the allocator peak on a GPU, the process's peak RSS on CPU."""
     from megatron_ring.runtime.reporting import peak_memory
@@ -201,11 +234,13 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
 
 @dataclass
 class TrainRun:
-    """What :func:`train` leaves: the engine, the step it resumed from, and one record per step."""
+    """What :func:`train` leaves: the engine, the step it resumed from, one record per step and the held-out losses."""
 
     engine: Any
     start_step: int
     records: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The held-out loss records (``eval`` section), in order."""
 
 
 class StepLog:
@@ -242,6 +277,7 @@ class StepLog:
 def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> TrainRun:
     """Build the engine, resume if a complete checkpoint exists, and train to ``spec.train.steps``."""
     data = build_data(spec, groups)
+    held_out = build_data(spec, groups, held_out=True) if spec.train.eval is not None else None
     engine = build_engine(spec, groups, device)
     token_loss = gpt_token_loss
     if spec.transformers is not None:
@@ -267,7 +303,19 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
                "world_size": world, "global_batch": spec.global_batch, "seq_len": spec.train.seq_len,
                "resumed_from": start or None, "resumed_layout": saved_layout,
                "pids": gather_ints(os.getpid(), device)})
+    interval = spec.train.eval.interval if spec.train.eval is not None else 0
+
+    def log_eval(step: int) -> None:
+        t0 = time.perf_counter()
+        loss, tokens = evaluate(engine, held_out, groups, device, token_loss)
+        record = {"event": "eval", "step": step, "eval_loss": loss, "eval_tokens": tokens,
+                  "eval_s": time.perf_counter() - t0}
+        run.evals.append(record)
+        log.write(record)
+
     try:
+        if held_out is not None:
+            log_eval(start)
         for step in range(start, spec.train.steps):
             t0 = time.perf_counter()
             loss = train_step(engine, data.step_batches(step), groups, device, token_loss)
@@ -285,6 +333,8 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
             run.records.append(record)
             log.step(record)
             last = step + 1 == spec.train.steps
+            if held_out is not None and (last or (interval and (step + 1) % interval == 0)):
+                log_eval(step + 1)
             due = last or (ck.save_interval and (step + 1) % ck.save_interval == 0)
             if ckpt_dir is not None and due and not finite:
                 log.write({"event": "checkpoint_skipped", "step": step + 1, "reason": f"loss is {loss}"})
@@ -363,8 +413,10 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         raise
     if rank == 0 and run.records:
         first, last = run.records[0], run.records[-1]
+        held_out = f"; held-out loss {run.evals[0]['eval_loss']:.4f} -> {run.evals[-1]['eval_loss']:.4f}" \
+            if run.evals else ""
         print(f"[megatron_ring] steps {run.start_step + 1}..{last['step']}: loss {first['loss']:.4f} -> "
-              f"{last['loss']:.4f}, {last['tokens_per_s']:,.0f} tok/s", flush=True)
+              f"{last['loss']:.4f}, {last['tokens_per_s']:,.0f} tok/s{held_out}", flush=True)
     elif rank == 0:
         print(f"[megatron_ring] the checkpoint is already at step {run.start_step} = {SECTION}.steps; "
               "nothing to train", flush=True)

@@ -133,6 +133,24 @@ class MegatronTrainer:
             self.scheduler.step(increment=1)
         return self._global_loss(sums)
 
+    def eval_sums(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """Forward only over this rank's micro-batches (eval mode): the global ``[loss sum, token count]``
+        (float64, the same on every rank)."""
+        with cuda_calls_on_cpu():
+            for chunk in self.model:
+                chunk.eval()
+            iterators: list[Iterator[Batch]] = [iter(batches) for _ in self.model]
+            with torch.no_grad():
+                sums = self._forward_backward(
+                    forward_step_func=self._forward_step,
+                    data_iterator=iterators if len(self.model) > 1 else iterators[0],
+                    model=self.model if len(self.model) > 1 else self.model[0],
+                    num_microbatches=len(batches), seq_length=batches[0].tokens.shape[1] * self.groups.layout.cp,
+                    micro_batch_size=self.spec.micro_batch, forward_only=True)
+            for chunk in self.model:
+                chunk.train()
+        return self._reduced_sums(sums)
+
     def save_checkpoint(self, save_dir: str, *, tag: str, client_state: dict[str, Any], save_latest: bool) -> None:
         """Every rank's shards into ``save_dir/tag`` (``dist_checkpointing``) plus :data:`TRAIN_STATE`;
         ``save_latest`` is the loop's business (the marker), as with DeepSpeed's engine."""
@@ -211,15 +229,20 @@ class MegatronTrainer:
                        packed_seq_params=packed_seq_params(batch.cu_seqlens))  # Note [Packed training rows]
         return output, partial(_summed_loss, batch.loss_mask)
 
-    def _global_loss(self, sums: list[dict[str, torch.Tensor]]) -> float:
-        """The step's mean token loss over the global batch, on every rank: the last stage's
-        ``[sum, count]`` summed over dp x cp, then over the pipeline (other stages add zeros)."""
+    def _reduced_sums(self, sums: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The last stage's ``[sum, count]`` of the micro-batches summed over dp x cp, then over the pipeline
+        (other stages add zeros): float64, the same on every rank."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for item in sums:
             total += item["lm loss"].double()
         dist.all_reduce(total, group=self.groups.dp_cp)
         if self.groups.layout.pp > 1:
             dist.all_reduce(total, group=self.groups.groups["pp"])
+        return total
+
+    def _global_loss(self, sums: list[dict[str, torch.Tensor]]) -> float:
+        """The step's mean token loss over the global batch, on every rank (:meth:`_reduced_sums`)."""
+        total = self._reduced_sums(sums)
         if total[1] == 0:
             raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
         return float(total[0] / total[1])

@@ -107,11 +107,26 @@ class DataSection(StrictModel):
     seed: int = 1234
     synthetic_samples: int = Field(4096, ge=1, description="number of distinct sequences for kind: synthetic")
 
+    def held_out(self, section: "EvalSection") -> "DataSection":
+        """This section reading ``section``'s held-out files instead, in order (not shuffled)."""
+        return self.model_copy(update={"paths": section.paths, "suffixes": section.suffixes or self.suffixes,
+                                       "shuffle": False})
+
     def file_suffixes(self) -> list[str]:
         """``suffixes``, or the default of the kind."""
         if self.suffixes is not None:
             return self.suffixes
         return [".jsonl"] if self.kind == "chat" else [".md", ".txt", ".py", ".rst"]
+
+
+class EvalSection(StrictModel):
+    """Held-out loss (Megatron's ``eval_interval``, the ``Trainer``'s ``eval_steps``): the mean token loss
+    over every row of held-out files, read like ``data`` (its kind, tokenizer, packing), at the start,
+    every ``interval`` steps and after the last step; rank 0 logs ``{"event": "eval", ...}`` lines."""
+
+    paths: list[str] = Field(..., min_length=1, description="held-out files or folders (relative to the config file)")
+    suffixes: Optional[list[str]] = Field(None, description="file endings searched for in folders; default: data's")
+    interval: int = Field(0, ge=0, description="evaluate every interval steps; 0: at the start and the end only")
 
 
 class CheckpointSection(StrictModel):
@@ -148,6 +163,7 @@ class TrainSection(StrictModel):
                          "padded for zigzag); kinds documents/chat: the most input tokens of a packed row")
     steps: int = Field(..., ge=1, description="optimizer steps of the whole run")
     data: DataSection = Field(default_factory=DataSection)
+    eval: Optional[EvalSection] = Field(None, description="held-out loss during training; None: none")
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     log: LogSection = Field(default_factory=LogSection)
     seed: int = 1234
@@ -312,22 +328,10 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     if model is not None and train.megatron is not None and not deepspeed_engine:
         for problem in train.megatron.problems(model, grad_accum=accum, where=f"{SECTION}.megatron"):
             problems.add(problem)
-    if train.data.kind == "text":
-        if not train.data.paths:
-            problems.add(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
-        missing = [i for i, entry in enumerate(train.data.paths)
-                   if not _resolve(entry, base_dir, must_exist=True).exists()]
-        for i in missing:
-            problems.add(f"{SECTION}.data.paths[{i}] = {train.data.paths[i]!r} does not exist "
-                         f"(relative paths start at {str(base_dir)!r})")
-        if model is not None and model.model.vocab_size < 128:
-            problems.add(f"model.vocab_size = {model.model.vocab_size} in {train.model!r}: the byte-level "
-                         "tokenizer of data.kind = 'text' needs at least 128 ids (ASCII + end of document)")
-        if train.data.paths and not missing:
-            problems.run(check_corpus_length, train, base_dir)
-    if train.data.kind in DOCUMENT_KINDS:
-        for problem in document_problems(train, base_dir, hf_config if model is None else model,
-                                         pretrained.source if pretrained is not None else None):
+    for problem in data_problems(train, base_dir, model, hf_config, pretrained):
+        problems.add(problem)
+    if train.eval is not None:
+        for problem in eval_problems(train, base_dir, model, hf_config, pretrained):
             problems.add(problem)
     if model is not None and model.attention != "local" and model.model.attention_dropout > 0:
         problems.add(f"model.attention_dropout = {model.model.attention_dropout} in {train.model!r}: "
@@ -342,6 +346,49 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     problems.raise_if_any()
     return TrainSpec(deepspeed=ds, train=train, model=model, layout=layout, micro_batch=micro, grad_accum=accum,
                      global_batch=glob, base_dir=base_dir, transformers=hf_config, pretrained=pretrained)
+
+
+def data_problems(train: TrainSection, base_dir: Path, model: Optional[GPTConfig], hf_config: Any,
+                  pretrained: Any) -> list[str]:
+    """What stops ``train.data``: paths, the corpus length (kind text), the documents through the tokenizer."""
+    found: list[str] = []
+    if train.data.kind == "text":
+        if not train.data.paths:
+            found.append(f"{SECTION}.data.paths is empty; give text files/folders or set data.kind = 'synthetic'")
+        missing = [i for i, entry in enumerate(train.data.paths)
+                   if not _resolve(entry, base_dir, must_exist=True).exists()]
+        for i in missing:
+            found.append(f"{SECTION}.data.paths[{i}] = {train.data.paths[i]!r} does not exist "
+                         f"(relative paths start at {str(base_dir)!r})")
+        if model is not None and model.model.vocab_size < 128:
+            found.append(f"model.vocab_size = {model.model.vocab_size} in {train.model!r}: the byte-level "
+                         "tokenizer of data.kind = 'text' needs at least 128 ids (ASCII + end of document)")
+        if train.data.paths and not missing:
+            found.extend(_located(check_corpus_length, train, base_dir))
+    if train.data.kind in DOCUMENT_KINDS:
+        found.extend(document_problems(train, base_dir, hf_config if model is None else model,
+                                       pretrained.source if pretrained is not None else None))
+    return found
+
+
+def eval_problems(train: TrainSection, base_dir: Path, model: Optional[GPTConfig], hf_config: Any,
+                  pretrained: Any) -> list[str]:
+    """What stops ``train.eval``: :func:`data_problems` of the held-out files (named ``eval.paths``)."""
+    if train.data.kind == "synthetic":
+        return [f"{SECTION}.eval reads held-out files like data, but {SECTION}.data.kind = 'synthetic' has none; "
+                "allowed: data.kind 'text', 'documents' or 'chat'"]
+    held_out = train.model_copy(update={"data": train.data.held_out(train.eval)})
+    return [problem.replace(f"{SECTION}.data.paths", f"{SECTION}.eval.paths")
+            for problem in data_problems(held_out, base_dir, model, hf_config, pretrained)]
+
+
+def _located(check: Any, *args: Any) -> list[str]:
+    """The problems ``check(*args)`` raises as a ConfigError (none: [])."""
+    try:
+        check(*args)
+    except ConfigError as err:
+        return err.located()
+    return []
 
 
 def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:

@@ -65,3 +65,15 @@ def run_token_rows(stream: torch.Tensor, seq_len: int, micro: int, vocab_size: i
 def _data(samples: Any, micro: int) -> TrainData:
     return TrainData(samples, micro_batch=micro, grad_accum=1, dp=1, dp_rank=0, cp=dist.get_world_size(),
                      cp_rank=dist.get_rank(), shuffle=False, seed=0)
+
+
+def held_out_loss(docs: Sequence[Document], seq_len: int, micro: int, *, packing: bool) -> dict[str, Any]:
+    """The loop's :func:`~megatron_ring.training.loop.evaluate` of ``docs`` (rows of :class:`DocumentRows`,
+    ``micro`` rows a round) on the tiny ``"ring"`` model; and whether it left the model in training mode."""
+    from megatron_ring.training.loop import evaluate
+
+    model = tiny_model("llama", attn_implementation="ring")
+    groups = SimpleNamespace(cp=dist.group.WORLD, dp_cp=dist.group.WORLD)
+    loss, tokens = evaluate(model, _data(DocumentRows(docs, seq_len, packing=packing, source="test"), micro), groups,
+                            torch.device("cpu"), causal_lm_token_loss)
+    return {"loss": loss, "tokens": tokens, "training": model.training}

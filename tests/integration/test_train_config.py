@@ -92,6 +92,11 @@ BAD = {
     "huge timeout": ("megatron_ring.collective_timeout_s", 1e300,
                      ["megatron_ring.collective_timeout_s = 1e+300", "less than or equal to 604800"]),
     "NaN peer timeout": ("megatron_ring.peer_timeout_s", float("nan"), ["megatron_ring.peer_timeout_s = nan"]),
+    "missing held-out file": ("megatron_ring.eval", {"paths": ["../../nowhere.txt"]},
+                              ["megatron_ring.eval.paths[0] = '../../nowhere.txt' does not exist"]),
+    "empty held-out paths": ("megatron_ring.eval", {"paths": []}, ["megatron_ring.eval.paths", "at least 1 item"]),
+    "eval key": ("megatron_ring.eval", {"paths": ["../../data/corpus/BSD.txt"], "intervall": 2},
+                 ["intervall", "did you mean 'interval'"]),
 }
 
 

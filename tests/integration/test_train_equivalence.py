@@ -5,7 +5,8 @@ for a few AdamW steps (text: the licence corpus under data/corpus, which does no
 with the docs), for ZeRO stages 0, 1 and 2: ring attention at cp = 2 (dp = 2, two micro-batches
 accumulated) and tp = 2 x cp = 2 (dp = 1) against one reference, cp = 1 (Megatron's own attention,
 dp = 4) under ZeRO-0, trained once per test run (train_workers.once; test_train_zero3.py shares it).
-Per-step losses and the final weights must agree to fp32 precision. A resume test checks that
+Per-step losses, the held-out loss of an ``eval`` section after every step and the final weights
+must agree to fp32 precision. A resume test checks that
 train 2 steps, save, restart, one more step on the loaded Adam states gives the uninterrupted
 run's losses and weights (that run is test_cp_layouts_train_like_cp1[1]'s tp2-cp2 run, shared).
 Workers: tests/integration/train_workers.py; the 4-rank pool is shared (tests/conftest.py).
@@ -41,7 +42,7 @@ def config(layout: str, stage: int, **section: Any) -> dict[str, Any]:
     model, attention, sizes, micro, accum = LAYOUTS[layout]
     ring = {"model": str(MODELS / model), "attention": attention, "layout": sizes, "seq_len": 64,
             "steps": STEPS, "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7},
-            "log": {"progress": False}}
+            "eval": {"paths": [str(ROOT / "data" / "corpus" / "BSD.txt")], "interval": 1}, "log": {"progress": False}}
     ring.update(section)
     return {
         "train_batch_size": 4, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
@@ -69,6 +70,7 @@ def reference(pool: Any) -> dict[str, Any]:
     """cp = 1, dp = 4 under ZeRO-0: :data:`STEPS` steps, once per test process."""
     ref = run_once(pool, config("cp1-dp4", 0))
     assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    assert sorted(ref["evals"]) == list(range(STEPS + 1)), ref["evals"]
     return ref
 
 

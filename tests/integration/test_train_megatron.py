@@ -6,7 +6,8 @@ weights of any layout]) on the same global batch of real text with the distribut
 cp = 1 (Megatron's own attention, dp = 4) is the reference, run once per module; ring attention at
 cp2·dp2, tp2·cp2 and pp2·cp2 (1F1B), and at pp2·cp2 with two virtual stages (interleaved 1F1B) and
 with full recomputation, must give the same per-step losses (1e-6 relative) and final weights
-(1e-5). Four steps suffice: with the gradient 2x off at tp2·cp2 and pp2·cp2 (``calculate_per_token_loss``
+(1e-5), and so must the held-out loss of an ``eval`` section (forward-only schedules) at steps 0, 2
+and 4. Four steps suffice: with the gradient 2x off at tp2·cp2 and pp2·cp2 (``calculate_per_token_loss``
 set after DDP wrapping) their step-3 loss was 4.5e-6 off, interleaved pp2·cp2's step-4 loss 3.5e-4. The
 resume tests save after 2 steps at one layout and take 2 more (Adam's bias correction still far
 from 1) at another; the 4 losses and the final weights must equal the cp = 1 run that never
@@ -33,6 +34,8 @@ MODELS = ROOT / "configs" / "megatron"
 LOSS_TOL = 1e-6
 WEIGHT_TOL = 1e-5
 STEPS = 4
+HELD_OUT = ROOT / "data" / "corpus" / "BSD.txt"
+"""The ``eval`` section's file (23 rows of 65 bytes): its held-out loss at steps 0, 2 and 4 equals cp 1's too."""
 CONSTANT = {"scheduler": {"warmup_steps": 3, "decay_style": "constant"}}
 """The resume tests' schedule (see there)."""
 
@@ -48,6 +51,7 @@ def config(layout: dict[str, int], steps: int = STEPS, *, model: str = "tiny_rin
     ring = {"engine": "megatron", "model": str(MODELS / model), "attention": "ring" if layout.get("cp", 1) > 1 else "local",
             "layout": layout, "seq_len": 64, "steps": steps,
             "data": {"kind": "text", "paths": [str(ROOT / "data" / "corpus")], "seed": 7}, "log": {"progress": False},
+            "eval": {"paths": [str(HELD_OUT)], "interval": 2},
             # adam_eps 1e-4: see the same choice in test_train_equivalence.py
             "megatron": {"optimizer": {"lr": 1e-3, "adam_eps": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0},
                          "scheduler": {"warmup_steps": 1, "decay_style": "cosine"}, **(megatron or {})}}
@@ -68,6 +72,7 @@ def reference(gloo_pool: Any) -> dict[str, Any]:
     """cp = 1, dp = 4, Megatron's own attention: :data:`STEPS` steps, warm-up then cosine."""
     ref = run(gloo_pool(4), config({"cp": 1, "dp": 4}))
     assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    assert sorted(ref["evals"]) == [0, 2, 4] and ref["evals"][4] < ref["evals"][0], ref["evals"]
     return ref
 
 

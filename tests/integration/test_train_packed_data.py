@@ -6,6 +6,8 @@ attention on one process, each document (or row) alone and unpadded:
 
 * a row packing 3 documents of odd lengths equals the 3 documents as separate rows: loss and
   gradients within 1e-6 (fp32), and each document alone on one process within 1e-5;
+* the held-out pass of an ``eval`` section (every row once, rounds filled with masked repeats) equals
+  the documents' mean loss on one process, packed or not;
 * rows of odd token counts (13 tokens: padded to 16 at cp 2, 18 at cp 3) train like cp 1 (1e-5);
 * chat data from SmolLM2's own tokenizer and chat template: the loss mask covers exactly the
   assistant turns, and labels changed everywhere else leave loss and gradients bit-identical;
@@ -80,6 +82,19 @@ def test_packed_row_of_3_documents_equals_them_as_separate_rows(gloo_pool: Any, 
     for rank in range(cp):
         assert_same(packed[rank], separate[rank], f"cp {cp} rank {rank}: packed vs separate rows")
         assert_same(packed[rank], ref, f"cp {cp} rank {rank}: packed vs one process", EAGER_TOL)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_held_out_loss_is_every_row_once(gloo_pool: Any, packing: bool) -> None:
+    """``eval``'s pass over 3 rows at 2 rows a round (the 4th slot repeats row 0, masked) at cp 2: the mean
+    token loss of the 3 documents, each counted once, forward only; the model goes back to training mode."""
+    docs = random_documents(DOC_LENGTHS)
+    got = gloo_pool(2).run(workers.held_out_loss, docs, 14 if packing else 64, 2, packing=packing,
+                           timeout_s=TIMEOUT_S)
+    ref = reference(docs)
+    for rank in got:
+        assert rank["tokens"] == sum(n - 1 for n in DOC_LENGTHS) and rank["training"]
+        assert abs(rank["loss"] - ref["loss"]) <= EAGER_TOL * abs(ref["loss"]), (rank["loss"], ref["loss"])
 
 
 @pytest.mark.parametrize("cp", [2, 3])

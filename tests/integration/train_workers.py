@@ -130,7 +130,8 @@ def _run_config(raw: dict[str, Any], base_dir: str, *, weights: bool) -> dict[st
         full = engine_weights(run.engine, groups)
         if dist.get_rank() != 0:
             full = None
-    result = {"losses": [r["loss"] for r in run.records], "start_step": run.start_step, "weights": full}
+    result = {"losses": [r["loss"] for r in run.records], "start_step": run.start_step, "weights": full,
+              "evals": {r["step"]: r["eval_loss"] for r in run.evals}}
     run.engine.destroy()
     return result
 
@@ -216,10 +217,17 @@ def run_once(pool: Any, raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
 
 def assert_same_training(got: dict[str, Any], ref: dict[str, Any], what: str, *, loss_tol: float,
                          weight_tol: float) -> None:
-    """Every step's loss within ``loss_tol`` and every final weight within ``weight_tol``, relative."""
+    """Every step's loss within ``loss_tol``, every final weight within ``weight_tol``, relative, and the
+    held-out losses (``eval`` section) of the steps both runs evaluated within ``loss_tol``."""
     assert len(got["losses"]) == len(ref["losses"]), f"{what}: {len(got['losses'])} vs {len(ref['losses'])} steps"
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
         assert abs(a - b) <= loss_tol * abs(b), f"{what}: step {step} loss {a} vs {b}"
+    evals, ref_evals = got.get("evals", {}), ref.get("evals", {})
+    if evals and ref_evals and got["start_step"] == ref["start_step"]:
+        assert evals.keys() == ref_evals.keys(), f"{what}: held-out losses at steps {sorted(evals)} vs {sorted(ref_evals)}"
+    for step in evals.keys() & ref_evals.keys():
+        a, b = evals[step], ref_evals[step]
+        assert abs(a - b) <= loss_tol * abs(b), f"{what}: held-out loss after step {step}: {a} vs {b}"
     assert got["weights"].keys() == ref["weights"].keys()
     worst = max(got["weights"], key=lambda k: relative_error(got["weights"][k], ref["weights"][k]))
     err = relative_error(got["weights"][worst], ref["weights"][worst])

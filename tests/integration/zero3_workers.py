@@ -46,4 +46,5 @@ def _train_and_gather(raw: dict[str, Any], base_dir: str) -> dict[str, Any]:
         weights = full_weights(module, groups.tp)
     run.engine.destroy()
     return {"losses": [r["loss"] for r in run.records], "start_step": run.start_step,
-            "weights": weights if dist.get_rank() == 0 else None}
+            "weights": weights if dist.get_rank() == 0 else None,
+            "evals": {r["step"]: r["eval_loss"] for r in run.evals}}

@@ -102,6 +102,13 @@ def test_runtime_and_config_import_only_the_core() -> None:
     assert not bad, "runtime/ and config/ import only the core, pydantic, yaml and tqdm:\n" + "\n".join(bad)
 
 
+def test_datasets_import_only_the_standard_library() -> None:
+    """``datasets/`` builds data from text: any layer may use it, so it depends on nothing of ours."""
+    bad = [f"{path.relative_to(ROOT)} imports {name}" for path in (PACKAGE / "datasets").rglob("*.py")
+           for name in imports_of(path) if top(name) not in STDLIB and not name.startswith("megatron_ring.datasets")]
+    assert not bad, "\n".join(bad)
+
+
 def test_integrations_never_import_each_other_nor_what_composes_them() -> None:
     bad = []
     for path in (PACKAGE / "integrations").rglob("*.py"):

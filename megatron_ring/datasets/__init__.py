@@ -1,0 +1,1 @@
+"""Datasets built from local text for fine-tuning and evaluation (standard library only)."""
