@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
     parser.add_argument("--train", type=int, default=None, help="training lines (default: steps x global batch)")
     parser.add_argument("--held-out", type=int, default=None, help="held-out lines (default 4)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per answer (default 20)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per answer (default: the answer configs')")
     return parser.parse_args()
 
 
@@ -117,8 +117,7 @@ def answer_configs(args: argparse.Namespace, side: str, model: dict[str, str], d
         work["batch"] = args.held_out or work["batch"]
         work["new_tokens"] = args.new_tokens or work["new_tokens"]
         work["text"]["jsonl"] = str(data / "held_out.jsonl")
-        ring["output"] = str(args.out / "answers" / f"{side}_{name}.json")
-        path = args.out / "answers" / f"{side}_{name}_config.json"
+        path = args.out / "answers" / "configs" / f"{side}_{name}.json"  # compare writes answers/<stem>.json
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(raw, indent=1))
         paths.append(path)
@@ -139,9 +138,10 @@ def plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path, t
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], "o-", label="training loss (answer tokens)")
-    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "s--", label="held-out loss")
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "s", markersize=8, label="held-out loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean token loss")
+    ax.set_ylabel("mean token loss (log scale)")
+    ax.set_yscale("log")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -182,13 +182,15 @@ def main() -> int:
     seconds = {"data": run("needle-data", [*cli, "needle-data", "data/corpus", "--out", str(data), "--seq-len", str(seq_len),
                                           "--train", str(args.train or steps * batch), "--held-out", str(args.held_out),
                                           *tokenizer], logs)}
-    seconds["answers_before"] = run("compare-before", [*cli, "compare", *map(str, answer_configs(args, "before", model, data, seq_len))], logs)
+    seconds["answers_before"] = run("compare-before", [*cli, "compare", "--out-dir", str(args.out / "answers"),
+                                               *map(str, answer_configs(args, "before", model, data, seq_len))], logs)
     nproc = ring["layout"].get("cp", 1) * ring["layout"].get("dp", 1) * ring["layout"].get("tp", 1)
     seconds["train"] = run("train", [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc),
                                      "launch/train.py", "--deepspeed_config", str(config_path)], logs)
     seconds["export"] = run("export", [*cli, "export", str(args.out / "checkpoints"), str(args.out / "export")], logs)
     tuned = {"checkpoint": str(args.out / "export")}
-    seconds["answers_after"] = run("compare-after", [*cli, "compare", *map(str, answer_configs(args, "after", tuned, data, seq_len))], logs)
+    seconds["answers_after"] = run("compare-after", [*cli, "compare", "--out-dir", str(args.out / "answers"),
+                                               *map(str, answer_configs(args, "after", tuned, data, seq_len))], logs)
     step_records, evals = read_log(args.out / "train.jsonl")
     report = {
         "command": " ".join(["python", "scripts/finetune_smollm2.py", *sys.argv[1:]]),

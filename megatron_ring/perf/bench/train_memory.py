@@ -2,7 +2,8 @@
 
 In each trial a gloo pool of cp processes (tp = pp = dp = 1) trains the same Megatron GPT (a
 ``configs/megatron`` YAML, its dtype and attention as shipped, ``parallel.cp`` and ``seq_length``
-set per trial) for one step: forward, backward, the gradient all-reduce over CP and an AdamW step
+set per trial; a YAML naming a checkpoint, e.g. ``configs/megatron/smollm2_memory.yaml``, gives that
+model's architecture) for one step: forward, backward, the gradient all-reduce over CP and an AdamW step
 whose states already exist (:mod:`~megatron_ring.perf.bench.train_memory_worker`). A trial fits when
 no rank's peak exceeds the cap (Note [What the cap counts] in perf/bench/memory_cap.py); the
 longest fitting length is searched with steps doubling away from a start, then bisection, over
@@ -41,7 +42,7 @@ DEFAULT_MODEL = "configs/megatron/long_ring_cp2.yaml"
 def check_plan(model_data: dict[str, Any], *, cps: Sequence[int], unit: int, start: int, ceiling: int,
                cap_bytes: int) -> None:
     """ValueError (ConfigError) naming the field, its value and what is allowed, before any process starts."""
-    from megatron_ring.config.gpt import GPTConfig
+    from megatron_ring.perf.bench.train_memory_worker import model_config
 
     check_cap_bytes(cap_bytes)
     if not cps or any(cp < 1 for cp in cps) or len(set(cps)) != len(cps):
@@ -57,9 +58,7 @@ def check_plan(model_data: dict[str, Any], *, cps: Sequence[int], unit: int, sta
     if start > ceiling:
         raise ValueError(f"start = {start} is above ceiling = {ceiling}")
     for cp in cps:
-        data = {**model_data, "parallel": {**model_data.get("parallel", {}), "tp": 1, "pp": 1, "cp": cp},
-                "model": {**model_data.get("model", {}), "seq_length": unit}}
-        GPTConfig.parse(data, where=f"model config at cp = {cp}")
+        model_config(model_data, cp=cp, seq_len=ceiling)  # the longest length must fit the model's positions
 
 
 def run_train_memory(model_data: dict[str, Any], *, cps: Sequence[int], cap_bytes: int, unit: int, start: int,
@@ -129,7 +128,8 @@ def _add_ratios(points: list[dict[str, Any]]) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megatron-ring bench train-memory", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="a configs/megatron YAML (its parallel.cp is set per run)")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="a configs/megatron YAML (its parallel.cp is set per run); "
+                    "one naming a checkpoint trains that checkpoint's architecture")
     ap.add_argument("--cp", dest="cps", type=positive_int, nargs="+", default=[1, 2, 4], help="CP sizes (processes)")
     ap.add_argument("--cap-mib", type=positive_float, default=256.0,
                     help="memory cap per process, MiB above its baseline (Note [What the cap counts])")

@@ -35,16 +35,30 @@ def _tensor_bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def model_config(model_data: dict[str, Any], *, cp: int, seq_len: int) -> Any:
+    """The :class:`~megatron_ring.config.gpt.GPTConfig` of a ``configs/megatron`` mapping at tp = pp = 1, ``cp``
+    and ``seq_len``; a mapping naming a checkpoint gives the checkpoint's architecture (its config read,
+    its weights not: random weights of the same shapes take the same memory). ConfigError naming the field."""
+    from megatron_ring.config.gpt import GPTConfig
+
+    where = f"model config at cp = {cp}, seq_len = {seq_len}"
+    data = {**model_data, "parallel": {**model_data.get("parallel", {}), "tp": 1, "pp": 1, "cp": cp}}
+    if "checkpoint" in data:
+        from megatron_ring.training.pretrained import pretrained_gpt_config
+
+        return pretrained_gpt_config(data, seq_len=seq_len, where=where)[0]
+    return GPTConfig.parse({**data, "model": {**data.get("model", {}), "seq_length": seq_len}}, where=where)
+
+
 def train_step_peak(model_data: dict[str, Any], seq_len: int, seed: int) -> dict[str, int]:
     """This rank's peak bytes of one training step at global length ``seq_len``, and its static part.
 
-    ``model_data``: a ``configs/megatron`` mapping; its ``parallel`` becomes tp = pp = 1, cp = world
-    size, its ``model.seq_length`` becomes ``seq_len``. The batch is one sequence ``[1, seq_len]`` of
+    ``model_data``: a ``configs/megatron`` mapping (sizes, or a checkpoint: :func:`model_config`); its
+    ``parallel`` becomes tp = pp = 1, cp = world size, its ``seq_length`` becomes ``seq_len``. The batch is one sequence ``[1, seq_len]`` of
     random token ids, cut zigzag: this rank's tokens, labels and positions are ``[1, seq_len / cp]``.
     Returns ``peak_bytes`` (what the trial adds at its peak), ``weights_bytes``, ``grads_bytes`` and
     ``optimizer_bytes`` (the tensors' sizes, counted from the tensors), ``local_tokens``.
     """
-    from megatron_ring.config.gpt import GPTConfig
     from megatron_ring.integrations.megatron.batches import get_batch_on_this_cp_rank
     from megatron_ring.integrations.megatron.model import build_gpt_model
     from megatron_ring.integrations.megatron.state import init_megatron
@@ -53,9 +67,7 @@ def train_step_peak(model_data: dict[str, Any], seq_len: int, seed: int) -> dict
 
     track_mmap()
     cp = dist.get_world_size()
-    data = {**model_data, "parallel": {**model_data.get("parallel", {}), "tp": 1, "pp": 1, "cp": cp},
-            "model": {**model_data["model"], "seq_length": seq_len}}
-    cfg = GPTConfig.parse(data, where=f"model config at cp = {cp}, seq_len = {seq_len}")
+    cfg = model_config(model_data, cp=cp, seq_len=seq_len)
     device = torch.device("cpu")
     groups = init_megatron(ParallelLayout(cp=cp), device=device, seed=seed)
     gen = torch.Generator().manual_seed(seed)
