@@ -61,6 +61,15 @@ def find_file(given: str, base: Optional[Path], field: str) -> Path:
     raise ConfigError(f"{field} = {given!r}: file not found; tried {', '.join(str(p) for p in tried)}")
 
 
+def read_text(path: Path, field: str) -> str:
+    """The UTF-8 text of ``path``; a ConfigError naming ``field``, the file and the byte when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{field}: {str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}); "
+                          "allowed: a UTF-8 text file") from None
+
+
 def load_documents(section: TextSection, base: Optional[Path]) -> list[Document]:
     """The documents of ``section`` in order; ConfigError naming the field and the line for bad input."""
     field = "megatron_ring.workload.text"
@@ -68,7 +77,7 @@ def load_documents(section: TextSection, base: Optional[Path]) -> list[Document]
         raise ConfigError(f"{field}: give exactly one of 'files' (one document per file) or 'jsonl'; got "
                           f"files={section.files!r}, jsonl={section.jsonl!r}")
     if section.files:
-        return [Document(find_file(f, base, f"{field}.files").read_text(), section.question or "", f)
+        return [Document(read_text(find_file(f, base, f"{field}.files"), f"{field}.files"), section.question or "", f)
                 for f in section.files]
     if section.question is not None:
         raise ConfigError(f"{field}.question is for 'files'; a JSONL line carries its own 'question'")
@@ -81,11 +90,14 @@ def load_documents(section: TextSection, base: Optional[Path]) -> list[Document]
             raise ConfigError(f"{where}: must be an object with 'document' or 'document_file' (one of them) and an "
                               f"optional 'question' and 'answer'; got keys "
                               f"{sorted(entry) if isinstance(entry, dict) else entry!r}")
+        wrong = [f"'{key}' is {type(value).__name__}" for key, value in entry.items() if not isinstance(value, str)]
+        if wrong:
+            raise ConfigError(f"{where}: field {', '.join(wrong)}; allowed: a string (a null question would be "
+                              "asked as the text 'None')")
         text = entry.get("document")
         if text is None:
-            text = find_file(entry["document_file"], path.parent, f"{where}: document_file").read_text()
-        docs.append(Document(str(text), str(entry.get("question", "")), f"{path.name}:{number}",
-                             None if entry.get("answer") is None else str(entry["answer"])))
+            text = read_text(find_file(entry["document_file"], path.parent, f"{where}: document_file"), where)
+        docs.append(Document(text, entry.get("question", ""), f"{path.name}:{number}", entry.get("answer")))
     if not docs:
         raise ConfigError(f"{field}.jsonl {str(path)!r} holds no documents")
     return docs

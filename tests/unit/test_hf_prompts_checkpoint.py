@@ -55,6 +55,11 @@ def test_documents_from_files_and_jsonl(tmp_path):
     assert [(d.text, d.question) for d in docs] == [("doc", "q")]
     docs = load_documents(TextSection(jsonl="q.jsonl"), tmp_path)
     assert [(d.text, d.question, d.source) for d in docs] == [("doc", "q1", "q.jsonl:1"), ("x", "", "q.jsonl:3")]
+    (tmp_path / "a.jsonl").write_text('{"document": "x", "question": "q", "answer": "a"}\n')
+    assert load_documents(TextSection(jsonl="a.jsonl"), tmp_path)[0].answer == "a"
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="files: .*bad.txt' is not UTF-8 text"):
+        load_documents(TextSection(files=["bad.txt"]), tmp_path)
 
 
 @pytest.mark.parametrize("lines, match", [
@@ -62,8 +67,13 @@ def test_documents_from_files_and_jsonl(tmp_path):
     ('{"question": "b"}', "line 1: must be an object"),
     ("not json", "line 1: not valid JSON"),
     ('{"document_file": "missing.txt"}', "file not found"),
+    ('{"document": "a", "question": null}', "line 1: field 'question' is NoneType; allowed: a string"),
+    ('{"document": null}', "line 1: field 'document' is NoneType"),
+    ('{"document": "a", "answer": 7}', "line 1: field 'answer' is int"),
+    ('{"document_file": "latin1.txt"}', "line 1: .*latin1.txt' is not UTF-8 text"),
 ])
 def test_bad_jsonl_lines_are_named(tmp_path, lines, match):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "q.jsonl").write_text(lines + "\n")
     with pytest.raises(ConfigError, match=match):
         load_documents(TextSection(jsonl="q.jsonl"), tmp_path)
