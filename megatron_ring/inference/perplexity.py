@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_ring.config import output_problem
-from megatron_ring.runtime.args import positive_int, usage_error
+from megatron_ring.runtime.args import int_at_least, positive_int, usage_error
 from megatron_ring.runtime.job import Interrupted, interruptible
 from megatron_ring.runtime.reporting import write_json_atomic
 
@@ -62,7 +62,8 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gguf-file", default=None, help=f"GGUF file in the checkpoint directory (default with "
                         f"the default checkpoint: {SMOLLM2[1]})")
     parser.add_argument("--document", default="data/corpus/GPL-3.txt", help="a text file")
-    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens of the document to score")
+    parser.add_argument("--tokens", type=int_at_least(2), default=4096,
+                        help="tokens of the document to score (at least 2: one is predicted from another)")
     parser.add_argument("--cp", type=positive_int, nargs="+", default=[1, 2, 4], help="CP sizes of the ring")
     parser.add_argument("--tp", type=positive_int, nargs="*", default=[2], help="AutoTP sizes of the baseline")
     parser.add_argument("--out", default=None, help="result JSON")
