@@ -23,6 +23,7 @@ from typing import Sequence
 
 from megatron_ring.config import ConfigError, load_mapping, output_problem
 from megatron_ring.runtime.args import usage_error
+from megatron_ring.runtime.folder_lock import FolderBusy, owned_folder
 from megatron_ring.runtime.job import Interrupted, interruptible, run_job
 from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed.config import split_config
@@ -145,15 +146,17 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         return usage_error(parser.prog, problem)
     try:
         baseline_cfg, ring_cfg = resolve_pair(args.configs)
+        if baseline_cfg.stem == ring_cfg.stem:
+            raise ConfigError(f"both configs are named {baseline_cfg.stem!r} ({str(baseline_cfg)!r}, {str(ring_cfg)!r}): "
+                              f"the second run's result and log would overwrite the first's in --out-dir; rename one")
         if not args.allow_kernel_mismatch:
             check_same_kernel(baseline_cfg, ring_cfg)
-        out_dir = Path(args.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for config in (baseline_cfg, ring_cfg):  # a run stopped half-way must not pair with an old result
-            (out_dir / f"{config.stem}.json").unlink(missing_ok=True)
-        with interruptible():
-            results = [run_config(c, out_dir, launcher=args.launcher) for c in (baseline_cfg, ring_cfg)]
-    except ConfigError as err:
+        with owned_folder(Path(args.out_dir), field="--out-dir") as out_dir:  # Note [Folder locks]
+            for config in (baseline_cfg, ring_cfg):  # a run stopped half-way must not pair with an old result
+                (out_dir / f"{config.stem}.json").unlink(missing_ok=True)
+            with interruptible():
+                results = [run_config(c, out_dir, launcher=args.launcher) for c in (baseline_cfg, ring_cfg)]
+    except (ConfigError, FolderBusy) as err:
         return usage_error(parser.prog, err)
     except RuntimeError as err:
         print(f"[compare] {err}", file=sys.stderr)

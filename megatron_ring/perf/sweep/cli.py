@@ -28,6 +28,7 @@ from megatron_ring.perf.planner.predict import make_predictor
 from megatron_ring.perf.sweep.run import STAGING, repredict, run_sweep
 from megatron_ring.perf.sweep.table import format_sweep_table
 from megatron_ring.runtime.args import positive_int, usage_error
+from megatron_ring.runtime.folder_lock import FolderBusy, owned_folder
 from megatron_ring.runtime.job import Interrupted, interruptible
 
 
@@ -71,12 +72,12 @@ def sweep_main(argv: Sequence[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     try:
         baseline, ring = compare.resolve_pair(args.configs)
-        with interruptible():
+        with owned_folder(out_dir, field="--out-dir"), interruptible():  # Note [Folder locks]
             summary = run_sweep(baseline, ring, lengths=args.lengths, batches=args.batches, repeats=args.repeats,
                                 new_tokens=args.new_tokens, out_dir=out_dir, launcher=args.launcher,
                                 predict=make_predictor(args.predict) if args.predict else None, settle_s=args.settle,
                                 command=shlex.join(["megatron-ring", "sweep", *argv]))
-    except ConfigError as err:
+    except (ConfigError, FolderBusy) as err:
         return usage_error(parser.prog, err)
     except RuntimeError as err:
         print(f"[sweep] {err}", file=sys.stderr)
