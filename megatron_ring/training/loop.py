@@ -45,6 +45,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -286,6 +287,13 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
         token_loss = causal_lm_token_loss
     ck = spec.train.checkpoint
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
+    if ckpt_dir is not None and not ck.resume and ck.overwrite:  # a new lineage: the old one goes first
+        if dist.get_rank() == 0:
+            from megatron_ring.training.schema import held_checkpoints
+
+            for name in held_checkpoints(ckpt_dir):
+                shutil.rmtree(ckpt_dir / name)
+        dist.barrier()
     start, saved_layout = 0, None
     if ckpt_dir is not None and ck.resume and (tag := latest_checkpoint(ckpt_dir)) is not None:
         marker = read_marker(ckpt_dir / tag)

@@ -135,6 +135,8 @@ class CheckpointSection(StrictModel):
     dir: Optional[str] = Field(None, description="checkpoint directory; None: no checkpoints")
     save_interval: int = Field(0, ge=0)
     resume: bool = Field(True, description="continue from the latest complete checkpoint in dir, if any")
+    overwrite: bool = Field(False, description="with resume: false, delete dir's checkpoints before the first step "
+                            "(without it, resume: false into a folder holding checkpoints is refused)")
 
 
 class LogSection(StrictModel):
@@ -340,6 +342,8 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     if train.checkpoint.dir is not None:
         problems.run(check_writable, _resolve(train.checkpoint.dir, base_dir, must_exist=False),
                      field=f"{SECTION}.checkpoint.dir", value=train.checkpoint.dir, directory=True)
+        if (problem := lineage_problem(train.checkpoint, _resolve(train.checkpoint.dir, base_dir, must_exist=False))):
+            problems.add(problem)
     if train.log.jsonl is not None:
         problems.run(check_writable, _resolve(train.log.jsonl, base_dir, must_exist=False),
                      field=f"{SECTION}.log.jsonl", value=train.log.jsonl)
@@ -389,6 +393,26 @@ def _located(check: Any, *args: Any) -> list[str]:
     except ConfigError as err:
         return err.located()
     return []
+
+
+def held_checkpoints(folder: Path) -> list[str]:
+    """The step folders (complete or not) of a checkpoint directory, in step order."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name.startswith("step"))
+
+
+def lineage_problem(section: CheckpointSection, folder: Path) -> Optional[str]:
+    """Why ``resume: false`` must not write into ``folder``: it holds another run's checkpoints, which the new
+    run would overwrite step by step and a later resume would mix with its own (None: nothing held, or
+    ``overwrite`` set)."""
+    held = held_checkpoints(folder)
+    if section.resume or section.overwrite or not held:
+        return None
+    return (f"{SECTION}.checkpoint.resume = false but checkpoint.dir = {section.dir!r} holds another run's "
+            f"checkpoints ({', '.join(held[:3])}{' ...' if len(held) > 3 else ''}); a new run would overwrite them "
+            "step by step and a later resume could take the old run's steps. Give an empty folder, resume: true to "
+            "continue it, or checkpoint.overwrite: true to delete them first")
 
 
 def engine_problems(train: TrainSection, ds: dict[str, Any]) -> list[str]:

@@ -74,6 +74,18 @@ def test_resume_refuses_another_layout_naming_both(gloo_pool: Any, tmp_path: Pat
     assert err.startswith("ConfigError") and "tp=1 x cp=2 x dp=1 x pp=1" in err and "tp=1 x cp=1 x dp=2 x pp=1" in err
 
 
+def test_overwrite_starts_a_new_lineage_alone(gloo_pool: Any, tmp_path: Path) -> None:
+    """resume: false + overwrite: true into a folder of 3 steps: the old steps are deleted first, so the
+    new run's single step is all the folder holds (and a resume would take it, not the old step 3)."""
+    pool = gloo_pool(2)
+    first = run(pool, config(tmp_path, 3))
+    assert latest_checkpoint(tmp_path / "ckpt") == "step00000003"
+    again = run(pool, config(tmp_path, 1, checkpoint={"dir": str(tmp_path / "ckpt"), "save_interval": 1,
+                                                      "resume": False, "overwrite": True}))
+    assert again[0]["start_step"] == 0 and again[0]["losses"] == first[0]["losses"][:1]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["step00000001"]
+
+
 def test_nonfinite_loss_stops_without_saving_the_step(gloo_pool: Any, tmp_path: Path) -> None:
     pool = gloo_pool(2)
     err = errors(run(pool, config(tmp_path, 4), nan_at_call=3))

@@ -236,6 +236,18 @@ def test_outputs_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
     assert not list((tmp_path / "ckpt").iterdir()) and not list((tmp_path / "logs").iterdir())
 
 
+def test_a_new_run_never_writes_into_another_runs_checkpoints(tmp_path: Path) -> None:
+    """resume: false into a folder holding step folders is refused (naming them) unless overwrite: true."""
+    (tmp_path / "ckpt" / "step00000002").mkdir(parents=True)
+    raw = changed(good(), "megatron_ring.checkpoint", {"dir": str(tmp_path / "ckpt"), "resume": False})
+    with pytest.raises(ConfigError, match=r"checkpoint.resume = false but checkpoint.dir = .* holds another run's "
+                                          r"checkpoints \(step00000002\).*checkpoint.overwrite: true"):
+        parse(raw)
+    parse(changed(raw, "megatron_ring.checkpoint.overwrite", True))
+    parse(changed(raw, "megatron_ring.checkpoint.resume", True))
+    parse(changed(raw, "megatron_ring.checkpoint.dir", str(tmp_path / "empty")))
+
+
 def test_malformed_files_exit_2_naming_file_and_line(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
     """A syntax error in the config or in the model YAML it names: exit 2, one message, no traceback."""
     monkeypatch.setenv("WORLD_SIZE", "4")
