@@ -33,6 +33,7 @@ from megatron_ring.integrations.deepspeed import config as ds_config
 from megatron_ring.integrations.deepspeed import process_group as ds_glue
 from megatron_ring.parallel.groups import init_parallel, leave_distributed
 from megatron_ring.runtime.faults import PeerMonitor
+from megatron_ring.runtime.parent_watch import watch_parent
 from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
 
 RESULT_SCHEMA = "megatron_ring.inference.result/1"
@@ -140,6 +141,7 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
               flush=True)
         return EXIT_CONFIG
     ring = spec.ring
+    watch_parent(f"rank {env['rank']}")  # Note [Orphaned ranks]
     monitor = PeerMonitor(timeout_s=ring.peer_timeout_s).start()
     started, t0 = datetime.now(timezone.utc), time.perf_counter()
     try:

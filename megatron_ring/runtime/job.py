@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
+from megatron_ring.runtime.parent_watch import watch_env
+
 GRACE_S = 10.0
 """Seconds a stopped job's processes get after SIGTERM before SIGKILL."""
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -91,7 +93,8 @@ def run_job(cmd: Sequence[str], *, log: Path, env: Mapping[str, str]) -> int:
     its group are stopped too (Note [Stopping a launched job]).
     """
     with open(log, "w") as fh:
-        proc = subprocess.Popen(list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+        proc = subprocess.Popen(list(cmd), stdout=fh, stderr=subprocess.STDOUT, env=watch_env(env=dict(env)),
+                                start_new_session=True)  # its ranks end with this process: Note [Orphaned ranks]
         try:
             code = proc.wait()
         except BaseException:

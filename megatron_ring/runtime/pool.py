@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from megatron_ring.runtime.parent_watch import die_with_parent
+
 
 class WorkerError(RuntimeError):
     """One or more ranks raised, died or timed out; the message holds each rank's traceback."""
@@ -36,7 +38,8 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int,
-            tasks: Any, results: Any, env: dict[str, str], setup: Callable[[], Any] | None) -> None:
+            tasks: Any, results: Any, env: dict[str, str], setup: Callable[[], Any] | None, parent: int) -> None:
+    die_with_parent(parent)  # Note [Orphaned ranks]
     os.environ.update(env)
     torch.set_num_threads(threads)
     import torch.distributed as dist
@@ -94,7 +97,7 @@ class GlooPool:
             ctx.Process(
                 target=_worker,
                 args=(r, world_size, port, timeout_s, threads, self._tasks[r], self._results, dict(env or {}),
-                      setup),
+                      setup, os.getpid()),
                 daemon=True,
             )
             for r in range(world_size)

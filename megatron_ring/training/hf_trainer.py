@@ -32,6 +32,7 @@ from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_co
 from megatron_ring.parallel.groups import ParallelGroups, init_parallel, leave_distributed
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.training.data import corpus_files
+from megatron_ring.runtime.parent_watch import watch_parent
 
 TEXT_SUFFIXES = (".txt", ".md")
 EXIT_USAGE = 2
@@ -180,6 +181,7 @@ def trainer_main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
     inputs = {k: v for k, v in vars(namespace).items() if k in fields}
+    watch_parent()  # Note [Orphaned ranks]
     groups = init_trainer_groups(ours.cp, deepspeed=bool(inputs.get("deepspeed")))  # before TrainingArguments
     try:
         configured = accelerator_config(bool(inputs.get("deepspeed")))

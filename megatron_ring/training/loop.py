@@ -388,6 +388,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one training job on this rank; return the exit status."""
     from megatron_ring.integrations.deepspeed import process_group as ds_glue
     from megatron_ring.runtime.faults import PeerMonitor
+    from megatron_ring.runtime.parent_watch import watch_parent
 
     args = parse_args(argv)
     env = ds_glue.launch_env()
@@ -397,6 +398,7 @@ def train_main(argv: Optional[Sequence[str]] = None) -> int:
         if env["rank"] == 0:
             print(f"[megatron_ring] config error, nothing was started:\n{err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    watch_parent(f"rank {env['rank']}")  # Note [Orphaned ranks]
     monitor = PeerMonitor(timeout_s=spec.train.peer_timeout_s).start()
     try:
         device, _ = ds_glue.init_distributed(timeout=timedelta(seconds=spec.train.collective_timeout_s))
