@@ -33,6 +33,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
     "export": ("megatron_ring.training.export", "export_main",
                "write a transformers checkpoint (safetensors, config, tokenizer) from a training checkpoint"),
+    "check": ("megatron_ring.check", "check_main",
+              "validate training, inference and model configs without starting a rank (exit 2 naming the field)"),
     "needle-data": ("megatron_ring.training.needle_data", "needle_data_main",
                     "long-document question/answer JSONL (a fact hidden in local text) for fine-tuning and evaluation"),
 }

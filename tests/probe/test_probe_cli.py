@@ -28,6 +28,7 @@ USAGE = {  # case -> (argv, needles)
     "compare unknown pair": (["compare", "no-such-pair"], ["no-such-pair"]),
     "plan missing config": (["plan", "nowhere.json"], ["nowhere.json"]),
     "infer missing config": (["infer", "--deepspeed_config", "nowhere.json"], ["nowhere.json"]),
+    "check missing config": (["check", "nowhere.json"], ["nowhere.json"]),
     "perplexity --tokens 1": (["perplexity", "--tokens", "1"], ["--tokens: expected an integer >= 2, got 1"]),
     "needle-data --seq-len 8": (["needle-data", "data/corpus", "--out", "x", "--seq-len", "8", "--tokenizer", "t"],
                                 ["--seq-len: expected an integer >= 64, got 8"]),

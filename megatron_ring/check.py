@@ -1,0 +1,96 @@
+"""``megatron-ring check CONFIG [CONFIG ...]``: validate configs without starting a rank.
+
+Every config kind the project ships goes through the same validation its ranks run first:
+
+* a DeepSpeed JSON with a ``megatron_ring`` section that trains (``steps``): ``load_train_spec``
+  (both engines, the ``transformers`` entry, data and held-out files through the tokenizer);
+* a DeepSpeed JSON with a ``megatron_ring`` section that serves (``workload``): the inference
+  ``load_spec`` (runner, model, workload, prompts);
+* a ``configs/megatron`` YAML: the GPT config (a model naming a checkpoint: its config read and
+  converted, its weights not).
+
+The world size is the config's own layout (tp · pp · cp · dp) unless ``--world`` says how many
+processes would be launched. Exit 0 with one line per config, or 2 with every problem of the first
+bad one, naming the field, its value and what is allowed.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from megatron_ring.config import ConfigError, load_mapping
+from megatron_ring.runtime.args import positive_int, usage_error
+
+SECTION = "megatron_ring"
+
+
+def config_kind(raw: Any, path: Path) -> str:
+    """``"training"``, ``"inference"`` or ``"model"`` from the mapping's keys; ConfigError when none fits."""
+    if isinstance(raw, dict) and isinstance(raw.get(SECTION), dict):
+        ours = raw[SECTION]
+        if "steps" in ours or "seq_len" in ours or "engine" in ours:
+            return "training"
+        if "workload" in ours or "model" in ours:
+            return "inference"
+    if isinstance(raw, dict) and ("model" in raw or "checkpoint" in raw) and path.suffix in (".yaml", ".yml"):
+        return "model"
+    raise ConfigError(f"{str(path)!r}: not a config this project reads (a DeepSpeed JSON with a '{SECTION}' section "
+                      "that trains (steps) or serves (workload), or a configs/megatron model YAML)")
+
+
+def layout_world(raw: dict[str, Any]) -> int:
+    """The product of the section's layout sizes (1 for an axis not given)."""
+    layout = raw[SECTION].get("layout") or {}
+    sizes = [layout.get(axis, 1) for axis in ("tp", "pp", "cp", "dp")]
+    return math.prod(s for s in sizes if isinstance(s, int) and s > 0)
+
+
+def check_one(path: Path, world: Optional[int]) -> str:
+    """Validate ``path``; a one-line summary, or ConfigError."""
+    raw = load_mapping(path)
+    kind = config_kind(raw, path)
+    if kind == "model":
+        from megatron_ring.config.gpt import GPTConfig
+
+        if "checkpoint" in raw:
+            from megatron_ring.training.pretrained import pretrained_gpt_config
+
+            cfg = pretrained_gpt_config(raw, seq_len=None, where=f"model {str(path)!r}")[0]
+        else:
+            cfg = GPTConfig.parse(raw, where=f"model {str(path)!r}")
+        m = cfg.model
+        return (f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+                f"({m.num_query_groups or m.num_attention_heads} K/V groups), attention {cfg.attention}, {cfg.dtype}")
+    size = world or layout_world(raw)
+    if kind == "training":
+        from megatron_ring.training.schema import load_train_spec
+
+        spec = load_train_spec(path, world_size=size)
+        return (f"training ({spec.train.engine} engine), layout {spec.layout.describe()} on {size} processes, "
+                f"seq_len {spec.train.seq_len}, {spec.train.steps} steps, global batch {spec.global_batch}")
+    from megatron_ring.inference.main import load_spec
+
+    spec = load_spec(path, world_size=size)
+    return f"inference ({spec.ring.model.runner} runner), layout {spec.layout.describe()} on {size} processes"
+
+
+def check_main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-ring check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("configs", nargs="+", type=Path, help="training or inference JSON, or configs/megatron YAML")
+    parser.add_argument("--world", type=positive_int, default=None,
+                        help="processes the launcher would start (default: the config's layout)")
+    args = parser.parse_args(argv)
+    for path in args.configs:
+        try:
+            print(f"{path}: OK, {check_one(path, args.world)}", flush=True)
+        except (ConfigError, ValueError, OSError) as err:
+            return usage_error(parser.prog, err if isinstance(err, ConfigError) else f"{path}: {err}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(check_main())
