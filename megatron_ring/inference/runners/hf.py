@@ -23,17 +23,19 @@ whose logits are broadcast. Decode: every rank runs the new token against its ca
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from megatron_ring.config import Problems
+from megatron_ring.config import ConfigError, Problems
 from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.inference.runners.checkpoint import load_checkpoint, locate
 from megatron_ring.inference.runners.protocol import block_kernel_name
 from megatron_ring.integrations.deepspeed.autotp import init_autotp
 from megatron_ring.integrations.hf.attention import register
 from megatron_ring.integrations.hf.cache import RingCache
+from megatron_ring.integrations.hf.checkpoint import load_config
 from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
 from megatron_ring.integrations.hf.peer_errors import telling_peers
@@ -54,8 +56,8 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
                 new_tokens: int, dtype: Optional[str]) -> dict[str, Any]:
     """Validate an hf model config for ``layout`` (see ``RunnerModule``); it runs in any ``dtype``.
 
-    A checkpoint directory's ``config.json`` is read for the summary and the length check; a GGUF
-    file is only looked at when loaded.
+    The checkpoint's config (a directory's ``config.json``, a GGUF file's metadata) is read for the
+    summary, the length check and tp against its heads; the weights only when loaded.
     """
     cfg = CheckpointSource.parse(model, where=WHERE)
     problems = Problems(where=WHERE)
@@ -64,21 +66,37 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
                      "(no pipeline stages); allowed: pp = 1, with tp (DeepSpeed AutoTP) and cp (the ring)")
     located = problems.run(locate, cfg, WHERE)
     summary: dict[str, Any] = {"runner": "hf", "checkpoint": cfg.checkpoint, "gguf_file": cfg.gguf_file}
-    if located is not None and located[1] is None:
-        config_file = located[0] / "config.json"
-        if not config_file.is_file():
-            problems.add(f"checkpoint = {cfg.checkpoint!r}: {str(config_file)!r} does not exist; a checkpoint "
-                         "directory holds transformers' config.json, weights and tokenizer")
-        else:
-            config = json.loads(config_file.read_text())
-            summary.update({k: config[k] for k in SUMMARY_FIELDS if k in config})
-            limit = config.get("max_position_embeddings")
-            total = prompt_len + new_tokens - 1
-            if limit is not None and total > limit:
-                problems.add(f"megatron_ring.workload: prompt_len + new_tokens - 1 = {total} exceeds the checkpoint's "
-                             f"max_position_embeddings = {limit}")
+    config = problems.run(checkpoint_config, cfg, located) if located is not None else None
+    if config is not None:
+        summary.update({k: config[k] for k in SUMMARY_FIELDS if k in config})
+        limit = config.get("max_position_embeddings")
+        total = prompt_len + new_tokens - 1
+        if limit is not None and total > limit:
+            problems.add(f"megatron_ring.workload: prompt_len + new_tokens - 1 = {total} exceeds the checkpoint's "
+                         f"max_position_embeddings = {limit}")
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = config.get(key)
+            if isinstance(heads, int) and layout.tp > heads:
+                problems.add(f"megatron_ring.layout.tp = {layout.tp}: more TP ranks than the checkpoint's {key} = "
+                             f"{heads} (a rank would hold no head); allowed: tp <= {heads}")
     problems.raise_if_any()
     return summary
+
+
+def checkpoint_config(cfg: CheckpointSource, located: tuple[Path, Any]) -> Optional[dict[str, Any]]:
+    """The checkpoint's transformers config as a dict, weights unread: a directory's ``config.json``, or a GGUF
+    file's (its converted copy's, else its metadata); ConfigError naming the checkpoint when it has none."""
+    if located[1] is None:
+        config_file = located[0] / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"checkpoint = {cfg.checkpoint!r}: {str(config_file)!r} does not exist; a checkpoint "
+                              "directory holds transformers' config.json, weights and tokenizer", where=WHERE)
+        return json.loads(config_file.read_text())
+    try:
+        config = load_config(located[0], cfg.gguf_file, Path(cfg.cache_dir) if cfg.cache_dir else None)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"checkpoint = {cfg.checkpoint!r}: its config cannot be read ({err})", where=WHERE) from None
+    return config.get_text_config().to_dict()
 
 
 class HFRunner:
