@@ -99,6 +99,10 @@ class MegatronSection(StrictModel):
     def problems(self, model: "GPTConfig", *, grad_accum: int, where: str) -> list[str]:
         """What Megatron would reject only once the model is built, each naming the field."""
         found = []
+        opt = self.optimizer
+        if opt.min_lr > opt.lr:
+            found.append(f"{where}.optimizer.min_lr = {opt.min_lr} is above optimizer.lr = {opt.lr}: the decay would "
+                         "raise the learning rate; allowed: min_lr <= lr")
         rc, pp = self.recompute, model.parallel.pp
         if rc.granularity == "full" and (rc.method is None or rc.num_layers is None):
             found.append(f"{where}.recompute.granularity = 'full' needs recompute.method ('uniform' or 'block') and "

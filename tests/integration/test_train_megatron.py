@@ -136,6 +136,8 @@ BAD = {
     "optimizer type": ("megatron_ring.megatron.optimizer.type", "lamb", ["megatron_ring.megatron.optimizer.type",
                                                                          "lamb", "'adam'", "'sgd'"]),
     "negative lr": ("megatron_ring.megatron.optimizer.lr", -1.0, ["megatron_ring.megatron.optimizer.lr = -1.0"]),
+    "min_lr above lr": ("megatron_ring.megatron.optimizer.min_lr", 1.0,
+                        ["megatron_ring.megatron.optimizer.min_lr = 1.0 is above optimizer.lr", "min_lr <= lr"]),
     "recompute full": ("megatron_ring.megatron.recompute", {"granularity": "full"},
                        ["recompute.granularity = 'full' needs recompute.method"]),
     "vp layers": ("megatron_ring.megatron.virtual_pipeline", 2, ["virtual_pipeline = 2", "num_layers = 2",
