@@ -33,7 +33,7 @@ attention dropout (0 with RingAttention), the checkpoint directory and the log f
 and DeepSpeed's part with DeepSpeed's own parser plus what its engine would reject only once the
 model is built (optimizer type and params:
 :func:`megatron_ring.integrations.deepspeed.config.check_deepspeed_training`; ZeRO-3's
-``reduce_scatter`` at cp > 1: :func:`megatron_ring.integrations.deepspeed.zero3.check_zero3_reduce`).
+``reduce_scatter`` at cp > 1, prescaling, NVMe without async I/O: :func:`megatron_ring.integrations.deepspeed.zero3.zero3_problems`).
 A ``transformers`` entry instead of ``model`` is checked by :mod:`megatron_ring.training.hf_schema`. Each error names
 the field, its value and what is allowed. Importing this module needs pydantic only; validating
 imports DeepSpeed.
@@ -277,7 +277,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     """Validate a whole training config mapping for ``world_size`` processes (see module docstring);
     one :class:`ConfigError` names every problem found."""
     from megatron_ring.integrations.deepspeed.config import check_deepspeed_training
-    from megatron_ring.integrations.deepspeed.zero3 import check_zero3_reduce
+    from megatron_ring.integrations.deepspeed.zero3 import zero3_problems
 
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
@@ -302,7 +302,7 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
     micro, accum, glob = batch or (1, 1, layout.dp)  # rejected batch keys: 1 x 1 for DeepSpeed's other checks
     if deepspeed_engine:
         problems.run(check_deepspeed_training, ds, micro_batch=micro, grad_accum=accum)
-        if (zero3_problem := check_zero3_reduce(ds, layout.cp)) is not None:
+        for zero3_problem in zero3_problems(ds, layout.cp):
             problems.add(zero3_problem)
     model = hf_config = pretrained = None
     if (train.model is None) == (train.transformers is None):

@@ -20,6 +20,7 @@ from megatron_ring.training.data import ByteTokenizer, PackedSequences, TrainDat
 from megatron_ring.training.checkpoint import COMPLETE, check_resume, latest_checkpoint  # noqa: E402
 from megatron_ring.training.loop import EXIT_CONFIG, train_main  # noqa: E402
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU  # noqa: E402
+from megatron_ring.integrations.deepspeed.zero3 import async_io_available  # noqa: E402
 from megatron_ring.training.schema import load_train_spec, parse_train_spec  # noqa: E402
 from tests.integration.train_workers import changed  # noqa: E402
 
@@ -87,6 +88,10 @@ BAD = {
     "ZeRO-3 all-reduce at cp 2": ("zero_optimization", {"stage": 3, "reduce_scatter": False},
                                   ["zero_optimization.reduce_scatter = false", "cp = 2", "allowed: true"]),
     "ZeRO key": ("zero_optimization.stagee", 1, ["stagee"]),
+    "ZeRO-3 prescale": ("prescale_gradients", True, ["prescale_gradients = true with zero_optimization.stage = 3"]),
+    "ZeRO-3 predivide": ("gradient_predivide_factor", 2.0, ["gradient_predivide_factor = 2.0 with zero_optimization"]),
+    "ZeRO-3 NVMe": ("zero_optimization.offload_param", {"device": "nvme", "nvme_path": "/tmp"},
+                    ["zero_optimization.offload_param.device = 'nvme' needs DeepSpeed's async I/O op"]),
     "infinite timeout": ("megatron_ring.collective_timeout_s", float("inf"),
                          ["megatron_ring.collective_timeout_s = inf", "finite number"]),
     "huge timeout": ("megatron_ring.collective_timeout_s", 1e300,
@@ -117,6 +122,10 @@ def test_bad_config_names_the_field(case: str) -> None:
     world = 3 if case == "heads vs tp" else 4
     if case == "heads vs tp":
         raw["train_batch_size"] = 4  # dp = 1
+    if case.startswith("ZeRO-3 "):
+        raw["zero_optimization"]["stage"] = 3
+    if case == "ZeRO-3 NVMe" and async_io_available():
+        pytest.skip("this DeepSpeed can build its async I/O op: NVMe offload is allowed here")
     with pytest.raises(ConfigError) as err:
         parse(raw, world_size=world)
     for needle in needles:

@@ -21,13 +21,13 @@ were measured on the 4-rank tiny GPT (cp 2 x dp 2, one step's full gradients aga
    path, so the divisor is known: :func:`gradient_divisor_excess` is cp, and the loss of a rank is
    scaled up by it (Note [The loss of a context-parallel rank] in training/loop.py). With
    ``reduce_scatter: false`` a bucket's path depends on parameter sizes, so that combination is
-   refused (:func:`check_zero3_reduce`).
+   refused (:func:`zero3_problems`).
 
 After both, ZeRO-3 trains like ZeRO-0 at cp 2 x dp 2 and tp 2 x cp 2 (tests/integration/test_train_zero3.py).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -39,14 +39,40 @@ def zero_stage(ds_config: dict[str, Any]) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
 
 
-def check_zero3_reduce(ds_config: dict[str, Any], cp: int) -> Optional[str]:
-    """Why ``ds_config`` cannot train at ``cp`` under ZeRO-3 (see the Note), or None when it can."""
-    zero = ds_config.get("zero_optimization") or {}
-    if zero_stage(ds_config) != 3 or cp == 1 or zero.get("reduce_scatter", True):
-        return None
-    return (f"zero_optimization.reduce_scatter = false with stage 3 and cp = {cp}: ZeRO-3 then divides a "
-            "gradient bucket by dp or by dp * cp depending on its size, so the gradient over the "
-            "context-parallel ranks is not known; allowed: true (the default)")
+def zero3_problems(ds_config: dict[str, Any], cp: int) -> list[str]:
+    """Why ``ds_config`` cannot train at ``cp`` under ZeRO-3, each naming the key (none: [] ): the
+    all-reduce path at cp > 1 (see the Note), and what DeepSpeed's stage 3 asserts only once the engine is
+    built: ``prescale_gradients``, a ``gradient_predivide_factor`` other than 1, NVMe offload without the
+    async I/O op."""
+    if zero_stage(ds_config) != 3:
+        return []
+    zero, found = ds_config.get("zero_optimization") or {}, []
+    if cp > 1 and not zero.get("reduce_scatter", True):
+        found.append(f"zero_optimization.reduce_scatter = false with stage 3 and cp = {cp}: ZeRO-3 then divides a "
+                     "gradient bucket by dp or by dp * cp depending on its size, so the gradient over the "
+                     "context-parallel ranks is not known; allowed: true (the default)")
+    if ds_config.get("prescale_gradients"):
+        found.append("prescale_gradients = true with zero_optimization.stage = 3: DeepSpeed's stage 3 does not "
+                     "support it (its engine would assert at start); allowed: false")
+    factor = ds_config.get("gradient_predivide_factor", 1.0)
+    if factor != 1.0:
+        found.append(f"gradient_predivide_factor = {factor} with zero_optimization.stage = 3: DeepSpeed's stage 3 "
+                     "does not support it (its engine would assert at start); allowed: 1.0")
+    nvme = [f"zero_optimization.{key}.device" for key in ("offload_param", "offload_optimizer")
+            if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme"]
+    if nvme and not async_io_available():
+        found.append(f"{' and '.join(nvme)} = 'nvme' needs DeepSpeed's async I/O op (libaio), which this "
+                     "installation cannot build; allowed: 'cpu' or 'none'")
+    return found
+
+
+def async_io_available() -> bool:
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        return bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception:  # an op builder that cannot even be asked cannot build either
+        return False
 
 
 def partition_over_dp_cp(model: torch.nn.Module, mpu: DeepSpeedMPU, ds_config: dict[str, Any]) -> None:
