@@ -100,6 +100,7 @@ def transformers_config(section: TransformersModelSection, base_dir: Path, layou
         config = _from_arguments(section.config or {})
     else:
         config = _with_overrides(_from_checkpoint(source, section.checkpoint or ""), section.config or {})
+        causal_problem(config.model_type, bool(getattr(config, "is_decoder", False)))
     if data_kind == "text" and config.vocab_size < MIN_VOCAB:
         problems.append(f"{FIELD} vocab_size = {config.vocab_size}: the byte-level tokenizer of data.kind = 'text' "
                         f"needs at least {MIN_VOCAB} ids (ASCII + end of document)")
@@ -137,6 +138,7 @@ def _from_arguments(arguments: dict[str, Any]) -> Any:
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ConfigError(f"{FIELD}.config.model_type = {model_type!r}: not a transformers model type{hint}; "
                           "allowed: a key of transformers.CONFIG_MAPPING, e.g. 'llama', 'qwen2', 'mistral'")
+    causal_problem(model_type, arguments.get("is_decoder", False))
     config_class = CONFIG_MAPPING[model_type]
     known = set(config_class().to_dict())
     unknown = [key for key in arguments if key not in known]
@@ -145,8 +147,25 @@ def _from_arguments(arguments: dict[str, Any]) -> Any:
                             for key in unknown))
     try:
         return config_class(**{k: v for k, v in arguments.items() if k != "model_type"})
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"{FIELD}.config: {config_class.__name__} rejects it: {err}") from None
+    except Exception as err:  # transformers' validators raise their own classes (strict dataclass errors)
+        raise ConfigError(f"{FIELD}.config: {config_class.__name__} rejects it: {str(err).strip()}") from None
+
+
+def causal_problem(model_type: str, is_decoder: bool) -> None:
+    """ConfigError unless ``model_type`` has a causal-LM class (an encoder family, one with a masked-LM head
+    such as bert, only with ``is_decoder: true``: else its attention looks both ways and the next-token
+    loss sees the answer)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"{FIELD}.config.model_type = {model_type!r}: transformers has no causal LM of this type "
+                          "(an encoder-decoder or encoder-only model); allowed: a causal LM such as 'llama', "
+                          "'qwen2', 'mistral', 'gpt2'")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not is_decoder:
+        raise ConfigError(f"{FIELD}.config.model_type = {model_type!r} is an encoder: without is_decoder = true its "
+                          "attention sees later tokens and the next-token loss is meaningless; allowed: "
+                          "is_decoder: true, or a decoder-only model")
 
 
 def _from_checkpoint(source: CheckpointSource, given: str) -> Any:

@@ -316,6 +316,12 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
             problems.add(f"{SECTION}.transformers trains under engine 'deepspeed' only; {SECTION}.engine = "
                          "'megatron' trains a configs/megatron model")
         hf_config = problems.run(transformers_config, train.transformers, base_dir, layout, train.data.kind)
+        positions = getattr(hf_config, "max_position_embeddings", None)
+        if isinstance(positions, int) and train.seq_len > positions:
+            problems.add(f"{SECTION}.seq_len = {train.seq_len}: more than the transformers model's "
+                         f"max_position_embeddings = {positions} (its position table would be indexed past the "
+                         f"end); allowed: seq_len <= {positions}, or raise max_position_embeddings in "
+                         f"{SECTION}.transformers.config")
     else:
         from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
 

@@ -68,6 +68,13 @@ BAD = {
     "attention": (with_model(attention="flash"), ["transformers.attention", "'flash'", "'ring'"]),
     "sdpa at cp 2": (with_model(attention="sdpa"), ["attention = 'sdpa' with layout.cp = 2", "allowed: 'ring'"]),
     "small vocabulary": (with_model_config(vocab_size=64), ["vocab_size = 64", "at least 128"]),
+    "not a causal LM": (with_model(config={"model_type": "t5"}), ["model_type = 't5': transformers has no causal LM"]),
+    "an encoder": (with_model(config={"model_type": "bert"}), ["model_type = 'bert' is an encoder",
+                                                                "is_decoder: true"]),
+    "heads vs hidden": (with_model_config(num_attention_heads=5), ["LlamaConfig rejects it",
+                                                                    "not a multiple of the number of attention heads"]),
+    "positions": (with_model_config(max_position_embeddings=64), ["megatron_ring.seq_len = 128: more than the "
+                                                                  "transformers model's max_position_embeddings = 64"]),
     "attention dropout": (with_model_config(attention_dropout=0.1), ["attention_dropout = 0.1", "allowed: 0.0"]),
     "tensor parallel": (with_section(layout={"tp": 2, "cp": 2, "dp": 1}), ["layout.tp = 2", "allowed: 1"]),
     "megatron attention": (with_section(attention="ring"), ["megatron_ring.attention = 'ring'",
