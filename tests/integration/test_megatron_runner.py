@@ -89,6 +89,9 @@ def test_check_model_validates_before_building() -> None:
     with pytest.raises(ConfigError, match=r"model.num_attention_heads = 4 is not divisible by parallel.tp = 3"):
         check_model(_model("local", ParallelLayout(tp=3)), ParallelLayout(tp=3), batch=1, prompt_len=8, new_tokens=2,
                     dtype="fp32")
+    with pytest.raises(ConfigError, match=r"model.dilation = \[\[16, 2\]\]: the runner's decode attends to every"):
+        check_model(_model("ring", layout, dilation=[[16, 2]]), layout, batch=1, prompt_len=32, new_tokens=2,
+                    dtype="fp32")
     with pytest.raises(ConfigError) as err:  # every problem at once, the dtype included
         check_model(_model("ring", layout), ParallelLayout(cp=4), batch=2, prompt_len=48, new_tokens=20, dtype="bf16")
     for needle in ("(3 problems)", "parallel.cp = 2 but megatron_ring.layout.cp = 4", "exceeds model.seq_length",

@@ -101,6 +101,10 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
                      f"{total} exceeds model.seq_length = {cfg.model.seq_length}")
     if dtype is not None:
         problems.run(cfg.check_dtype, dtype, source="DeepSpeed's dtype")
+    if cfg.model.dilation is not None:
+        problems.add(f"model.dilation = {cfg.model.dilation}: the runner's decode attends to every cached token, "
+                     "so a dilated model would be served another attention than it was trained with; allowed: no "
+                     "dilation here (dilated attention runs in training and in the core's prefill)")
     problems.raise_if_any()
     m = cfg.model
     qkv = m.hidden_size * (m.num_attention_heads + 2 * m.query_groups) * m.kv_channels
