@@ -18,6 +18,7 @@ the ranks, as the marker itself already assumes.
 from __future__ import annotations
 
 import errno
+import json
 import hashlib
 import os
 from pathlib import Path
@@ -189,8 +190,27 @@ def load_checkpoint(engine: Any, ckpt_dir: Path, tag: str) -> dict[str, Any]:
     return client
 
 
+def optimizer_settings(spec: "TrainSpec") -> dict[str, Any]:
+    """What a resumed run takes from its checkpoint rather than from its config (the optimizer's and the
+    schedule's settings), keyed by the config field that sets each: saved with every checkpoint and compared
+    on resume (:func:`check_resume`)."""
+    if spec.train.engine == "megatron":
+        section = spec.train.megatron
+        return {f"{SECTION}.megatron.optimizer": section.optimizer.model_dump(mode="json"),
+                f"{SECTION}.megatron.scheduler": section.scheduler.model_dump(mode="json")}
+    return {key: spec.deepspeed.get(key) for key in ("optimizer", "scheduler", "gradient_clipping")}
+
+
 def check_resume(client: dict[str, Any], data: "TrainData", spec: "TrainSpec", where: Path) -> None:
-    """ConfigError unless the checkpoint's data position means the same samples in this run."""
+    """ConfigError unless the checkpoint's data position means the same samples in this run, and its optimizer
+    and schedule settings are the config's (a resumed engine keeps the saved ones: a change would be ignored)."""
+    saved, now = client.get("settings"), optimizer_settings(spec)
+    if saved is not None and saved != json.loads(json.dumps(now)):
+        changed = [f"{key}: {saved.get(key)!r} in the checkpoint, {now.get(key)!r} now" for key in now
+                   if saved.get(key) != json.loads(json.dumps(now.get(key)))]
+        raise ConfigError(f"checkpoint {str(where)!r} was trained with other optimizer settings; resuming keeps the "
+                          "checkpoint's optimizer and schedule state, so the change would be ignored: "
+                          + "; ".join(changed) + ". Set them back, or start a new checkpoint.dir (resume: false)")
     if client.get("consumed_samples") != client["step"] * spec.global_batch:
         raise ConfigError(
             f"checkpoint {str(where)!r} consumed {client.get('consumed_samples')} samples in {client['step']} steps, "

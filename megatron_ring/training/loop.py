@@ -62,7 +62,8 @@ from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_co
 from megatron_ring.integrations.deepspeed.zero3 import gradient_divisor_excess, partition_over_dp_cp
 from megatron_ring.parallel.groups import ParallelGroups, leave_distributed
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
-                                                load_checkpoint, read_marker, save_checkpoint, verify_checkpoint)
+                                                load_checkpoint, optimizer_settings, read_marker, save_checkpoint,
+                                                verify_checkpoint)
 from megatron_ring.training.data import Batch, DocumentRows, TrainData, build_samples, corpus_files, masked_loss
 from megatron_ring.training.schema import DOCUMENT_KINDS, SECTION, TrainSpec, load_train_spec
 
@@ -348,7 +349,8 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
                 log.write({"event": "checkpoint_skipped", "step": step + 1, "reason": f"loss is {loss}"})
             elif ckpt_dir is not None and due:
                 state = {"step": step + 1, "consumed_samples": (step + 1) * spec.global_batch,
-                         "layout": spec.layout.sizes(), "data": data.fingerprint(), **model_record(spec)}
+                         "layout": spec.layout.sizes(), "data": data.fingerprint(),
+                         "settings": optimizer_settings(spec), **model_record(spec)}
                 tag = save_checkpoint(engine, ckpt_dir, step + 1, state)
                 log.write({"event": "checkpoint", "step": step + 1, "tag": tag})
     finally:

@@ -17,7 +17,7 @@ from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.parallel.groups import ParallelGroups  # noqa: E402
 from megatron_ring.parallel.layout import ParallelLayout  # noqa: E402
 from megatron_ring.training.data import ByteTokenizer, PackedSequences, TrainData  # noqa: E402
-from megatron_ring.training.checkpoint import COMPLETE, check_resume, latest_checkpoint  # noqa: E402
+from megatron_ring.training.checkpoint import COMPLETE, check_resume, latest_checkpoint, optimizer_settings  # noqa: E402
 from megatron_ring.training.loop import EXIT_CONFIG, train_main  # noqa: E402
 from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU  # noqa: E402
 from megatron_ring.integrations.deepspeed.zero3 import async_io_available  # noqa: E402
@@ -210,6 +210,20 @@ def test_resume_refuses_other_data_or_batch(tmp_path: Path) -> None:
     changed = TrainData(PackedSequences(torch.arange(2001) % 100, seq_len=128), **kw)
     with pytest.raises(ConfigError, match="same corpus"):
         check_resume(client, changed, spec, tmp_path)
+
+
+def test_resume_refuses_changed_optimizer_settings_by_name(tmp_path: Path) -> None:
+    """A resumed engine keeps the checkpoint's optimizer and schedule: a changed lr is refused, never ignored."""
+    spec = parse(good())
+    data = TrainData(PackedSequences(torch.arange(2000) % 100, seq_len=128), micro_batch=2, grad_accum=2, dp=2,
+                     dp_rank=0, cp=2, cp_rank=0, shuffle=True, seed=1)
+    client = {"step": 3, "consumed_samples": 3 * spec.global_batch, "data": data.fingerprint(),
+              "settings": json.loads(json.dumps(optimizer_settings(spec)))}
+    check_resume(client, data, spec, tmp_path)
+    faster = parse(changed(good(), "optimizer.params.lr", 0.01))
+    with pytest.raises(ConfigError, match=r"other optimizer settings.*optimizer: .*'lr': 0.003.* in the checkpoint, "
+                                          r".*'lr': 0.01.* now.*Set them back"):
+        check_resume(client, data, faster, tmp_path)
 
 
 def test_every_problem_is_reported_at_once() -> None:
