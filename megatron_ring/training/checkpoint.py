@@ -178,11 +178,29 @@ def verify_checkpoint(marker: dict[str, Any], tag_dir: Path) -> None:
                               + f". Delete {str(tag_dir)!r} to resume from an earlier step")
 
 
+ENGINES = ("deepspeed", "megatron")
+"""The training engines a checkpoint can come from."""
+
+
+def checkpoint_engine(marker: dict[str, Any], tag_dir: Path) -> str:
+    """``deepspeed`` or ``megatron``: the marker's ``engine``, else told by DeepSpeed's files."""
+    engine = marker.get("engine")
+    if engine is None:
+        engine = "deepspeed" if any(tag_dir.glob("*model_states.pt")) else "megatron"
+    if engine not in ENGINES:
+        raise ValueError(f"checkpoint {str(tag_dir)!r}: engine = {engine!r} in {COMPLETE}; allowed: {ENGINES}")
+    return engine
+
+
 def load_checkpoint(engine: Any, ckpt_dir: Path, tag: str) -> dict[str, Any]:
-    """``engine.load_checkpoint`` of ``tag``; a failure is a CheckpointError naming the directory."""
+    """``engine.load_checkpoint`` of ``tag``; any failure (a file the loader cannot read or unpickle, a model of
+    another size: Megatron's CheckpointingException, DeepSpeed's assertions) is a CheckpointError naming the
+    directory and the cause."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     try:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    except (OSError, RuntimeError, KeyError, EOFError, ValueError) as err:
+    except (Exception, CheckpointException) as err:  # the loaders raise many types; each becomes one named refusal
         raise CheckpointError(f"checkpoint {str(ckpt_dir / tag)!r} cannot be loaded: {type(err).__name__}: "
                               f"{str(err)[:300]}") from err
     if client is None:

@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_ring.training.checkpoint import COMPLETE, CheckpointError, latest_checkpoint, read_marker
+from megatron_ring.training.checkpoint import (COMPLETE, CheckpointError, checkpoint_engine, latest_checkpoint,
+                                                read_marker)
 
-ENGINES = ("deepspeed", "megatron")
 
 
 def find_tag(checkpoint: Path) -> tuple[Path, str]:
@@ -54,16 +54,6 @@ def find_tag(checkpoint: Path) -> tuple[Path, str]:
                          "give a complete step")
     raise ValueError(f"CHECKPOINT = {str(checkpoint)!r} is not a training checkpoint (no step folder with "
                      f"{COMPLETE}); give a training checkpoint.dir or one of its step folders")
-
-
-def checkpoint_engine(marker: dict[str, Any], tag_dir: Path) -> str:
-    """``deepspeed`` or ``megatron``: the marker's ``engine``, else told by DeepSpeed's files."""
-    engine = marker.get("engine")
-    if engine is None:
-        engine = "deepspeed" if any(tag_dir.glob("*model_states.pt")) else "megatron"
-    if engine not in ENGINES:
-        raise ValueError(f"checkpoint {str(tag_dir)!r}: engine = {engine!r} in {COMPLETE}; allowed: {ENGINES}")
-    return engine
 
 
 def check_out_dir(out_dir: Path) -> None:

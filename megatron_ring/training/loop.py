@@ -61,9 +61,9 @@ from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
 from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
 from megatron_ring.integrations.deepspeed.zero3 import gradient_divisor_excess, partition_over_dp_cp
 from megatron_ring.parallel.groups import ParallelGroups, leave_distributed
-from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, latest_checkpoint,
-                                                load_checkpoint, optimizer_settings, read_marker, save_checkpoint,
-                                                verify_checkpoint)
+from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, checkpoint_engine,
+                                                latest_checkpoint, load_checkpoint, optimizer_settings, read_marker,
+                                                save_checkpoint, verify_checkpoint)
 from megatron_ring.training.data import Batch, DocumentRows, TrainData, build_samples, corpus_files, masked_loss
 from megatron_ring.training.schema import DOCUMENT_KINDS, SECTION, TrainSpec, load_train_spec
 
@@ -295,16 +295,11 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
             for name in held_checkpoints(ckpt_dir):
                 shutil.rmtree(ckpt_dir / name)
         dist.barrier()
-    start, saved_layout = 0, None
-    if ckpt_dir is not None and ck.resume and (tag := latest_checkpoint(ckpt_dir)) is not None:
-        marker = read_marker(ckpt_dir / tag)
-        saved_layout = marker.get("layout")
-        if spec.train.engine == "deepspeed":
-            check_layout(marker, spec.layout.sizes(), ckpt_dir / tag)
-        verify_checkpoint(marker, ckpt_dir / tag)
-        client = load_checkpoint(engine, ckpt_dir, tag)
-        start = int(client["step"])
-        check_resume(client, data, spec, ckpt_dir / tag)
+    try:
+        start, saved_layout = resume(engine, spec, data, ckpt_dir) if ck.resume else (0, None)
+    except BaseException:  # a refused checkpoint: the engine lets go of its groups (a pool worker goes on)
+        engine.destroy()
+        raise
     run = TrainRun(engine=engine, start_step=start)
     rank, world = dist.get_rank(), dist.get_world_size()
     log = StepLog(spec, rank, start)
@@ -356,6 +351,24 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     finally:
         log.close()
     return run
+
+
+def resume(engine: Any, spec: TrainSpec, data: TrainData, ckpt_dir: Optional[Path]) -> tuple[int, Optional[dict]]:
+    """Load the latest complete checkpoint of ``ckpt_dir`` into ``engine`` after every check (engine, layout,
+    digests, data, optimizer settings); ``(its step, its layout)``, or ``(0, None)`` when there is none."""
+    if ckpt_dir is None or (tag := latest_checkpoint(ckpt_dir)) is None:
+        return 0, None
+    marker = read_marker(ckpt_dir / tag)
+    if (saved := checkpoint_engine(marker, ckpt_dir / tag)) != spec.train.engine:
+        raise ConfigError(f"checkpoint {str(ckpt_dir / tag)!r} was saved by engine {saved!r} but "
+                          f"{SECTION}.engine = {spec.train.engine!r}; each engine loads its own checkpoints "
+                          "(megatron-ring export turns either into a transformers checkpoint to start from)")
+    if spec.train.engine == "deepspeed":
+        check_layout(marker, spec.layout.sizes(), ckpt_dir / tag)
+    verify_checkpoint(marker, ckpt_dir / tag)
+    client = load_checkpoint(engine, ckpt_dir, tag)
+    check_resume(client, data, spec, ckpt_dir / tag)
+    return int(client["step"]), marker.get("layout")
 
 
 def model_record(spec: TrainSpec) -> dict[str, Any]:

@@ -165,3 +165,23 @@ def test_deepspeed_engine_refuses_pipeline_and_megatron_section() -> None:
         parse_train_spec(raw, world_size=4, base_dir=ROOT)
     assert "layout.pp = 2: engine 'deepspeed' trains one pipeline stage" in str(err.value)
     assert "megatron_ring.megatron configures engine 'megatron' only" in str(err.value)
+
+
+def test_a_checkpoint_of_another_model_or_engine_is_refused_naming_the_folder(gloo_pool: Any, tmp_path: Path) -> None:
+    """A Megatron-engine checkpoint resumed with a model of another size (Megatron's CheckpointingException) or
+    by DeepSpeed's engine: one refusal on every rank naming the folder, not a library traceback."""
+    from tests.integration.test_train_equivalence import config as deepspeed_config
+
+    pool, ckpt = gloo_pool(4), {"dir": str(tmp_path / "ckpt")}
+
+    def outcome(raw: dict[str, Any]) -> str:
+        found = {r.get("error", "") for r in pool.run(train_workers.run_or_refuse, raw, str(ROOT), timeout_s=300)}
+        assert len(found) == 1, f"ranks disagree: {found}"
+        return found.pop()
+
+    assert outcome(config({"cp": 2, "dp": 2}, 1, checkpoint=ckpt)) == ""
+    bigger = outcome(config({"cp": 2, "dp": 2}, 2, model="tiny_ring_4layers.yaml", checkpoint=ckpt))
+    assert bigger.startswith("CheckpointError") and str(tmp_path / "ckpt" / "step00000001") in bigger, bigger
+    other = outcome(deepspeed_config("cp2-dp2", 0, checkpoint=ckpt))
+    assert other.startswith("ConfigError") and "saved by engine 'megatron'" in other and \
+        "megatron_ring.engine = 'deepspeed'" in other, other

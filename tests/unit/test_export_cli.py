@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from megatron_ring.cli import main
-from megatron_ring.training.export import checkpoint_engine, export_checkpoint
+from megatron_ring.training.checkpoint import checkpoint_engine
+from megatron_ring.training.export import export_checkpoint
 
 
 def complete_step(root: Path, step: int, **marker: Any) -> Path:
