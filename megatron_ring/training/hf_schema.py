@@ -171,7 +171,8 @@ def causal_problem(model_type: str, is_decoder: bool) -> None:
 def _from_checkpoint(source: CheckpointSource, given: str) -> Any:
     """The config of a pretrained checkpoint (weights unread; a GGUF file's metadata when not yet converted);
     ``given``: the ``checkpoint`` value as the config file writes it."""
-    from megatron_ring.integrations.hf.checkpoint import gguf_location, load_config, resolve_checkpoint
+    from megatron_ring.integrations.hf.checkpoint import (gguf_location, load_config, resolve_checkpoint,
+                                                          weights_problem)
 
     try:
         path = resolve_checkpoint(source.checkpoint)
@@ -190,6 +191,8 @@ def _from_checkpoint(source: CheckpointSource, given: str) -> Any:
         raise ConfigError(f"{FIELD}.checkpoint = {given!r} is not a checkpoint folder (no config.json"
                           + (f"; GGUF files there: {present}, name one as gguf_file" if present else "")
                           + "); allowed: a folder saved by save_pretrained, a .gguf file, or package:<module>")
+    if source.gguf_file is None and (problem := weights_problem(path, f"{FIELD}.checkpoint")) is not None:
+        raise ConfigError(problem)
     try:
         return load_config(path, source.gguf_file, Path(source.cache_dir) if source.cache_dir else None)
     except (OSError, ValueError) as err:

@@ -102,6 +102,9 @@ def test_local_checkpoint_is_loaded(tmp_path: Path) -> None:
     raw = with_model(config=None, checkpoint=str(tmp_path))
     loaded = parse_train_spec(raw, world_size=4, base_dir=SHIPPED.parent)
     assert loaded.transformers.hidden_size == spec.transformers.hidden_size
+    (tmp_path / "model.safetensors").unlink()  # config.json left alone: refused before start, not at load
+    with pytest.raises(ConfigError, match="transformers.checkpoint = .* holds config.json but no weights"):
+        parse_train_spec(raw, world_size=4, base_dir=SHIPPED.parent)
 
 
 def test_pretrained_config_fields_are_overridden(tmp_path: Path) -> None:

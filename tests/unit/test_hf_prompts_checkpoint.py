@@ -100,6 +100,9 @@ def test_checkpoint_locations(tmp_path):
 def test_check_model_refuses_pp_and_long_workloads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 64}))
     model = {"checkpoint": str(tmp_path)}
+    with pytest.raises(ConfigError, match="holds config.json but no weights"):
+        check_model(model, ParallelLayout(cp=2), batch=1, prompt_len=32, new_tokens=8, dtype="fp32")
+    (tmp_path / "model.safetensors").write_bytes(b"")
     summary = check_model(model, ParallelLayout(cp=2), batch=1, prompt_len=32, new_tokens=8, dtype="fp32")
     assert summary["model_type"] == "llama"
     with pytest.raises(ConfigError) as err:
@@ -112,6 +115,7 @@ def test_check_model_refuses_pp_and_long_workloads(tmp_path):
 def test_check_model_reads_heads_from_a_directory_and_refuses_too_many_tp_ranks(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_attention_heads": 9,
                                                       "num_key_value_heads": 3}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
     model = {"checkpoint": str(tmp_path)}
     check_model(model, ParallelLayout(tp=3), batch=1, prompt_len=8, new_tokens=2, dtype="fp32")
     with pytest.raises(ConfigError, match="layout.tp = 4: more TP ranks than the checkpoint's num_key_value_heads = 3"):

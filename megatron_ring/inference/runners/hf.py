@@ -35,7 +35,7 @@ from megatron_ring.inference.runners.protocol import block_kernel_name
 from megatron_ring.integrations.deepspeed.autotp import init_autotp
 from megatron_ring.integrations.hf.attention import register
 from megatron_ring.integrations.hf.cache import RingCache
-from megatron_ring.integrations.hf.checkpoint import load_config
+from megatron_ring.integrations.hf.checkpoint import load_config, weights_problem
 from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
 from megatron_ring.integrations.hf.peer_errors import telling_peers
@@ -91,6 +91,8 @@ def checkpoint_config(cfg: CheckpointSource, located: tuple[Path, Any]) -> Optio
         if not config_file.is_file():
             raise ConfigError(f"checkpoint = {cfg.checkpoint!r}: {str(config_file)!r} does not exist; a checkpoint "
                               "directory holds transformers' config.json, weights and tokenizer", where=WHERE)
+        if (problem := weights_problem(located[0], "checkpoint")) is not None:
+            raise ConfigError(problem, where=WHERE)
         return json.loads(config_file.read_text())
     try:
         config = load_config(located[0], cfg.gguf_file, Path(cfg.cache_dir) if cfg.cache_dir else None)

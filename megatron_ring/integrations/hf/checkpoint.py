@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -127,6 +127,19 @@ def local_dir_once(path: Path, gguf_file: str | None = None, cache_dir: Path | N
             prepare_gguf(*location, cache_dir)
         dist.barrier()
     return prepare_gguf(*location, cache_dir)
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+"""Files a transformers checkpoint directory keeps its weights in."""
+
+
+def weights_problem(path: Path, field: str) -> Optional[str]:
+    """Why the checkpoint directory ``path`` cannot be loaded although it has a ``config.json`` (no weight
+    file), naming ``field``; None when it has weights (or is not a directory)."""
+    if not path.is_dir() or any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        return None
+    return (f"{field} = {str(path)!r} holds config.json but no weights ({', '.join(WEIGHT_PATTERNS[:3])} ...); "
+            "allowed: a folder written by save_pretrained (config, weights, tokenizer)")
 
 
 def load_config(path: Path, gguf_file: str | None = None, cache_dir: Path | None = None) -> Any:
