@@ -121,13 +121,7 @@ class MegatronTrainer:
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            iterators: list[Iterator[Batch]] = [iter(batches) for _ in self.model]
-            sums = self._forward_backward(
-                forward_step_func=self._forward_step,
-                data_iterator=iterators if len(self.model) > 1 else iterators[0],
-                model=self.model if len(self.model) > 1 else self.model[0],
-                num_microbatches=len(batches), seq_length=batches[0].tokens.shape[1] * self.groups.layout.cp,
-                micro_batch_size=self.spec.micro_batch, forward_only=False)
+            sums = self._schedule(batches, forward_only=False)
             updated, _, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
@@ -139,14 +133,8 @@ class MegatronTrainer:
         with cuda_calls_on_cpu():
             for chunk in self.model:
                 chunk.eval()
-            iterators: list[Iterator[Batch]] = [iter(batches) for _ in self.model]
             with torch.no_grad():
-                sums = self._forward_backward(
-                    forward_step_func=self._forward_step,
-                    data_iterator=iterators if len(self.model) > 1 else iterators[0],
-                    model=self.model if len(self.model) > 1 else self.model[0],
-                    num_microbatches=len(batches), seq_length=batches[0].tokens.shape[1] * self.groups.layout.cp,
-                    micro_batch_size=self.spec.micro_batch, forward_only=True)
+                sums = self._schedule(batches, forward_only=True)
             for chunk in self.model:
                 chunk.train()
         return self._reduced_sums(sums)
@@ -217,7 +205,18 @@ class MegatronTrainer:
         RotaryEmbedding.forward.cache_clear()
         self.model, self.optimizer, self.scheduler = [], None, None
 
-    # --- the schedule's callbacks -------------------------------------------------------------
+    # --- the schedule and its callbacks --------------------------------------------------------
+
+    def _schedule(self, batches: Sequence[Batch], *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """Megatron's schedule (no pipelining, 1F1B or interleaved) over this rank's micro-batches; the last
+        stage's loss dicts."""
+        iterators: list[Iterator[Batch]] = [iter(batches) for _ in self.model]
+        return self._forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(batches), seq_length=batches[0].tokens.shape[1] * self.groups.layout.cp,
+            micro_batch_size=self.spec.micro_batch, forward_only=forward_only)
 
     def _forward_step(self, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         """One micro-batch through this chunk: per-token losses ``[micro, s_local]`` on the last stage,
