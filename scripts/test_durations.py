@@ -25,9 +25,15 @@ STORED = ROOT / "tests" / "durations.json"
 
 def xdist_group_dropped(name: str) -> str:
     """A junit test name without the ``@GROUP`` suffix of ``--dist loadgroup`` (Note [Group suffix] in
-    tests/conftest.py): ``test_x[a]@launchers+core`` -> ``test_x[a]``."""
+    tests/conftest.py): ``test_x@launchers+core`` -> ``test_x``; pytest's junit writer puts a
+    parametrized test's ``[a]@launchers+core`` back as ``[a]@launchers+core]`` -> ``[a]``."""
     at = name.rfind("@")
-    return name[:at] if at > name.rfind("]") else name
+    tail = name[at + 1:]
+    if at < 0 or "[" in tail:
+        return name
+    if "]" not in tail or (tail.endswith("]") and tail.count("]") == 1 and name[at - 1:at] == "]"):
+        return name[:at]
+    return name
 
 
 def read_junit(path: Path) -> tuple[dict[str, float], dict[str, float]]:
