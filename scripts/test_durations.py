@@ -23,6 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 STORED = ROOT / "tests" / "durations.json"
 
 
+def xdist_group_dropped(name: str) -> str:
+    """A junit test name without the ``@GROUP`` suffix of ``--dist loadgroup`` (Note [Group suffix] in
+    tests/conftest.py): ``test_x@launchers+core`` -> ``test_x``; pytest's junit writer puts a
+    parametrized test's ``[a]@launchers+core`` back as ``[a]@launchers+core]`` -> ``[a]``."""
+    at = name.rfind("@")
+    tail = name[at + 1:]
+    if at < 0 or "[" in tail:
+        return name
+    if "]" not in tail or (tail.endswith("]") and tail.count("]") == 1 and name[at - 1:at] == "]"):
+        return name[:at]
+    return name
+
+
 def read_junit(path: Path) -> tuple[dict[str, float], dict[str, float]]:
     """(test id -> wall seconds, test id -> CPU seconds) from a pytest junit XML (``classname`` is the
     dotted module path; the CPU seconds are the ``cpu_s`` property tests/conftest.py records)."""
@@ -31,7 +44,8 @@ def read_junit(path: Path) -> tuple[dict[str, float], dict[str, float]]:
     for case in ET.parse(path).getroot().iter("testcase"):
         module, _, cls = case.get("classname", "").partition(".Test")
         file = module.replace(".", "/") + ".py"
-        name = f"{file}::Test{cls}::{case.get('name')}" if cls else f"{file}::{case.get('name')}"
+        test = xdist_group_dropped(case.get("name", ""))
+        name = f"{file}::Test{cls}::{test}" if cls else f"{file}::{test}"
         times[name] = times.get(name, 0.0) + float(case.get("time", 0.0))
         for prop in case.iter("property"):
             if prop.get("name") == "cpu_s":

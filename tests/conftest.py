@@ -115,13 +115,31 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each family's tests together (stable: the order within a family is the usual one); under
     ``-n 2 --dist loadgroup`` (scripts/test.sh) each test file goes to one of two processes (Note
     [Two test processes])."""
     items.sort(key=lambda item: FAMILIES.index(family_of(item)))
+    loadgroup = bool(getattr(config.option, "loadgroup", False))  # set on an xdist worker under --dist loadgroup
     for item, process in processes_of(items).items():
         item.add_marker(pytest.mark.xdist_group(process))
+        if loadgroup and not _grouped(item.nodeid):
+            _set_nodeid(item, f"{item.nodeid}@{process}")  # see Note [Group suffix]
+
+
+def _set_nodeid(item: pytest.Item, nodeid: str) -> None:
+    """Give ``item`` the node id ``nodeid``: pytest 9.2 keeps it as a parsed ``NodeId`` in ``_id``,
+    earlier versions as a string in ``_nodeid`` (where pytest-xdist 3.8 writes it, in vain under 9.2)."""
+    ident = getattr(item, "_id", None)
+    if ident is not None and hasattr(type(ident), "parse"):
+        item._id = type(ident).parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
+def _grouped(nodeid: str) -> bool:
+    """Whether ``nodeid`` already carries pytest-xdist's ``@group`` suffix (its test for it)."""
+    return nodeid.rfind("@") > nodeid.rfind("]")
 
 
 def cpu_seconds() -> float:
@@ -209,6 +227,20 @@ def processes_of(items: list[pytest.Item]) -> dict[pytest.Item, str]:
 # per test: 551 s in that process, 324 s in the other). A file stays in one process, so its
 # module-scoped fixtures (a shared launch, a pool) are made once. Each worker keeps its own pools
 # and leak records and hands them to the controller, which reports them and fails the run on a leak.
+#
+# Note [Group suffix]
+# ~~~~~~~~~~~~~~~~~~~
+# Under --dist loadgroup the controller sends all tests whose node id ends in the same ``@GROUP`` to
+# one worker; pytest-xdist's worker appends that suffix in its own pytest_collection_modifyitems to
+# tests marked ``xdist_group``. That did not happen here, for two reasons: xdist's hook is an
+# ordinary one and runs before ours (``trylast``: after ``-m`` and ``-k`` have deselected, so that
+# the split weighs only the selected tests), so it never saw our markers; and it writes
+# ``item._nodeid``, which pytest 9.2 no longer reads (the id is a parsed ``NodeId`` in ``item._id``).
+# Until 2026-11-27 no test had a suffix: xdist sent single tests to whichever worker was free, each
+# file was split over both processes, and each process went back and forth between the two pool
+# families, starting pools again and again (a frameworks rank pays about 6 s of imports). So we
+# append the suffix ourselves (:func:`_set_nodeid`); test ids and junit names carry it under
+# scripts/test.sh, and scripts/test_durations.py drops it.
 
 
 _POOLS = Pools()
