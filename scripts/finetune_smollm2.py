@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_ring.runtime.pool import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "deepspeed"
 TRAIN_CONFIG = CONFIGS / "finetune_hf_smollm2_cp2.json"
@@ -51,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
     parser.add_argument("--train", type=int, default=None, help="training lines (default: steps x global batch)")
     parser.add_argument("--held-out", type=int, default=None, help="held-out lines (default 4)")
+    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
+                        help="what starts the training and the answer runs (default: the deepspeed launcher)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per answer (default: the answer configs')")
     return parser.parse_args()
 
@@ -182,19 +186,23 @@ def main() -> int:
     seconds = {"data": run("needle-data", [*cli, "needle-data", "data/corpus", "--out", str(data), "--seq-len", str(seq_len),
                                           "--train", str(args.train or steps * batch), "--held-out", str(args.held_out),
                                           *tokenizer], logs)}
-    seconds["answers_before"] = run("compare-before", [*cli, "compare", "--out-dir", str(args.out / "answers"),
-                                               *map(str, answer_configs(args, "before", model, data, seq_len))], logs)
+    seconds["answers_before"] = run("compare-before", [*cli, "compare", "--launcher", args.launcher, "--out-dir",
+                                                     str(args.out / "answers"),
+                                                     *map(str, answer_configs(args, "before", model, data, seq_len))], logs)
     nproc = ring["layout"].get("cp", 1) * ring["layout"].get("dp", 1) * ring["layout"].get("tp", 1)
-    seconds["train"] = run("train", [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc),
-                                     "launch/train.py", "--deepspeed_config", str(config_path)], logs)
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc)] \
+        if args.launcher == "deepspeed" else [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node",
+                                              str(nproc), "--master_port", str(free_port())]
+    seconds["train"] = run("train", [*launcher, "launch/train.py", "--deepspeed_config", str(config_path)], logs)
     seconds["export"] = run("export", [*cli, "export", str(args.out / "checkpoints"), str(args.out / "export")], logs)
     tuned = {"checkpoint": str(args.out / "export")}
-    seconds["answers_after"] = run("compare-after", [*cli, "compare", "--out-dir", str(args.out / "answers"),
-                                               *map(str, answer_configs(args, "after", tuned, data, seq_len))], logs)
+    seconds["answers_after"] = run("compare-after", [*cli, "compare", "--launcher", args.launcher, "--out-dir",
+                                                     str(args.out / "answers"),
+                                                     *map(str, answer_configs(args, "after", tuned, data, seq_len))], logs)
     step_records, evals = read_log(args.out / "train.jsonl")
     report = {
         "command": " ".join(["python", "scripts/finetune_smollm2.py", *sys.argv[1:]]),
-        "model": model, "seq_len": seq_len, "steps": steps, "global_batch": batch, "layout": ring["layout"],
+        "model": model, "launcher": args.launcher, "seq_len": seq_len, "steps": steps, "global_batch": batch, "layout": ring["layout"],
         "held_out_loss": {"before": evals[0]["eval_loss"], "after": evals[-1]["eval_loss"],
                           "tokens": evals[0]["eval_tokens"]},
         "training_loss": [r["loss"] for r in step_records],
