@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_ring.config import output_problem
+from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.runtime.args import int_at_least, positive_int, usage_error
 from megatron_ring.runtime.job import Interrupted, interruptible
 from megatron_ring.runtime.reporting import write_json_atomic
@@ -76,13 +77,18 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
     problem = output_problem({"--out": (args.out, False)})
     if problem is not None:
         return usage_error(parser.prog, problem)
-    try:
+    setups = [(f"ring cp {p}", 1, p) for p in args.cp] + [(f"AutoTP tp {n}", n, 1) for n in args.tp]
+    try:  # each setup checked as the hf runner checks it (checkpoint, positions, tp vs heads) before any rank
+        from megatron_ring.inference.runners.hf import check_model
+
+        for _, tp, cp in setups:
+            check_model(model, ParallelLayout(tp=tp, cp=cp), batch=1, prompt_len=args.tokens, new_tokens=1,
+                        dtype="fp32")
         ids, length = document_ids(model, document, args.tokens)
-    except ValueError as err:
+    except ValueError as err:  # ConfigError included
         return usage_error(parser.prog, err)
     from megatron_ring.runtime.pool import run_gloo
 
-    setups = [(f"ring cp {p}", 1, p) for p in args.cp] + [(f"AutoTP tp {n}", n, 1) for n in args.tp]
     rows = []
     try:
         with interruptible():

@@ -90,14 +90,14 @@ def checkpoint_config(cfg: CheckpointSource, located: tuple[Path, Any]) -> Optio
         config_file = located[0] / "config.json"
         if not config_file.is_file():
             raise ConfigError(f"checkpoint = {cfg.checkpoint!r}: {str(config_file)!r} does not exist; a checkpoint "
-                              "directory holds transformers' config.json, weights and tokenizer", where=WHERE)
+                              "directory holds transformers' config.json, weights and tokenizer")
         if (problem := weights_problem(located[0], "checkpoint")) is not None:
-            raise ConfigError(problem, where=WHERE)
+            raise ConfigError(problem)
         return json.loads(config_file.read_text())
     try:
         config = load_config(located[0], cfg.gguf_file, Path(cfg.cache_dir) if cfg.cache_dir else None)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"checkpoint = {cfg.checkpoint!r}: its config cannot be read ({err})", where=WHERE) from None
+        raise ConfigError(f"checkpoint = {cfg.checkpoint!r}: its config cannot be read ({err})") from None
     return config.get_text_config().to_dict()
 
 
