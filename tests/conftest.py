@@ -188,9 +188,10 @@ def processes_of(items: list[pytest.Item]) -> dict[pytest.Item, str]:
     """Which of the two test processes runs each item (Note [Two test processes]): the launcher
     tests in one, the frameworks family's and the unit tests in the other, the core family's pool
     test files shared out, the costliest first, to the process with less so far; a test's cost is its
-    stored CPU seconds (tests/durations.json, its wall time where it has none)."""
+    stored wall seconds (tests/durations.json): a process runs its tests one after the other, so the
+    sum of their wall times is when it finishes."""
     stored = json.loads(STORED_DURATIONS.read_text()) if STORED_DURATIONS.exists() else {}
-    weights = stored.get("cpu") or stored.get("tests", {})
+    weights = stored.get("tests", {})
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
@@ -222,7 +223,9 @@ def processes_of(items: list[pytest.Item]) -> dict[pytest.Item, str]:
 # scripts/test.sh runs two pytest-xdist workers with --dist loadgroup: one runs the tests marked
 # ``launcher``, the other the frameworks family and the unit tests (so that only one process pays
 # the frameworks' pool start-up), and the core family's pool test files go to either, so that the
-# two have about the same stored time (tests/durations.json). Launcher tests beside every core pool
+# two have about the same stored wall time (tests/durations.json; the sum of a process's wall times
+# is when it finishes: balanced by CPU seconds instead, the launcher process, whose tests wait more
+# than they compute, finished about 100 s after the other). Launcher tests beside every core pool
 # test left the second process idle for the last two minutes of the run (a profile of CPU seconds
 # per test: 551 s in that process, 324 s in the other). A file stays in one process, so its
 # module-scoped fixtures (a shared launch, a pool) are made once. Each worker keeps its own pools
