@@ -20,21 +20,13 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from megatron_ring.runtime.parent_watch import pid_alive
+
 LOCK_FILE = ".megatron_ring.lock"
 
 
 class FolderBusy(ValueError):
     """The folder is owned by another live run (a ValueError: a usage error of the second command)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _take(lock: Path, field: str) -> None:
@@ -48,7 +40,7 @@ def _take(lock: Path, field: str) -> None:
             except (OSError, ValueError):
                 owner = {}
             same_host = owner.get("host") == socket.gethostname()
-            if same_host and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]):
+            if same_host and isinstance(owner.get("pid"), int) and not pid_alive(owner["pid"]):
                 lock.unlink(missing_ok=True)
                 continue
             raise FolderBusy(f"{field} = {str(lock.parent)!r} is in use by another run (pid {owner.get('pid')} on "

@@ -50,7 +50,8 @@ def die_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> bool:
     return done
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's process counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -88,7 +89,7 @@ def watch_parent(name: str = "rank", interval_s: float = INTERVAL_S) -> threadin
     def watch() -> None:
         while True:
             time.sleep(interval_s)
-            gone = [pid for pid in ancestors if not _alive(pid)]
+            gone = [pid for pid in ancestors if not pid_alive(pid)]
             if os.getppid() != parent:
                 gone.insert(0, parent)
             if gone:
