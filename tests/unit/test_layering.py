@@ -132,6 +132,16 @@ def test_inference_and_training_do_not_import_perf() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_only_the_cli_and_launch_import_eval() -> None:
+    """``eval/`` composes inference/ (runners) and datasets/; no other layer of the package imports it."""
+    bad = [f"{path.relative_to(ROOT)} imports {name}" for path in PACKAGE.rglob("*.py")
+           if layer(module_name(path)) not in ("eval", "cli") for name in imports_of(path)
+           if name == "megatron_ring.eval" or name.startswith("megatron_ring.eval.")]
+    bad += [f"{path.relative_to(ROOT)} imports {name}" for path in (PACKAGE / "eval").rglob("*.py")
+            for name in imports_of(path) if name.startswith(("megatron_ring.training", "megatron_ring.perf"))]
+    assert not bad, "eval/ sits beside training/ and perf/, under the CLI only:\n" + "\n".join(bad)
+
+
 def test_inference_and_training_never_import_each_other() -> None:
     """Both directions: inference/ never imports training/, training/ never imports inference/."""
     bad = [f"{path.relative_to(ROOT)} imports {name}"
