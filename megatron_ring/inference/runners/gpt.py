@@ -59,7 +59,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ring.attention.decode import decode_attention
-from megatron_ring.attention.sharding import local_positions, shard_sequence
+from megatron_ring.attention.sharding import local_positions, shard_sequence, unshard_sequence
 from megatron_ring.config import ConfigError, Problems
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
@@ -216,7 +216,10 @@ def draw_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 class MegatronRunner(DeepSpeedPassThrough):
-    """:class:`~megatron_ring.inference.runners.protocol.ModelRunner` of a Megatron-core GPT (Note [Sharded KV cache])."""
+    """:class:`~megatron_ring.inference.runners.protocol.ScoringRunner` of a Megatron-core GPT (Note [Sharded KV
+    cache])."""
+
+    takes_padding = False
 
     def __init__(self, cfg: GPTConfig, groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
                  seed: int, batch: int, prompt_len: int, new_tokens: int,
@@ -259,9 +262,11 @@ class MegatronRunner(DeepSpeedPassThrough):
 
     # -- pieces of GPTModel.forward, with explicit global positions -----------------------------
 
-    def _pipelined(self, ids: torch.Tensor, positions: torch.Tensor, micro_batches: int) -> Optional[torch.Tensor]:
+    def _pipelined(self, ids: torch.Tensor, positions: torch.Tensor, micro_batches: int, *,
+                   every_position: bool = False) -> Optional[torch.Tensor]:
         """:meth:`_stage` over ``micro_batches`` micro-batches of ``ids`` ``[b, s]`` (Note [Pipelined
-        micro-batches]); the last stage returns the final hidden state of the last position ``[1, b, h]``."""
+        micro-batches]); the last stage returns the final hidden state of the last position ``[1, b, h]``
+        (``every_position``: of every position, ``[s, b, h]``)."""
         b = ids.shape[0]
         step = -(-b // micro_batches)
         outs = []
@@ -269,12 +274,13 @@ class MegatronRunner(DeepSpeedPassThrough):
             rows = slice(start, start + step)
             for cache in self.caches:
                 cache.rows, cache.positions = rows, positions
-            outs.append(self._stage(ids[rows], positions))
+            outs.append(self._stage(ids[rows], positions, every_position=every_position))
         return torch.cat(outs, dim=1) if self.last else None
 
-    def _stage(self, ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+    def _stage(self, ids: torch.Tensor, positions: torch.Tensor, *, every_position: bool = False
+               ) -> Optional[torch.Tensor]:
         """This PP stage on ``ids`` ``[b, s]`` at global ``positions`` ``[s]``; the last stage returns
-        the final hidden state of the last position ``[1, b, h]``."""
+        the final hidden state of the last position ``[1, b, h]`` (``every_position``: ``[s, b, h]``)."""
         b, s = ids.shape
         model = self.module
         if self.first:
@@ -288,7 +294,21 @@ class MegatronRunner(DeepSpeedPassThrough):
         if not self.last:
             dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
-        return model.decoder.final_layernorm(hidden[-1:])
+        return model.decoder.final_layernorm(hidden if every_position else hidden[-1:])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Whole-vocabulary fp32 logits ``[s, b, vocab]`` of the last stage's ``hidden`` ``[s, b, h]``
+        (the output layer's TP shards all-gathered)."""
+        model = self.module
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        logits, _ = model.output_layer(hidden, weight=weight)
+        logits = logits.float()
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        if tp_group.size() > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
+            dist.all_gather(parts, logits.contiguous(), group=tp_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits
 
     def _greedy(self, hidden: Optional[torch.Tensor], src_cp_rank: Optional[int], b: int) -> torch.Tensor:
         """Greedy ids ``[b]`` on all ranks from the last stage's ``hidden`` ``[1, b, h]``.
@@ -298,16 +318,7 @@ class MegatronRunner(DeepSpeedPassThrough):
         ps = parallel_state
         ids = torch.empty(b, dtype=torch.int64, device=self.device)
         if self.last:
-            model = self.module
-            weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-            logits, _ = model.output_layer(hidden, weight=weight)
-            logits = logits[-1].float()
-            tp_group = ps.get_tensor_model_parallel_group()
-            if tp_group.size() > 1:
-                parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
-                dist.all_gather(parts, logits.contiguous(), group=tp_group)
-                logits = torch.cat(parts, dim=-1)
-            ids.copy_(logits.argmax(dim=-1))
+            ids.copy_(self._logits(hidden)[-1].argmax(dim=-1))
             if src_cp_rank is not None and self.cp_size > 1:
                 cp_group = ps.get_context_parallel_group()
                 dist.broadcast(ids, src=dist.get_global_rank(cp_group, src_cp_rank), group=cp_group)
@@ -353,6 +364,40 @@ class MegatronRunner(DeepSpeedPassThrough):
         self._step += 1
         # Every CP rank computed the same token, so the ids agree without a CP broadcast.
         return self._greedy(hidden, None, ids.shape[0])
+
+
+    @torch.no_grad()
+    def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+              chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``ScoringRunner.score``. Rows of different lengths come right-padded (Note [Right padding
+        for scores] in protocol.py); the sequence is right-padded here to a multiple of ``2 cp`` too."""
+        refuse_padding("megatron", attention_mask)
+        b, length = ids.shape
+        ids = ids.to(self.device)
+        full = torch.cat([ids, ids[:, -1:].expand(b, -length % (2 * self.cp_size))], dim=1)
+        self.reset()
+        positions = local_positions(full.shape[1], self.cp_rank, self.cp_size, device=self.device)
+        hidden = self._pipelined(shard_sequence(full, self.cp_rank, self.cp_size), positions,
+                                 b if self.groups.layout.pp > 1 else 1, every_position=True)
+        both = torch.empty(b, positions.shape[0], 2, dtype=torch.float32, device=self.device)
+        if self.last:  # hidden [s_local, b, h]; the target of local position i is the token after it
+            targets = full[:, (positions + 1).clamp(max=full.shape[1] - 1)].t()  # [s_local, b]
+            for start in range(0, positions.shape[0], chunk):
+                part = slice(start, start + chunk)
+                logits = self._logits(hidden[part])  # [chunk, b, vocab]
+                logprob = torch.log_softmax(logits, dim=-1).gather(-1, targets[part, :, None])[..., 0]
+                both[:, part] = torch.stack([logprob, (logits.argmax(-1) == targets[part]).float()], -1).transpose(0, 1)
+        ps = parallel_state
+        if ps.get_pipeline_model_parallel_group().size() > 1:
+            dist.broadcast(both, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if self.cp_size > 1:
+            parts = [torch.empty_like(both) for _ in range(self.cp_size)]
+            dist.all_gather(parts, both, group=ps.get_context_parallel_group())
+            both = unshard_sequence(parts, dim=1)
+        self.reset()
+        both = both[:, :length - 1]
+        return both[..., 0], both[..., 1].bool()
 
 
 def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,

@@ -38,6 +38,7 @@ from megatron_ring.integrations.hf.cache import RingCache
 from megatron_ring.integrations.hf.checkpoint import load_config, weights_problem
 from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
+from megatron_ring.integrations.hf.nll import ring_token_scores
 from megatron_ring.integrations.hf.peer_errors import telling_peers
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
@@ -102,10 +103,12 @@ def checkpoint_config(cfg: CheckpointSource, located: tuple[Path, Any]) -> Optio
 
 
 class HFRunner:
-    """:class:`~megatron_ring.inference.runners.protocol.ModelRunner` of a transformers causal LM (module docstring).
+    """:class:`~megatron_ring.inference.runners.protocol.ScoringRunner` of a transformers causal LM (module docstring).
 
     KV cache: one :class:`RingCache` per request, per layer K/V ``[batch, heads_kv / tp, n_local, head_dim]``.
     """
+
+    takes_padding = True
 
     def __init__(self, cfg: CheckpointSource, groups: ParallelGroups, *, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -167,6 +170,15 @@ class HFRunner:
                                      cache=self.cache, use_cache=True).logits
         self.positions = self.positions + 1
         return logits[:, -1].float().argmax(dim=-1)
+
+
+    def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``ScoringRunner.score``: :func:`~megatron_ring.integrations.hf.nll.ring_token_scores` over the CP group."""
+        self.reset()
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        scores = ring_token_scores(self.module, ids.to(self.device), mask, group=self.groups.cp)
+        return scores.logprob, scores.greedy
 
 
 def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,

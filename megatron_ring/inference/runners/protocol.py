@@ -100,6 +100,35 @@ class ModelRunner(Protocol):
         ...
 
 
+@runtime_checkable
+class ScoringRunner(ModelRunner, Protocol):
+    """A :class:`ModelRunner` that also scores given tokens (evaluation: log-likelihoods, loss by position).
+
+    Note [Right padding for scores]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A causal model's prediction at position ``i`` depends on tokens ``<= i`` only, so rows of
+    different lengths can share one ``[batch, seq]`` tensor by padding on the *right* with any token:
+    the scores of a row's own positions are those of the row alone (up to float rounding of the
+    block order), and the caller ignores the tail. No mask, no position shift, and no CP rank
+    whose share of a row is all padding; runners that take masks (:attr:`takes_padding`) also score
+    left-padded rows.
+    """
+
+    takes_padding: bool
+    """Whether :meth:`prefill` and :meth:`score` take an ``attention_mask`` with zeros (left padding)."""
+
+    def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the model thinks of each token of ``ids`` (int64 ``[batch, seq]``, the same on every rank).
+
+        Returns ``(logprob, greedy)``, both ``[batch, seq - 1]`` and the same on every rank: float32
+        ``log p(ids[:, i + 1] | ids[:, :i + 1])`` and bool "``ids[:, i + 1]`` is the argmax there"
+        (ties to the lower id). Drops any KV cache (:meth:`reset`); ``attention_mask`` as in
+        :meth:`prefill` (entries touching padding are 0 / False).
+        """
+        ...
+
+
 class DeepSpeedPassThrough:
     """:meth:`ModelRunner.init_deepspeed` of a runner whose module does its own tensor parallelism
     (Megatron's layers) or none: DeepSpeed converts dtype and placement with ``tp_size = 1``. No

@@ -1,10 +1,13 @@
-"""The negative log-likelihood of a sequence under ring attention: :func:`ring_nll` (perplexity).
+"""What a causal LM thinks of each token of a sequence under ring attention: :func:`ring_token_scores`
+(lm-eval log-likelihoods, loss by position) and its sum :func:`ring_nll` (perplexity).
 
 Every rank of the CP group runs the decoder on its zigzag shard and the output head on its own
 positions only, in chunks, so no rank holds the logits of the whole sequence (``[seq, vocab]`` fp32
-is 0.8 GB for 4k tokens of a 49k vocabulary); the per-rank sums meet in one all-reduce.
+is 0.8 GB for 4k tokens of a 49k vocabulary); only two numbers per position travel (one all-gather).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,42 +15,62 @@ from transformers import PreTrainedModel
 
 from megatron_ring.integrations.hf.attention import check_model
 from megatron_ring.integrations.hf.context import cp_context
-from megatron_ring.integrations.hf.inputs import check_ids, local_columns, local_inputs
+from megatron_ring.integrations.hf.inputs import check_ids, gather_seq, generate_positions, local_columns, local_inputs
 from megatron_ring.integrations.hf.peer_errors import telling_peers
 
 
-@torch.no_grad()
-def ring_nll(model: PreTrainedModel, input_ids: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-             chunk: int = 512) -> tuple[float, int]:
-    """``(sum of -log p(token i+1 | tokens <= i), number of predicted tokens)`` of ``input_ids`` ``[batch, seq]``.
+@dataclass(frozen=True)
+class TokenScores:
+    """Per predicted token of ``[batch, seq]`` ids: position ``i`` predicts token ``i + 1``.
 
-    Call on every rank of ``group`` with the same global ids (no padding; any length: it is
-    left-padded to a multiple of ``2 * cp`` and the padding predicts nothing). The sum is
-    accumulated in float64 and is the same on every rank; perplexity is ``exp(sum / count)``.
+    ``logprob``: float32 ``[batch, seq - 1]``, ``log p(token i+1 | tokens <= i)``; ``greedy``: bool
+    ``[batch, seq - 1]``, whether token ``i + 1`` is the argmax there (ties to the lower id). Entries
+    whose token ``i + 1`` or context is left padding are 0 and False. The same on every rank.
+    """
+
+    logprob: torch.Tensor
+    greedy: torch.Tensor
+
+
+@torch.no_grad()
+def ring_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      *, group: dist.ProcessGroup | None = None, chunk: int = 512) -> TokenScores:
+    """:class:`TokenScores` of ``input_ids`` ``[batch, seq]`` (int64; ``attention_mask`` ``[batch, seq]``: 0 on
+    *left* padding, None: none), the same global tensors on every rank of ``group``.
+
+    Rows may differ in length (left-padded): positions restart at each row's first real token, as in
+    ``generate``, and a rank whose share of a row is all padding computes nothing that counts.
     Models whose head does more than the output embedding (``final_logit_softcapping``) are refused.
     """
     check_model(model)
     config = model.config.get_text_config()
     if getattr(config, "final_logit_softcapping", None) is not None:
         raise ValueError(f"config.final_logit_softcapping={config.final_logit_softcapping} is not supported by "
-                         "ring_nll (it applies the output embedding only); allowed: None")
-    ids, mask = check_ids(input_ids, None)
+                         "ring_token_scores (it applies the output embedding only); allowed: None")
+    ids, mask = check_ids(input_ids, attention_mask)
     seq = ids.shape[1]
-    positions = torch.arange(seq, device=ids.device).expand_as(ids)
     with cp_context(group) as ctx:
-        local, pad = local_inputs(model, ctx, ids, mask, positions)
+        local, pad = local_inputs(model, ctx, ids, mask, generate_positions(mask))
         with telling_peers(ctx, model):
             hidden = model.get_decoder()(**local, use_cache=False).last_hidden_state  # [batch, seq_local, hidden]
         columns = local_columns(ctx, seq + pad, ids.device) - pad  # global index of each local position
-        valid = (columns >= 0) & (columns < seq - 1)
-        targets = ids[:, (columns + 1).clamp(0, seq - 1)]
+        targets = ids[:, (columns + 1).clamp(0, seq - 1)]  # [batch, seq_local]
         head = model.get_output_embeddings()
-        total = torch.zeros((), dtype=torch.float64)
+        logprob = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
+        greedy = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
         for start in range(0, hidden.shape[1], chunk):
             part = slice(start, start + chunk)
-            logp = torch.log_softmax(head(hidden[:, part]).float(), dim=-1)
-            picked = logp.gather(-1, targets[:, part, None])[..., 0]
-            total -= picked[:, valid[part]].double().sum()
-        if ctx.size > 1:
-            dist.all_reduce(total, group=ctx.group)
-    return float(total), ids.shape[0] * (seq - 1)
+            logits = head(hidden[:, part]).float()  # [batch, chunk, vocab]
+            logprob[:, part] = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, part, None])[..., 0]
+            greedy[:, part] = (logits.argmax(dim=-1) == targets[:, part]).float()
+        both = gather_seq(ctx, torch.stack([logprob, greedy], dim=-1))[:, pad:-1]  # [batch, seq - 1, 2]
+    valid = (mask[:, :-1] * mask[:, 1:]).bool()
+    return TokenScores(both[..., 0].masked_fill(~valid, 0.0), both[..., 1].bool() & valid)
+
+
+def ring_nll(model: PreTrainedModel, input_ids: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+             chunk: int = 512) -> tuple[float, int]:
+    """``(sum of -log p(token i+1 | tokens <= i), number of predicted tokens)`` of ``input_ids`` ``[batch, seq]``
+    (no padding; any length), summed in float64: the same on every rank; perplexity is ``exp(sum / count)``."""
+    scores = ring_token_scores(model, input_ids, group=group, chunk=chunk)
+    return -float(scores.logprob.double().sum()), input_ids.shape[0] * (input_ids.shape[1] - 1)
