@@ -26,11 +26,12 @@ def runner_scores(runner: str, model: dict[str, Any], sizes: dict[str, int], ids
 
 
 def alone(path: str, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Single-process transformers (eager, fp32) scores of one unpadded row ``[seq]``: ``[seq - 1]`` each."""
+    """Single-process transformers (eager, fp32) scores of one unpadded row ``[seq]``: log-probabilities
+    ``[seq - 1]`` and greedy tokens ``[seq]``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        logits = model(row[None]).logits[0, :-1].float()
-    logprob = torch.log_softmax(logits, -1).gather(-1, row[1:, None])[:, 0]
-    return logprob, logits.argmax(-1) == row[1:]
+        logits = model(row[None]).logits[0].float()
+    logprob = torch.log_softmax(logits[:-1], -1).gather(-1, row[1:, None])[:, 0]
+    return logprob, logits.argmax(-1)

@@ -46,23 +46,21 @@ def padded(side: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check(checkpoint: str, per_rank: list[tuple[torch.Tensor, torch.Tensor]], side: str) -> None:
     width = max(LENGTHS)
-    for rank, (logprob, greedy) in enumerate(per_rank):
-        assert logprob.shape == greedy.shape == (len(LENGTHS), width - 1)
+    for rank, (logprob, argmax) in enumerate(per_rank):
+        assert logprob.shape == (len(LENGTHS), width - 1) and argmax.shape[0] == len(LENGTHS)
         assert torch.isfinite(logprob).all(), f"rank {rank}: NaN or inf in the scores"
-        assert torch.equal(logprob, per_rank[0][0]) and torch.equal(greedy, per_rank[0][1]), f"rank {rank} differs"
-    logprob, greedy = per_rank[0]
+        assert torch.equal(logprob, per_rank[0][0]) and torch.equal(argmax, per_rank[0][1]), f"rank {rank} differs"
+    logprob, argmax = per_rank[0]
     for i, row in enumerate(rows()):
-        if len(row) < 2:
-            continue
-        cols = slice(width - len(row), width - 1) if side == "left" else slice(0, len(row) - 1)
-        expected_lp, expected_greedy = workers.alone(checkpoint, row)
-        got = logprob[i, cols]
-        assert (got - expected_lp).abs().max() <= TOL * expected_lp.abs().max(), f"row {i} ({len(row)} tokens)"
-        assert torch.equal(greedy[i, cols], expected_greedy), f"row {i}: greedy flags differ"
-    if side == "left":  # entries touching padding are 0 / False
+        start = width - len(row) if side == "left" else 0
+        expected_lp, expected_argmax = workers.alone(checkpoint, row)
+        assert torch.equal(argmax[i, start:start + len(row)], expected_argmax), f"row {i}: greedy tokens differ"
+        if len(row) > 1:
+            got = logprob[i, start:start + len(row) - 1]
+            assert (got - expected_lp).abs().max() <= TOL * expected_lp.abs().max(), f"row {i} ({len(row)} tokens)"
+    if side == "left":  # entries touching padding: log-probability 0, argmax -1
         _, mask = padded("left")
-        touching = ~(mask[:, :-1] * mask[:, 1:]).bool()
-        assert (logprob[touching] == 0).all() and not greedy[touching].any()
+        assert (logprob[~(mask[:, :-1] * mask[:, 1:]).bool()] == 0).all() and (argmax[mask == 0] == -1).all()
 
 
 @pytest.mark.parametrize("sizes", [{"cp": 3}, {"cp": 4}, {"tp": 2, "cp": 2}], ids=["cp3", "cp4", "tp2xcp2"])

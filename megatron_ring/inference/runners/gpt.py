@@ -386,7 +386,7 @@ class MegatronRunner(DeepSpeedPassThrough):
                 part = slice(start, start + chunk)
                 logits = self._logits(hidden[part])  # [chunk, b, vocab]
                 logprob = torch.log_softmax(logits, dim=-1).gather(-1, targets[part, :, None])[..., 0]
-                both[:, part] = torch.stack([logprob, (logits.argmax(-1) == targets[part]).float()], -1).transpose(0, 1)
+                both[:, part] = torch.stack([logprob, logits.argmax(-1).float()], -1).transpose(0, 1)  # ids < 2**24
         ps = parallel_state
         if ps.get_pipeline_model_parallel_group().size() > 1:
             dist.broadcast(both, src=ps.get_pipeline_model_parallel_last_rank(),
@@ -396,8 +396,7 @@ class MegatronRunner(DeepSpeedPassThrough):
             dist.all_gather(parts, both, group=ps.get_context_parallel_group())
             both = unshard_sequence(parts, dim=1)
         self.reset()
-        both = both[:, :length - 1]
-        return both[..., 0], both[..., 1].bool()
+        return both[:, :length - 1, 0], both[:, :length, 1].long()
 
 
 def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,

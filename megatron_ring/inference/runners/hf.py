@@ -178,7 +178,7 @@ class HFRunner:
         self.reset()
         mask = None if attention_mask is None else attention_mask.to(self.device)
         scores = ring_token_scores(self.module, ids.to(self.device), mask, group=self.groups.cp)
-        return scores.logprob, scores.greedy
+        return scores.logprob, scores.argmax
 
 
 def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,

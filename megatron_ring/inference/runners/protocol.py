@@ -119,12 +119,13 @@ class ScoringRunner(ModelRunner, Protocol):
 
     def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the model thinks of each token of ``ids`` (int64 ``[batch, seq]``, the same on every rank).
+        """What the model predicts at each position of ``ids`` (int64 ``[batch, seq]``, the same on every rank).
 
-        Returns ``(logprob, greedy)``, both ``[batch, seq - 1]`` and the same on every rank: float32
-        ``log p(ids[:, i + 1] | ids[:, :i + 1])`` and bool "``ids[:, i + 1]`` is the argmax there"
-        (ties to the lower id). Drops any KV cache (:meth:`reset`); ``attention_mask`` as in
-        :meth:`prefill` (entries touching padding are 0 / False).
+        Returns ``(logprob, argmax)``, the same on every rank: float32 ``[batch, seq - 1]``,
+        ``log p(ids[:, i + 1] | ids[:, :i + 1])``, and int64 ``[batch, seq]``, the greedy token after
+        position ``i`` (ties to the lower id; the last column is the token that would follow the row, so
+        greedy generation can recompute instead of caching). Drops any KV cache (:meth:`reset`);
+        ``attention_mask`` as in :meth:`prefill` (log-probabilities touching padding are 0, argmax -1).
         """
         ...
 

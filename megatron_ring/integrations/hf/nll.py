@@ -21,15 +21,16 @@ from megatron_ring.integrations.hf.peer_errors import telling_peers
 
 @dataclass(frozen=True)
 class TokenScores:
-    """Per predicted token of ``[batch, seq]`` ids: position ``i`` predicts token ``i + 1``.
+    """What the model predicts at each position of ``[batch, seq]`` ids: position ``i`` predicts token ``i + 1``.
 
-    ``logprob``: float32 ``[batch, seq - 1]``, ``log p(token i+1 | tokens <= i)``; ``greedy``: bool
-    ``[batch, seq - 1]``, whether token ``i + 1`` is the argmax there (ties to the lower id). Entries
-    whose token ``i + 1`` or context is left padding are 0 and False. The same on every rank.
+    ``logprob``: float32 ``[batch, seq - 1]``, ``log p(token i+1 | tokens <= i)`` (0 where token ``i + 1``
+    or token ``i`` is left padding); ``argmax``: int64 ``[batch, seq]``, the greedy token after position
+    ``i`` (ties to the lower id; the last column is the next token after the row; -1 on padding).
+    The same on every rank.
     """
 
     logprob: torch.Tensor
-    greedy: torch.Tensor
+    argmax: torch.Tensor
 
 
 @torch.no_grad()
@@ -57,15 +58,15 @@ def ring_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention
         targets = ids[:, (columns + 1).clamp(0, seq - 1)]  # [batch, seq_local]
         head = model.get_output_embeddings()
         logprob = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
-        greedy = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)
+        argmax = torch.zeros(targets.shape, dtype=torch.float32, device=ids.device)  # ids < 2**24: exact in fp32
         for start in range(0, hidden.shape[1], chunk):
             part = slice(start, start + chunk)
             logits = head(hidden[:, part]).float()  # [batch, chunk, vocab]
             logprob[:, part] = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, part, None])[..., 0]
-            greedy[:, part] = (logits.argmax(dim=-1) == targets[:, part]).float()
-        both = gather_seq(ctx, torch.stack([logprob, greedy], dim=-1))[:, pad:-1]  # [batch, seq - 1, 2]
+            argmax[:, part] = logits.argmax(dim=-1).float()
+        both = gather_seq(ctx, torch.stack([logprob, argmax], dim=-1))[:, pad:]  # [batch, seq, 2]
     valid = (mask[:, :-1] * mask[:, 1:]).bool()
-    return TokenScores(both[..., 0].masked_fill(~valid, 0.0), both[..., 1].bool() & valid)
+    return TokenScores(both[:, :-1, 0].masked_fill(~valid, 0.0), both[..., 1].long().masked_fill(mask == 0, -1))
 
 
 def ring_nll(model: PreTrainedModel, input_ids: torch.Tensor, *, group: dist.ProcessGroup | None = None,
