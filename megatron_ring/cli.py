@@ -37,6 +37,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
               "validate training, inference and model configs without starting a rank (exit 2 naming the field)"),
     "needle-data": ("megatron_ring.training.needle_data", "needle_data_main",
                     "long-document question/answer JSONL (a fact hidden in local text) for fine-tuning and evaluation"),
+    "lm-eval": ("megatron_ring.eval.harness_cli", "harness_cli_main",
+                "lm-evaluation-harness with the model megatron_ring over the ring (checked, then launched)"),
 }
 BENCHES: dict[str, tuple[str, str, str]] = {
     "attention": ("megatron_ring.perf.bench.attention", "bench_attention_main",

@@ -86,8 +86,12 @@ def check_harness_args(args: HarnessArgs, *, world_size: Optional[int] = None) -
                           f"started {world_size} processes; start tp * cp * pp of them", where=WHERE)
     model = args.model()
     module = runner_module(args.runner)
-    summary = module.check_model(model, layout, batch=args.batch_size, prompt_len=args.max_length or 2,
-                                 new_tokens=1, dtype=args.dtype)
+    try:  # lengths are checked below, against max_length
+        summary = module.check_model(model, layout, batch=args.batch_size, prompt_len=2, new_tokens=1,
+                                     dtype=args.dtype)
+    except ConfigError as err:
+        raise ConfigError(f"checkpoint, runner, tp, cp, pp as an inference config's model and layout: {err}",
+                          where=WHERE) from None
     window = summary.get("max_position_embeddings") or summary.get("seq_length")
     if args.max_length is not None and window is not None and args.max_length > window:
         raise ConfigError(f"max_length = {args.max_length} exceeds the model's window of {window} tokens", where=WHERE)

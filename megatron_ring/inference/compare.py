@@ -80,16 +80,32 @@ def world_size_of(config: Path) -> int:
     return LayoutConfig.parse(layout or {}, where=f"megatron_ring.layout of {str(config)!r}").layout().world_size
 
 
-def launch_command(config: Path, output: Path, *, nprocs: int, launcher: str) -> list[str]:
-    """The command that runs ``config`` on ``nprocs`` local processes and writes ``output``."""
+def module_command(module: str, args: Sequence[str], *, nprocs: int, launcher: str) -> list[str]:
+    """The command that runs ``python -m module args`` on ``nprocs`` local processes under ``launcher``
+    (``deepspeed`` or ``torchrun``), on a free port."""
     bindir = Path(sys.executable).parent
-    args = ["--deepspeed_config", str(config), "--output", str(output)]
     if launcher == "deepspeed":
         exe = shutil.which("deepspeed", path=str(bindir)) or shutil.which("deepspeed") or "deepspeed"
-        return [exe, "--num_gpus", str(nprocs), "--master_port", str(_free_port()),
-                "--module", "megatron_ring.inference.main", *args]
+        return [exe, "--num_gpus", str(nprocs), "--master_port", str(_free_port()), "--module", module, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
-            "--master_port", str(_free_port()), "-m", "megatron_ring.inference.main", *args]
+            "--master_port", str(_free_port()), "-m", module, *args]
+
+
+def launch_command(config: Path, output: Path, *, nprocs: int, launcher: str) -> list[str]:
+    """The command that runs ``config`` on ``nprocs`` local processes and writes ``output``."""
+    return module_command("megatron_ring.inference.main", ["--deepspeed_config", str(config), "--output", str(output)],
+                          nprocs=nprocs, launcher=launcher)
+
+
+def launch_environment() -> dict[str, str]:
+    """This process's environment for a launched job, with ``DS_ACCELERATOR=cpu`` where no GPU is usable."""
+    env = dict(os.environ)
+    if "DS_ACCELERATOR" not in env:
+        import torch
+
+        if not torch.cuda.is_available():
+            env["DS_ACCELERATOR"] = "cpu"
+    return env
 
 
 def run_config(config: Path, out_dir: Path, *, launcher: str, name: str | None = None) -> dict:
@@ -101,12 +117,7 @@ def run_config(config: Path, out_dir: Path, *, launcher: str, name: str | None =
     output = out_dir / f"{name or config.stem}.json"
     log = out_dir / f"{name or config.stem}.log"
     output.unlink(missing_ok=True)
-    env = dict(os.environ)
-    if "DS_ACCELERATOR" not in env:
-        import torch
-
-        if not torch.cuda.is_available():
-            env["DS_ACCELERATOR"] = "cpu"
+    env = launch_environment()
     cmd = launch_command(config, output, nprocs=nprocs, launcher=launcher)
     print(f"[compare] {config.name}: {nprocs} processes via {launcher} (log: {log})", flush=True)
     start = time.perf_counter()
