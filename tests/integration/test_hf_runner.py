@@ -89,16 +89,23 @@ def test_text_prompts_under_the_deepspeed_launcher(tmp_path, checkpoint):
 
 @pytest.mark.parametrize("tp, cp", [(1, 2), (1, 4), (2, 1)], ids=["cp2", "cp4", "tp2"])
 def test_perplexity_equals_the_models_loss(gloo_pool, checkpoint, tp, cp):
-    """``megatron-ring perplexity``'s per-rank work (ring_nll on the hf runner's model) = transformers' own loss."""
+    """``megatron-ring perplexity``'s per-rank work (the hf runner's scores) = transformers' own loss, in total
+    and by position (the loss-by-position curve)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_ring.inference.perplexity import TOLERANCE, rank_nll
+    from megatron_ring.inference.perplexity import TOLERANCE, loss_by_position, rank_logprobs
 
     ids = torch.randint(0, 256, (1, 61), generator=torch.Generator().manual_seed(5))  # not a multiple of 2 cp
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        expected = float(model(ids, labels=ids).loss)
-    per_rank = gloo_pool(tp * cp).run(rank_nll, {"checkpoint": checkpoint}, tp, cp, ids, timeout_s=TIMEOUT_S)
-    for nll, count in per_rank:
-        assert count == 60
-        assert abs(nll / count - expected) <= TOLERANCE * expected
+        logits = model(ids).logits[0, :-1]
+    expected = -torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]  # [60] per-token loss
+    per_rank = gloo_pool(tp * cp).run(rank_logprobs, {"checkpoint": checkpoint}, tp, cp, ids, timeout_s=TIMEOUT_S)
+    for logprob in per_rank:
+        assert logprob.shape == (60,) and torch.equal(logprob, per_rank[0])
+        assert abs(-float(logprob.sum()) / 60 - float(expected.mean())) <= TOLERANCE * float(expected.mean())
+        buckets = loss_by_position(logprob, 4)
+        assert [(b["start"], b["end"]) for b in buckets] == [(1, 15), (16, 30), (31, 45), (46, 60)]
+        for b in buckets:
+            want = float(expected[b["start"] - 1:b["end"]].mean())
+            assert abs(b["mean_loss"] - want) <= 1e-5 * want
