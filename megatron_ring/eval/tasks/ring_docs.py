@@ -64,10 +64,13 @@ def _settings(kwargs: dict[str, Any]) -> tuple[list[int], list[float], int, rand
     return lengths, depths, samples, random.Random(int(kwargs.get("seed", 0)))
 
 
-def _needles(kwargs: dict[str, Any], reserve: Callable[[Any, str], int]
-             ) -> Iterator[tuple[Any, Any, int, int]]:
-    """``(tokenizer, NeedleExample, length, prompt budget)`` per (length, depth, sample); ``reserve(tokenizer, key)``
-    is what the request needs beyond the document."""
+def _needles(kwargs: dict[str, Any], request_tokens: Callable[[Any, Any], int]) -> Iterator[tuple[Any, Any, int]]:
+    """``(tokenizer, NeedleExample, length)`` per (length, depth, sample), each example's whole request
+    (``request_tokens(tokenizer, example)``: prompt and answer) at most ``length`` tokens.
+
+    The haystack is measured paragraph by paragraph, and the joined text tokenizes a little
+    differently, so an example over its length is drawn again (same random state) on a smaller budget.
+    """
     from megatron_ring.datasets.needle import needle_example, paragraphs_of
 
     tokenizer = _tokenizer(kwargs)
@@ -80,14 +83,19 @@ def _needles(kwargs: dict[str, Any], reserve: Callable[[Any, str], int]
     for length in lengths:
         for depth in depths:
             for _ in range(samples):
-                spare = reserve(tokenizer, "a long key name") + 16  # the question, the answer, joins
-                try:
-                    example = needle_example(paragraphs, tokens=length - spare, depth=depth, rng=rng,
-                                             count_tokens=count)
-                except ValueError as err:
-                    raise ValueError(f"metadata max_seq_lengths: {length} tokens leave {length - spare} for the "
-                                     f"document after the question and answer ({err}); give longer lengths") from None
-                yield tokenizer, example, length, length - spare
+                state, budget = rng.getstate(), length
+                while True:
+                    try:
+                        example = needle_example(paragraphs, tokens=budget, depth=depth, rng=rng, count_tokens=count)
+                    except ValueError as err:
+                        raise ValueError(f"metadata max_seq_lengths: {length} tokens are too few for a document, "
+                                         f"its question and answer ({err}); give longer lengths") from None
+                    over = request_tokens(tokenizer, example) - length
+                    if over <= 0:
+                        break
+                    rng.setstate(state)
+                    budget -= over + 4
+                yield tokenizer, example, length
 
 
 def _prompt(example: Any) -> tuple[str, str]:
@@ -103,19 +111,17 @@ def _dataset(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"test": Dataset.from_list(list(rows))}
 
 
-def _question_tokens(tokenizer: Any, key: str) -> int:
-    text = f"\n\nQuestion: What is the special magic number for the {key} mentioned in the text above?\nAnswer: " \
-           f"The special magic number for the {key} is"
+def _tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def passkey(**kwargs: Any) -> dict[str, Any]:
     """ring_passkey: recall the number hidden at each depth of documents of each length."""
     rows = []
-    for tokenizer, example, length, _ in _needles(kwargs, lambda tok, key: _question_tokens(tok, key) + ANSWER_TOKENS):
+    for tokenizer, example, length in _needles(kwargs, lambda tok, ex: _tokens(tok, _prompt(ex)[0]) + ANSWER_TOKENS):
         text, _ = _prompt(example)
         rows.append({"input": text, "value": example.value, "max_length": length, "depth": example.depth,
-                     "tokens": len(tokenizer(text, add_special_tokens=False)["input_ids"])})
+                     "tokens": _tokens(tokenizer, text)})
     return _dataset(rows)
 
 
@@ -123,7 +129,7 @@ def needle_choice(**kwargs: Any) -> dict[str, Any]:
     """ring_needle_choice: which of four numbers the document gave (the others drawn alike)."""
     rows = []
     rng = random.Random(int(kwargs.get("seed", 0)) + 1)
-    for tokenizer, example, length, _ in _needles(kwargs, lambda tok, key: _question_tokens(tok, key) + 4):
+    for tokenizer, example, length in _needles(kwargs, lambda tok, ex: _tokens(tok, f"{_prompt(ex)[0]} 000000.") + 2):
         text, _ = _prompt(example)
         choices = [example.value] + [str(rng.randrange(100000, 1000000)) for _ in range(CHOICES - 1)]
         rng.shuffle(choices)
