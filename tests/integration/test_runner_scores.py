@@ -2,7 +2,8 @@
 every row's log-probabilities and greedy flags equal the transformers model's on that row alone.
 
 Edge rows (issue 34): a batch with rows of very different lengths, a one-token row (nothing to
-predict) and, at cp 3 and 4, a row whose share on some CP rank is all left padding. No NaN anywhere.
+predict) and a row whose share on some CP rank is all left padding. No NaN anywhere. (Unpadded rows at
+cp 2, cp 4 and tp 2: the perplexity test in test_hf_runner.py; right-padded batches at cp 2: test_harness_model.py.)
 """
 from __future__ import annotations
 
@@ -63,21 +64,21 @@ def check(checkpoint: str, per_rank: list[tuple[torch.Tensor, torch.Tensor]], si
         assert (logprob[~(mask[:, :-1] * mask[:, 1:]).bool()] == 0).all() and (argmax[mask == 0] == -1).all()
 
 
-@pytest.mark.parametrize("sizes", [{"cp": 3}, {"cp": 4}, {"tp": 2, "cp": 2}], ids=["cp3", "cp4", "tp2xcp2"])
-def test_hf_runner_scores_left_padded_edge_rows(gloo_pool: Any, checkpoint: str, sizes: dict[str, int]) -> None:
+def test_hf_runner_scores_left_padded_edge_rows(gloo_pool: Any, checkpoint: str) -> None:
+    """cp 3 (an odd ring): the batch pads to 30 columns, 6 chunks of 5; the 4-token row lies in chunk 5 alone,
+    so its share on CP ranks 1 and 2 is all padding."""
+    sizes = {"cp": 3}
     ids, mask = padded("left")
-    world = sizes.get("tp", 1) * sizes["cp"]
-    per_rank = gloo_pool(world).run(workers.runner_scores, "hf", {"checkpoint": checkpoint}, sizes, ids, mask,
+    per_rank = gloo_pool(3).run(workers.runner_scores, "hf", {"checkpoint": checkpoint}, sizes, ids, mask,
                                     timeout_s=300)
     check(checkpoint, per_rank, "left")
 
 
-@pytest.mark.parametrize("sizes", [{"cp": 2}, {"pp": 2, "cp": 2}], ids=["cp2", "pp2xcp2"])
-def test_megatron_runner_scores_right_padded_rows(gloo_pool: Any, checkpoint: str, sizes: dict[str, int]) -> None:
-    """Note [Right padding for scores]: the megatron runner takes no mask; rows share a tensor padded on the right."""
+def test_megatron_runner_scores_right_padded_rows(gloo_pool: Any, checkpoint: str) -> None:
+    """Note [Right padding for scores]: the megatron runner takes no mask; rows share a tensor padded on the right
+    (pp 2 x cp 2: the last stage's scores gathered over CP, then sent along the pipeline)."""
+    sizes = {"pp": 2, "cp": 2}
     ids, _ = padded("right")
-    attention = "ring" if sizes.get("cp", 1) > 1 else "sdpa"
-    model = {"checkpoint": checkpoint, "dtype": "fp32", "attention": attention, "parallel": sizes}
-    world = sizes.get("pp", 1) * sizes["cp"]
-    per_rank = gloo_pool(world).run(workers.runner_scores, "megatron", model, sizes, ids, None, timeout_s=300)
+    model = {"checkpoint": checkpoint, "dtype": "fp32", "attention": "ring", "parallel": sizes}
+    per_rank = gloo_pool(4).run(workers.runner_scores, "megatron", model, sizes, ids, None, timeout_s=300)
     check(checkpoint, per_rank, "right")
