@@ -77,15 +77,17 @@ def plot_loss_by_position(rows: list[dict[str, Any]], title: str, path: str) -> 
     plt.close(fig)
 
 
-def document_ids(model: dict[str, Any], document: Path, tokens: int) -> tuple[torch.Tensor, int]:
-    """The first ``tokens`` tokens of ``document`` ``[1, tokens]`` and the document's length in tokens."""
+def document_ids(model: dict[str, Any], documents: Sequence[Path], tokens: int) -> tuple[torch.Tensor, int]:
+    """The first ``tokens`` tokens ``[1, tokens]`` of the files ``documents`` joined by blank lines (one long
+    text), and its length in tokens."""
     from megatron_ring.integrations.hf.checkpoint import load_tokenizer, resolve_checkpoint
 
     path = resolve_checkpoint(model["checkpoint"])
     tokenizer = load_tokenizer(path, gguf_file=model.get("gguf_file"))
-    ids = tokenizer(document.read_text(), add_special_tokens=False)["input_ids"]
+    ids = tokenizer("\n\n".join(d.read_text() for d in documents), add_special_tokens=False)["input_ids"]
     if len(ids) < tokens:
-        raise ValueError(f"--tokens = {tokens} but {str(document)!r} has {len(ids)} tokens; give --tokens <= {len(ids)}")
+        raise ValueError(f"--tokens = {tokens} but --document {' '.join(map(str, documents))} has {len(ids)} tokens; "
+                         f"give --tokens <= {len(ids)} or more files")
     return torch.tensor([ids[:tokens]], dtype=torch.int64), len(ids)
 
 
@@ -96,7 +98,8 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=SMOLLM2[0], help="directory, .gguf file or package:<module>")
     parser.add_argument("--gguf-file", default=None, help=f"GGUF file in the checkpoint directory (default with "
                         f"the default checkpoint: {SMOLLM2[1]})")
-    parser.add_argument("--document", default="data/corpus/GPL-3.txt", help="a text file")
+    parser.add_argument("--document", nargs="+", default=["data/corpus/GPL-3.txt"],
+                        help="text files, joined by blank lines into one document")
     parser.add_argument("--tokens", type=int_at_least(2), default=4096,
                         help="tokens of the document to score (at least 2: one is predicted from another)")
     parser.add_argument("--cp", type=positive_int, nargs="+", default=[1, 2, 4], help="CP sizes of the ring")
@@ -108,9 +111,11 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     gguf = args.gguf_file or (SMOLLM2[1] if args.checkpoint == SMOLLM2[0] else None)
     model = {"checkpoint": args.checkpoint, "gguf_file": gguf}
-    document = Path(args.document)
-    if not document.is_file():
-        return usage_error(parser.prog, f"--document {args.document!r}: file not found")
+    documents = [Path(d) for d in args.document]
+    missing = [str(d) for d in documents if not d.is_file()]
+    if missing:
+        return usage_error(parser.prog, f"--document {' '.join(missing)}: file not found")
+    document = " + ".join(str(d) for d in documents)
     problem = output_problem({"--out": (args.out, False), "--plot": (args.plot, False)})
     if problem is not None:
         return usage_error(parser.prog, problem)
@@ -121,7 +126,7 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
         for _, tp, cp in setups:
             check_model(model, ParallelLayout(tp=tp, cp=cp), batch=1, prompt_len=args.tokens, new_tokens=1,
                         dtype="fp32")
-        ids, length = document_ids(model, document, args.tokens)
+        ids, length = document_ids(model, documents, args.tokens)
     except ValueError as err:  # ConfigError included
         return usage_error(parser.prog, err)
     from megatron_ring.runtime.pool import run_gloo
@@ -144,19 +149,19 @@ def perplexity_main(argv: Sequence[str] | None = None) -> int:
     for row in rows:
         row["rel_diff_to_first"] = abs(row["perplexity"] - ref) / ref
     worst = max(row["rel_diff_to_first"] for row in rows)
-    print(f"\n{str(document)!r}: {args.tokens} of {length} tokens; largest relative difference to {rows[0]['setup']}: "
+    print(f"\n{document!r}: {args.tokens} of {length} tokens; largest relative difference to {rows[0]['setup']}: "
           f"{worst:.2e} ({'within' if worst <= TOLERANCE else 'OUTSIDE'} {TOLERANCE:g})")
     curves = [max(abs(a["mean_loss"] - b["mean_loss"]) for a, b in zip(row["loss_by_position"],
                                                                        rows[0]["loss_by_position"])) for row in rows]
     print(f"loss by position ({len(rows[0]['loss_by_position'])} buckets): largest difference of a bucket's mean "
           f"loss to {rows[0]['setup']}: {max(curves):.2e} nats")
     if args.out:
-        write_json_atomic(args.out, {"checkpoint": model, "document": str(document), "tokens": args.tokens,
+        write_json_atomic(args.out, {"checkpoint": model, "document": document, "tokens": args.tokens,
                                      "document_tokens": length, "rows": rows, "tolerance": TOLERANCE,
                                      "max_rel_diff": worst, "max_bucket_loss_diff": max(curves)})
     if args.plot:
         plot_loss_by_position(rows, f"{Path(model['checkpoint']).name}: loss by position, {args.tokens} tokens of "
-                              f"{document.name}", args.plot)
+                              f"{' + '.join(d.name for d in documents)}", args.plot)
     return 0 if worst <= TOLERANCE else 1
 
 

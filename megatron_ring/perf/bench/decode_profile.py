@@ -116,7 +116,7 @@ def decode_profile_main(argv: Sequence[str] | None = None) -> int:
     from megatron_ring.runtime.pool import run_gloo
 
     try:
-        ids, _ = perplexity.document_ids(SMOLLM2, Path(args.document), args.prompt)
+        ids, _ = perplexity.document_ids(SMOLLM2, [Path(args.document)], args.prompt)
     except (ValueError, OSError) as err:
         return usage_error(parser.prog, err)
     machine = machine_description()
