@@ -37,6 +37,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
               "validate training, inference and model configs without starting a rank (exit 2 naming the field)"),
     "needle-data": ("megatron_ring.training.needle_data", "needle_data_main",
                     "long-document question/answer JSONL (a fact hidden in local text) for fine-tuning and evaluation"),
+    "niah": ("megatron_ring.eval.niah", "niah_main",
+             "needle in a haystack over lengths x depths for any inference config: niah.json and the heatmap"),
 }
 BENCHES: dict[str, tuple[str, str, str]] = {
     "attention": ("megatron_ring.perf.bench.attention", "bench_attention_main",

@@ -45,6 +45,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from megatron_ring.attention.sharding import shard_sequence
+from megatron_ring.datasets.files import corpus_files  # noqa: F401  (training's name for it: loop, schema, scripts)
 
 
 class ByteTokenizer:
@@ -76,23 +77,6 @@ class ByteTokenizer:
         """Text of ``ids``; EOD becomes a newline, undecodable bytes the replacement character."""
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         return bytes(10 if i == self.eod_id else i for i in values).decode("utf-8", errors="replace")
-
-
-def corpus_files(paths: Sequence[str | Path], suffixes: Sequence[str]) -> list[Path]:
-    """The text files named by ``paths``: files as given, folders searched recursively for ``suffixes``."""
-    files: list[Path] = []
-    for entry in paths:
-        path = Path(entry)
-        if path.is_file():
-            files.append(path)
-        elif path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes
-                                and not any(part.startswith(".") or part == "__pycache__" for part in p.parts)))
-        else:
-            raise ValueError(f"data.paths entry {str(path)!r} is neither a file nor a folder")
-    if not files:
-        raise ValueError(f"data.paths {list(map(str, paths))} hold no file ending in {list(suffixes)}")
-    return files
 
 
 def text_corpus(files: Sequence[Path], tokenizer: ByteTokenizer) -> torch.Tensor:
