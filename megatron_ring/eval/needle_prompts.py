@@ -12,22 +12,22 @@ Note [Fitting a needle prompt]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A prompt must be exactly ``length`` tokens: the megatron runner takes no padding, and a padded cell
 would not be the length its column says. Paragraphs never add up to an exact token count, so the
-haystack is built about twice the room (``needle_example``), split at the needle, and each side is
-tokenized and cut token-wise: the haystack before the needle keeps its last ``round(depth * hay)``
+haystack is built about twice the room with the needle in its middle (``needle_example`` at depth 0.5),
+split at the needle, and each side is tokenized and cut token-wise: the haystack before the needle keeps its last ``round(depth * hay)``
 tokens (``hay`` = room minus the needle's tokens), the one after keeps its first ``hay - that``. The
 needle's own tokens and sentence are never cut, and it sits at token depth ``depth`` of the haystack
-exactly (recorded as ``needle_at``: its first token's position in the prompt). When one side of the
-built haystack is too short for its share (a depth close to 0 or 1 with long paragraphs), the other
-side gives the difference and the cell records the depth it got (``actual_depth``). The document's
+exactly (recorded as ``needle_at``: its first token's position in the prompt). Should one side of the
+built haystack be too short for its share (paragraphs long against the length), the other side gives
+the difference and the cell records the depth it got (``actual_depth``; the tests see it equal ``depth``). The document's
 first and last words may be cut mid-word, as in the classic NIAH test (which cuts a token list too).
 """
 from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from megatron_ring.datasets.needle import needle_example, paragraphs_of
+from megatron_ring.datasets.needle import NeedleExample, needle_example, paragraphs_of
 from megatron_ring.inference.prompts import template_ids
 
 MIN_HAYSTACK = 16
@@ -68,6 +68,31 @@ def fixed_tokens(tokenizer: Any, *, chat: bool) -> int:
     return len(head) + len(tail) + len(tokenizer(needle, add_special_tokens=False)["input_ids"])
 
 
+def haystack(paragraphs: Sequence[str], tokens: Callable[[str], list[int]], *, length: int, seed: int
+             ) -> tuple[NeedleExample, list[int], list[int]]:
+    """A needle example with its needle in the middle of about ``2 * length`` tokens of haystack, and the
+    haystack's tokens before and after the needle: each side at least ``length`` tokens, so that either can
+    give any cell's share (Note [Fitting a needle prompt]). Paragraphs long against ``length`` double the
+    budget until both sides are long enough (at most 8 times); the fact is drawn from ``seed`` each time."""
+    budget = 2 * length
+    best: Optional[tuple[NeedleExample, list[int], list[int]]] = None
+    for _ in range(8):
+        try:
+            example = needle_example(paragraphs, tokens=budget, depth=0.5, rng=random.Random(seed),
+                                     count_tokens=lambda text: len(tokens(text)))
+        except ValueError:  # the first paragraph is longer than the budget
+            budget *= 2
+            continue
+        before_text, after_text = example.document.split(example.answer)
+        best = example, tokens(before_text), tokens(after_text)
+        if min(len(best[1]), len(best[2])) >= length:
+            return best
+        budget *= 2
+    if best is None:
+        raise ValueError(f"--lengths {length}: no paragraph of the texts fits {budget // 2} tokens; give other --texts")
+    return best  # the texts are short: the cell takes what there is (its actual_depth says where the needle went)
+
+
 def needle_cell(paragraphs: Sequence[str], tokenizer: Any, *, length: int, depth: float, seed: int,
                 chat: bool) -> NeedleCell:
     """The cell of ``length`` tokens with its needle at ``depth`` (Note [Fitting a needle prompt]);
@@ -75,9 +100,7 @@ def needle_cell(paragraphs: Sequence[str], tokenizer: Any, *, length: int, depth
     def tokens(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    rng = random.Random(cell_seed(seed, length, depth))
-    example = needle_example(paragraphs, tokens=2 * length, depth=depth, rng=rng,
-                             count_tokens=lambda text: len(tokens(text)))
+    example, before, after = haystack(paragraphs, tokens, length=length, seed=cell_seed(seed, length, depth))
     head, tail = template_ids(tokenizer, example.question, chat)
     needle = tokens(example.answer)
     hay = length - len(head) - len(tail) - len(needle)
@@ -85,8 +108,6 @@ def needle_cell(paragraphs: Sequence[str], tokenizer: Any, *, length: int, depth
         raise ValueError(f"--lengths {length}: too short for a needle; the chat template, question and needle take "
                          f"{length - hay} tokens, leaving {hay} for the haystack; allowed: lengths >= "
                          f"{length - hay + MIN_HAYSTACK}")
-    before_text, after_text = example.document.split(example.answer)
-    before, after = tokens(before_text), tokens(after_text)
     if len(before) + len(after) < hay:
         raise ValueError(f"--lengths {length}: the texts give {len(before) + len(after)} haystack tokens, fewer "
                          f"than the {hay} a cell needs; give more text (--texts)")
