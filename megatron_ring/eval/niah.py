@@ -163,14 +163,16 @@ def plan_run(args: argparse.Namespace) -> NiahPlan:
     layout = inference_layout(config).layout()
     # The config as `infer` checks it, at the shortest length the layout splits: the model against the layout,
     # dtype and runner, and its window (a length over it is named by --lengths below, not by the workload).
-    probe = load_spec(config, world_size=layout.world_size, workload=grid_workload([2 * layout.cp], args.new_tokens))
+    result = str(Path(args.out) / "niah.json")  # not the config's output: this run writes niah.json
+    probe = load_spec(config, world_size=layout.world_size, output=result,
+                      workload=grid_workload([2 * layout.cp], args.new_tokens))
     tokenizer = load_tokenizer_of(probe)
     window, source = window_of(probe)
     check_lengths(args.lengths, cp=layout.cp, new_tokens=args.new_tokens, window=window, source=source)
     if len(set(args.depths)) != len(args.depths):
         raise ConfigError(f"--depths {args.depths} repeats a depth; give each once")
     workload = grid_workload(args.lengths, args.new_tokens)
-    spec = load_spec(config, world_size=layout.world_size, workload=workload)
+    spec = load_spec(config, world_size=layout.world_size, output=result, workload=workload)
     if args.chat_template and not getattr(tokenizer, "chat_template", None):
         raise ConfigError("the checkpoint's tokenizer has no chat template; pass --no-chat-template")
     files = corpus_files(args.texts, TEXT_SUFFIXES, field="--texts")

@@ -102,7 +102,8 @@ def niah_rank_main(argv: Sequence[str] | None = None) -> int:
     prompts = Path(args.prompts)
     plan = json.loads(prompts.read_text())
     try:
-        spec = load_spec(args.config, world_size=env["world_size"], workload=plan["workload"])
+        spec = load_spec(args.config, world_size=env["world_size"], output=str(prompts.parent / "niah.json"),
+                         workload=plan["workload"])
     except ConfigError as err:
         print(f"[niah] rank {env['rank']}: config error, nothing was started:\n{err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
