@@ -12,14 +12,15 @@ Note [Fitting a needle prompt]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A prompt must be exactly ``length`` tokens: the megatron runner takes no padding, and a padded cell
 would not be the length its column says. Paragraphs never add up to an exact token count, so the
-haystack is built about twice the room with the needle in its middle (``needle_example`` at depth 0.5),
-split at the needle, and each side is tokenized and cut token-wise: the haystack before the needle keeps its last ``round(depth * hay)``
-tokens (``hay`` = room minus the needle's tokens), the one after keeps its first ``hay - that``. The
-needle's own tokens and sentence are never cut, and it sits at token depth ``depth`` of the haystack
-exactly (recorded as ``needle_at``: its first token's position in the prompt). Should one side of the
-built haystack be too short for its share (paragraphs long against the length), the other side gives
-the difference and the cell records the depth it got (``actual_depth``; the tests see it equal ``depth``). The document's
-first and last words may be cut mid-word, as in the classic NIAH test (which cuts a token list too).
+haystack is built about twice the room with the needle in its middle (``needle_example`` at depth
+0.5), split at the needle, and each side is tokenized and cut token-wise: the haystack before the
+needle keeps its last ``round(depth * hay)`` tokens (``hay`` = room minus the needle's tokens), the one
+after keeps its first ``hay - that``. The needle's own tokens and sentence are never cut, and it sits at
+token depth ``depth`` of the haystack exactly (recorded as ``needle_at``: its first token's position in
+the prompt). Should one side of the built haystack be too short for its share (texts short against the
+length), the other side gives the difference and the cell records the depth it got (``actual_depth``).
+The document's first and last words may be cut mid-word, as in the classic NIAH test (which cuts a
+token list too).
 """
 from __future__ import annotations
 

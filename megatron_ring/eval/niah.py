@@ -62,7 +62,8 @@ def depth(text: str) -> float:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", metavar="CONFIG", help="an inference config (configs/deepspeed/*.json with a "
                         "megatron_ring section; a shipped one by name): its model and layout answer")
     parser.add_argument("--lengths", type=int_at_least(2), nargs="+", default=[1024, 2048, 4096],

@@ -3,7 +3,8 @@
 Started on every rank by the launcher that ``megatron-ring niah`` runs (it validated everything and
 wrote the prompts first)::
 
-    torchrun --nproc_per_node 2 -m megatron_ring.eval.niah_rank --deepspeed_config CONFIG --prompts OUT/niah_prompts.json
+    torchrun --nproc_per_node 2 -m megatron_ring.eval.niah_rank --deepspeed_config CONFIG \\
+        --prompts OUT/niah_prompts.json
 
 The config's model and layout serve the requests; its workload is replaced by the grid's (one row,
 ``prompt_len`` the longest cell, ``new_tokens``), so the runner is built once for the longest cell

@@ -53,7 +53,8 @@ def format_table(result: dict[str, Any]) -> str:
              f"{'depth':>7} " + "".join(f"{length:>{width}}" for length in lengths)]
     for depth in depths:
         cells = [cell_at(result, length, depth) for length in lengths]
-        lines.append(f"{depth:>7.2f} " + "".join(f"{c['score']:>5} ({c['seconds']:>6.1f}s)".rjust(width) for c in cells))
+        row = "".join(f"{c['score']:>5} ({c['seconds']:>6.1f}s)".rjust(width) for c in cells)
+        lines.append(f"{depth:>7.2f} {row}")
     means = [sum(cell_at(result, length, d)["score"] for d in depths) / len(depths) for length in lengths]
     lines.append(f"{'mean':>7} " + "".join(f"{m:>{width}.2f}" for m in means))
     lines.append(f"overall score {result['score']:.3f} over {len(result['cells'])} cells; "

@@ -45,7 +45,6 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from megatron_ring.attention.sharding import shard_sequence
-from megatron_ring.datasets.files import corpus_files  # noqa: F401  (training's name for it: loop, schema, scripts)
 
 
 class ByteTokenizer:
