@@ -98,7 +98,13 @@ def same_grid_problem(result: dict[str, Any], grid: dict[str, Any], field: str) 
     if result.get("schema") != SCHEMA:
         return f"{field}: not a result of megatron-ring niah (schema {result.get('schema')!r}, expected {SCHEMA!r})"
     theirs = result.get("grid", {})
-    differ = [f"{key} {theirs.get(key)!r} vs {value!r}" for key, value in grid.items() if theirs.get(key) != value]
+
+    def same(key: str, value: Any) -> bool:  # texts by file name: the other run may have had another working dir
+        if key == "texts" and isinstance(theirs.get(key), list):
+            return [Path(t).name for t in theirs[key]] == [Path(t).name for t in value]
+        return theirs.get(key) == value
+
+    differ = [f"{key} {theirs.get(key)!r} vs {value!r}" for key, value in grid.items() if not same(key, value)]
     if differ:
         return f"{field}: another grid ({'; '.join(differ)}); run the same --lengths, --depths, --new-tokens, " \
                "--seed and texts to compare cell by cell"
