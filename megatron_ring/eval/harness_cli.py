@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 from megatron_ring.config import ConfigError
 from megatron_ring.eval.harness_args import CheckedArgs, check_harness_args, parse_harness_args
 from megatron_ring.eval.harness_main import TASKS_DIR
+from megatron_ring.inference.compare import LAUNCHERS, job_env, module_command
 from megatron_ring.runtime.args import usage_error
 
 PROG = "megatron-ring lm-eval"
@@ -33,7 +34,7 @@ SHIPPED_PREFIX = "ring_"
 def parse_args(argv: Optional[Sequence[str]]) -> tuple[argparse.Namespace, list[str]]:
     """Our flags and the lm-eval flags read here; the remaining arguments pass through to lm-eval."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--launcher", choices=["torchrun", "deepspeed"], default="torchrun")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="torchrun")
     parser.add_argument("--log", default=None, help="the job's output (default: lm_eval.log in --output_path, "
                         "else in the working directory)")
     parser.add_argument("--model", default="megatron_ring", help="must be megatron_ring (the default)")
@@ -120,7 +121,6 @@ def harness_cli_main(argv: Optional[Sequence[str]] = None) -> int:
         requests = check_tasks(checked, args)
     except (ConfigError, ValueError) as err:
         return usage_error(PROG, err)
-    from megatron_ring.inference.compare import launch_environment, module_command
     from megatron_ring.runtime.job import Interrupted, interruptible, run_job
 
     out_dir = Path(args.output_path) if args.output_path else Path.cwd()
@@ -138,7 +138,7 @@ def harness_cli_main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     try:
         with interruptible():
-            code = run_job(cmd, log=log, env=launch_environment())
+            code = run_job(cmd, log=log, env=job_env())
     except Interrupted as stop:
         print(f"[lm-eval] {stop}: the ranks were stopped", file=sys.stderr)
         return stop.exit_code

@@ -80,11 +80,14 @@ def world_size_of(config: Path) -> int:
     return LayoutConfig.parse(layout or {}, where=f"megatron_ring.layout of {str(config)!r}").layout().world_size
 
 
+LAUNCHERS = ("deepspeed", "torchrun")
+"""The launchers a job can be started with (``--launcher``)."""
+
+
 def module_command(module: str, args: Sequence[str], *, nprocs: int, launcher: str) -> list[str]:
-    """The command that runs ``python -m module args`` on ``nprocs`` local processes under ``launcher``
-    (``deepspeed`` or ``torchrun``), on a free port."""
-    bindir = Path(sys.executable).parent
+    """The command that runs ``python -m module args`` on ``nprocs`` local processes under ``launcher``."""
     if launcher == "deepspeed":
+        bindir = Path(sys.executable).parent
         exe = shutil.which("deepspeed", path=str(bindir)) or shutil.which("deepspeed") or "deepspeed"
         return [exe, "--num_gpus", str(nprocs), "--master_port", str(_free_port()), "--module", module, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
@@ -97,8 +100,8 @@ def launch_command(config: Path, output: Path, *, nprocs: int, launcher: str) ->
                           nprocs=nprocs, launcher=launcher)
 
 
-def launch_environment() -> dict[str, str]:
-    """This process's environment for a launched job, with ``DS_ACCELERATOR=cpu`` where no GPU is usable."""
+def job_env() -> dict[str, str]:
+    """The environment of a launched job: this one, with ``DS_ACCELERATOR=cpu`` on a machine without CUDA."""
     env = dict(os.environ)
     if "DS_ACCELERATOR" not in env:
         import torch
@@ -117,11 +120,10 @@ def run_config(config: Path, out_dir: Path, *, launcher: str, name: str | None =
     output = out_dir / f"{name or config.stem}.json"
     log = out_dir / f"{name or config.stem}.log"
     output.unlink(missing_ok=True)
-    env = launch_environment()
     cmd = launch_command(config, output, nprocs=nprocs, launcher=launcher)
     print(f"[compare] {config.name}: {nprocs} processes via {launcher} (log: {log})", flush=True)
     start = time.perf_counter()
-    code = run_job(cmd, log=log, env=env)
+    code = run_job(cmd, log=log, env=job_env())
     print(f"[compare] {config.name}: exit {code} after {time.perf_counter() - start:.1f}s", flush=True)
     if code != 0 or not output.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
@@ -147,7 +149,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", metavar="PAIR|CONFIG",
                         help=f"a pair name ({', '.join(sorted(PAIRS))}) or baseline and ring config paths")
-    parser.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
     parser.add_argument("--out-dir", default="results/compare", help="where results and logs go")
     parser.add_argument("--allow-kernel-mismatch", action="store_true",
                         help="run a pair whose sides use different attention kernels (refused by default)")

@@ -17,9 +17,11 @@ import argparse
 import platform
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,8 @@ from megatron_ring.inference.prompts import answers, text_prompts
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
 from megatron_ring.integrations.deepspeed import config as ds_config
 from megatron_ring.integrations.deepspeed import process_group as ds_glue
-from megatron_ring.parallel.groups import init_parallel, leave_distributed
+from megatron_ring.inference.runners.protocol import ModelRunner
+from megatron_ring.parallel.groups import ParallelGroups, init_parallel, leave_distributed
 from megatron_ring.runtime.faults import PeerMonitor
 from megatron_ring.runtime.parent_watch import watch_parent
 from megatron_ring.runtime.reporting import peak_memory, progress, write_json_atomic
@@ -54,15 +57,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def load_spec(path: str | Path, *, world_size: int, output: str | None = None) -> InferenceSpec:
+def load_spec(path: str | Path, *, world_size: int, output: str | None = None,
+              workload: dict[str, Any] | None = None) -> InferenceSpec:
     """Load and validate a full config for ``world_size`` ranks; build nothing.
 
-    output: the ``--output`` flag (replaces ``megatron_ring.output``). One :class:`ConfigError`
+    output: the ``--output`` flag (replaces ``megatron_ring.output``); workload: keys that replace
+    those of ``megatron_ring.workload`` (a value None drops the key), for a command that serves its own
+    requests with the config's model and layout (``megatron-ring niah``). One :class:`ConfigError`
     names every problem of DeepSpeed's keys and of our section.
     """
     path = Path(path)
     where = f"config {str(path)!r}"
     ds, ours = ds_config.split_config(load_mapping(path), where=where)
+    if workload is not None and isinstance(ours, dict) and isinstance(ours.get("workload"), dict):
+        merged = {**ours["workload"], **workload}
+        ours = {**ours, "workload": {key: value for key, value in merged.items() if value is not None}}
     problems = Problems(where=where)
     ds_cfg = problems.run(ds_config.check_deepspeed_config, ds)
     dtype = ds_config.dtype_name(ds_cfg.dtype) if ds_cfg is not None else None
@@ -129,21 +138,28 @@ def _version(dist_name: str) -> str | None:
         return None
 
 
-def infer_main(argv: Sequence[str] | None = None) -> int:
-    """Run one inference job on this rank; return the exit status."""
-    args = parse_args(argv)
-    env = ds_glue.launch_env()
-    try:
-        spec = load_spec(args.config, world_size=env["world_size"], output=args.output)
-    except ConfigError as err:
-        # Every rank says it: the launcher stops the others as soon as one rank exits.
-        print(f"[megatron_ring] rank {env['rank']}: config error, nothing was started:\n{err}", file=sys.stderr,
-              flush=True)
-        return EXIT_CONFIG
+@dataclass
+class RankSession:
+    """One rank's running job (:func:`rank_session`): its process groups, device and runner."""
+
+    rank: int
+    groups: ParallelGroups
+    device: torch.device
+    backend: str
+    dtype: torch.dtype
+    runner: ModelRunner
+
+
+@contextmanager
+def rank_session(spec: InferenceSpec, label: str) -> Iterator[RankSession]:
+    """Start this rank of a validated ``spec``: the parent watch and the peer monitor (Note [Lost ranks]),
+    the default process group, our groups, the runner built for the workload's largest request and handed
+    to DeepSpeed. The block serves requests; at its end every rank is done (the monitor told, a barrier).
+    The caller writes results and then calls :func:`leave_distributed`.
+    """
     ring = spec.ring
-    watch_parent(f"rank {env['rank']}")  # Note [Orphaned ranks]
+    watch_parent(label)  # Note [Orphaned ranks]
     monitor = PeerMonitor(timeout_s=ring.peer_timeout_s).start()
-    started, t0 = datetime.now(timezone.utc), time.perf_counter()
     try:
         device, backend = ds_glue.init_distributed(timeout=timedelta(seconds=ring.collective_timeout_s))
         rank = dist.get_rank()
@@ -155,6 +171,30 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
             spec.model, groups, dtype=dtype, device=device, seed=work.seed, batch=work.batch,
             prompt_len=work.prompt_len, new_tokens=work.new_tokens)
         runner.init_deepspeed(spec.deepspeed)
+        yield RankSession(rank, groups, device, backend, dtype, runner)
+        monitor.done()
+        dist.barrier()
+    except Exception:
+        monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
+        raise
+
+
+def infer_main(argv: Sequence[str] | None = None) -> int:
+    """Run one inference job on this rank; return the exit status."""
+    args = parse_args(argv)
+    env = ds_glue.launch_env()
+    try:
+        spec = load_spec(args.config, world_size=env["world_size"], output=args.output)
+    except ConfigError as err:
+        # Every rank says it: the launcher stops the others as soon as one rank exits.
+        print(f"[megatron_ring] rank {env['rank']}: config error, nothing was started:\n{err}", file=sys.stderr,
+              flush=True)
+        return EXIT_CONFIG
+    started, t0 = datetime.now(timezone.utc), time.perf_counter()
+    with rank_session(spec, f"rank {env['rank']}") as session:
+        rank, groups, device, dtype, runner = session.rank, session.groups, session.device, session.dtype, \
+            session.runner
+        work = spec.ring.workload
         prompt = mask = records = None
         if spec.documents is not None:
             prompt, mask, records = text_prompts(spec.documents, runner.tokenizer, prompt_len=work.prompt_len,
@@ -167,15 +207,10 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
         bar.close()
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, _rank_info(rank, groups.coords, device, loop))
-        monitor.done()
-        dist.barrier()
-    except Exception:
-        monitor.stop_if_lost(wait_s=3 * monitor.interval_s + 1)
-        raise
     if rank == 0:
         text = None if records is None else {
             "prompts": records, "generated_text": answers(runner.tokenizer, ranks[0]["generated"])}
-        result = build_result(spec, ranks, device=device, backend=backend, dtype=dtype,
+        result = build_result(spec, ranks, device=device, backend=session.backend, dtype=dtype,
                               attention_kernel=runner.attention_kernel, started=started,
                               wall_s=time.perf_counter() - t0, text=text)
         print(format_table([result]), flush=True)

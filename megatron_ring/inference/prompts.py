@@ -117,6 +117,16 @@ def _template(tokenizer: Any, question: str, chat: bool) -> tuple[str, str]:
     return prefix, suffix
 
 
+def template_ids(tokenizer: Any, question: str, chat: bool) -> tuple[list[int], list[int]]:
+    """The token ids before and after a document: ``[template prefix]`` and ``[\\n\\n question][template
+    suffix]`` (the tokenizer's special tokens in front when ``chat`` is false); the document is tokenized
+    apart, so a prompt is ``head + document ids + tail``."""
+    prefix, suffix = _template(tokenizer, question, chat)
+    head = tokenizer(prefix, add_special_tokens=not chat)["input_ids"] if prefix or not chat else []
+    tail = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    return list(head), list(tail)
+
+
 def pad_token_id(tokenizer: Any) -> int:
     """The id that fills left padding (masked, so any id is exact): pad, else EOS, else 0."""
     for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
@@ -130,9 +140,7 @@ def text_prompts(documents: list[Document], tokenizer: Any, *, prompt_len: int, 
     """Ids and mask int64 ``[len(documents), prompt_len]`` (left-padded) and a record per row."""
     rows, masks, records = [], [], []
     for doc in documents:
-        prefix, suffix = _template(tokenizer, doc.question, chat)
-        head = tokenizer(prefix, add_special_tokens=not chat)["input_ids"] if prefix or not chat else []
-        tail = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+        head, tail = template_ids(tokenizer, doc.question, chat)
         body = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
         budget = prompt_len - len(head) - len(tail)
         if budget < 1:

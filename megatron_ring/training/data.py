@@ -78,23 +78,6 @@ class ByteTokenizer:
         return bytes(10 if i == self.eod_id else i for i in values).decode("utf-8", errors="replace")
 
 
-def corpus_files(paths: Sequence[str | Path], suffixes: Sequence[str]) -> list[Path]:
-    """The text files named by ``paths``: files as given, folders searched recursively for ``suffixes``."""
-    files: list[Path] = []
-    for entry in paths:
-        path = Path(entry)
-        if path.is_file():
-            files.append(path)
-        elif path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in suffixes
-                                and not any(part.startswith(".") or part == "__pycache__" for part in p.parts)))
-        else:
-            raise ValueError(f"data.paths entry {str(path)!r} is neither a file nor a folder")
-    if not files:
-        raise ValueError(f"data.paths {list(map(str, paths))} hold no file ending in {list(suffixes)}")
-    return files
-
-
 def text_corpus(files: Sequence[Path], tokenizer: ByteTokenizer) -> torch.Tensor:
     """``[n]`` int64: every file's tokens followed by EOD, in the given order."""
     eod = torch.tensor([tokenizer.eod_id])

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm, init_distributed
 from megatron_ring.parallel.groups import ParallelGroups, init_parallel, leave_distributed
 from megatron_ring.parallel.layout import ParallelLayout
-from megatron_ring.training.data import corpus_files
+from megatron_ring.datasets.files import corpus_files
 from megatron_ring.runtime.parent_watch import watch_parent
 
 TEXT_SUFFIXES = (".txt", ".md")

@@ -64,7 +64,8 @@ from megatron_ring.parallel.groups import ParallelGroups, leave_distributed
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, checkpoint_engine,
                                                 latest_checkpoint, load_checkpoint, optimizer_settings, read_marker,
                                                 save_checkpoint, verify_checkpoint)
-from megatron_ring.training.data import Batch, DocumentRows, TrainData, build_samples, corpus_files, masked_loss
+from megatron_ring.datasets.files import corpus_files
+from megatron_ring.training.data import Batch, DocumentRows, TrainData, build_samples, masked_loss
 from megatron_ring.training.schema import DOCUMENT_KINDS, SECTION, TrainSpec, load_train_spec
 
 EXIT_CONFIG = 2

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_ring.config.checkpoint import CheckpointSource
+from megatron_ring.datasets.files import corpus_files
 from megatron_ring.datasets.needle import NeedleExample, needle_examples
 from megatron_ring.runtime.args import int_at_least, usage_error
 
@@ -74,7 +75,6 @@ def write_jsonl(path: Path, examples: Sequence[tuple[NeedleExample, int]]) -> No
 
 
 def needle_data_main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_ring.training.data import corpus_files
     from megatron_ring.training.tokenized import tokenizer_for
 
     args = parse_args(argv)

@@ -473,7 +473,7 @@ def document_problems(train: TrainSection, base_dir: Path, model_config: Any,
     ``data.tokenizer``), attention that would cross documents (not ``"ring"``), pp > 1, missing files, bad
     data (file, line, field), a document longer than seq_len or the model's positions, ids beyond the
     model's vocabulary. ``model_config``: the transformers config or the :class:`GPTConfig`."""
-    from megatron_ring.training.data import corpus_files
+    from megatron_ring.datasets.files import corpus_files
     from megatron_ring.training.tokenized import load_documents, tokenizer_for
 
     d, found = train.data, []
@@ -525,7 +525,7 @@ def document_problems(train: TrainSection, base_dir: Path, model_config: Any,
 def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
     """ConfigError unless the text corpus holds one sample, ``seq_len + 1`` tokens (its byte count
     plus one end-of-document token per file, from the files' sizes: nothing is read)."""
-    from megatron_ring.training.data import corpus_files
+    from megatron_ring.datasets.files import corpus_files
 
     d = train.data
     try:

@@ -56,6 +56,7 @@ def test_plan_is_delegated(capsys):
     (["compare"], "megatron-ring compare", ["--launcher", "--allow-kernel-mismatch"]),
     (["sweep"], "megatron-ring sweep", ["--lengths", "--predict"]),
     (["infer"], "", ["--deepspeed_config", "--output"]),
+    (["niah"], "megatron-ring niah", ["--lengths", "--depths", "--new-tokens", "--launcher", "--compare-to"]),
     (["bench"], "megatron-ring bench", ["attention", "numerics"]),
     (["bench", "attention"], "megatron-ring bench attention", ["--L", "--P", "--impl"]),
     (["bench", "numerics"], "megatron-ring bench numerics", ["--L", "--P", "--dtype"]),

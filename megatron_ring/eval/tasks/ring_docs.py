@@ -28,20 +28,14 @@ CHOICES = 4
 
 
 def _texts(given: Any) -> list[str]:
+    """The texts of metadata ``texts`` (files or folders of .txt and .md; default: the repository's data/corpus)."""
+    from megatron_ring.datasets.files import corpus_files
+
     if given is None:
         given = [Path(__file__).resolve().parents[3] / "data" / "corpus"]
-    paths = [Path(p) for p in ([given] if isinstance(given, (str, Path)) else given)]
-    files: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md"))
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise ValueError(f"metadata texts: {str(path)!r} is neither a file nor a folder")
-    if not files:
-        raise ValueError(f"metadata texts = {given!r}: no .txt or .md file found")
-    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    paths = [given] if isinstance(given, (str, Path)) else list(given)
+    return [f.read_text(encoding="utf-8", errors="replace")
+            for f in corpus_files(paths, (".txt", ".md"), field="metadata texts")]
 
 
 def _tokenizer(kwargs: dict[str, Any]) -> Any:
