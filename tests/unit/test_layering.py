@@ -139,6 +139,8 @@ def test_only_the_cli_and_launch_import_eval() -> None:
            if name == "megatron_ring.eval" or name.startswith("megatron_ring.eval.")]
     bad += [f"{path.relative_to(ROOT)} imports {name}" for path in (PACKAGE / "eval").rglob("*.py")
             for name in imports_of(path) if name.startswith(("megatron_ring.training", "megatron_ring.perf"))]
+    bad += [f"{path.relative_to(ROOT)} imports {name} (lm-eval belongs to eval/)" for path in PACKAGE.rglob("*.py")
+            if layer(module_name(path)) != "eval" for name in imports_of(path) if top(name) == "lm_eval"]
     assert not bad, "eval/ sits beside training/ and perf/, under the CLI only:\n" + "\n".join(bad)
 
 
