@@ -16,7 +16,8 @@ or ``megatron-ring lm-eval`` (the same, checked before any rank starts). Request
   requests per forward, longest first, right-padded (Note [Right padding for scores]);
 * ``loglikelihood_rolling``: lm-eval's disjoint rolling windows of ``max_length`` tokens, each scored so;
 * ``generate_until``: greedy only; the hf runner prefills a left-padded batch and decodes from the
-  sharded KV cache; a runner without padding (megatron) recomputes each step with ``score``.
+  sharded KV cache; a runner without padding (megatron) serves one request at a time, prefilling the
+  longest multiple of ``2 cp`` tokens and decoding the rest of the prompt into the cache.
 
 A request longer than ``max_length`` is an error naming it, never truncated: a long-context score
 computed on a cut context would be a silent wrong answer.
@@ -61,9 +62,11 @@ class RingHarnessModel(TemplateLM):
         device, _ = ds_glue.select_device(env["local_rank"])
         groups = init_parallel(checked.layout, timeout=timeout)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.args.dtype]
+        # The cache holds a request's prompt and answer (at most max_length tokens); a runner that fills its
+        # shards round-robin while decoding may put up to 2 cp more on one rank than the even share.
         runner = runner_module(self.args.runner).build_runner(
             checked.model, groups, dtype=dtype, device=device, seed=0, batch=self.args.batch_size,
-            prompt_len=self._max_length, new_tokens=1)
+            prompt_len=self._max_length, new_tokens=2 * self.args.cp + 1)
         runner.init_deepspeed({"dtype": self.args.dtype, "replace_with_kernel_inject": False,
                                "tensor_parallel": {"tp_size": self.args.tp}})
         if not isinstance(runner, ScoringRunner) or runner.tokenizer is None:
@@ -71,6 +74,7 @@ class RingHarnessModel(TemplateLM):
         self.runner: ScoringRunner = runner
         self.tokenizer = runner.tokenizer
         self.global_rank = torch.distributed.get_rank()
+        self._recompute = False  # the running generation recomputes each step (a context shorter than 2 cp)
 
     # -- what lm-eval asks of a model ------------------------------------------------------------
 
@@ -236,22 +240,35 @@ class RingHarnessModel(TemplateLM):
         return texts
 
     def _first_tokens(self, contexts: list[list[int]]) -> torch.Tensor:
-        """The greedy token after each context ``[batch]``: a left-padded prefill into the sharded cache (hf),
-        else the last column of :meth:`ScoringRunner.score` of the one context."""
+        """The greedy token after each context ``[batch]``, the contexts now in the sharded KV cache.
+
+        A runner with padding prefills the left-padded batch. One without (megatron, batch 1) prefills
+        the longest multiple of ``2 cp`` tokens its zigzag can shard and decodes the rest one by one,
+        the prompt's own tokens fed as if generated (exact: each is appended to the cache as decode
+        appends a generated one). A context shorter than ``2 cp`` is recomputed with ``score`` instead.
+        """
+        self.runner.reset()
         if not self.runner.takes_padding:
-            return self.runner.score(torch.tensor([contexts[0]]))[1][:, -1]
+            context = contexts[0]
+            whole = len(context) - len(context) % (2 * self.args.cp)
+            self._recompute = whole == 0
+            if self._recompute:
+                return self.runner.score(torch.tensor([context]))[1][:, -1]
+            nxt = self.runner.prefill(torch.tensor([context[:whole]]))
+            for token in context[whole:]:
+                nxt = self.runner.decode(torch.tensor([token]))
+            return nxt
         width = max(len(ids) for ids in contexts)
         ids = torch.full((len(contexts), width), self.eot_token_id, dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for row, context in enumerate(contexts):
             ids[row, width - len(context):], mask[row, width - len(context):] = torch.tensor(context), 1
-        self.runner.reset()
         return self.runner.prefill(ids, None if bool(mask.all()) else mask)
 
     def _next_tokens(self, batch: list[tuple[list[int], list[str], int]], produced: list[list[int]],
                      last: torch.Tensor) -> torch.Tensor:
-        """The greedy token after each row's context + produced tokens ``[batch]`` (rows that stopped go on
-        decoding in lockstep; their tokens are ignored)."""
-        if not self.runner.takes_padding:
+        """The greedy token after each row's context + produced tokens ``[batch]``, decoded from the cache (rows
+        that stopped go on decoding in lockstep; their tokens are ignored)."""
+        if not self.runner.takes_padding and self._recompute:
             return self.runner.score(torch.tensor([batch[0][0] + produced[0]]))[1][:, -1]
         return self.runner.decode(last)
