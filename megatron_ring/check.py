@@ -72,8 +72,10 @@ def check_one(path: Path, world: Optional[int]) -> str:
         return (f"training ({spec.train.engine} engine), layout {spec.layout.describe()} on {size} processes, "
                 f"seq_len {spec.train.seq_len}, {spec.train.steps} steps, global batch {spec.global_batch}")
     from megatron_ring.inference.main import load_spec
+    from megatron_ring.inference.text_check import check_text_prompts
 
     spec = load_spec(path, world_size=size)
+    check_text_prompts(spec)
     return f"inference ({spec.ring.model.runner} runner), layout {spec.layout.describe()} on {size} processes"
 
 

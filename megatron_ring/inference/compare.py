@@ -29,7 +29,9 @@ from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed.config import split_config
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.config.shipped import find_config
+from megatron_ring.inference.main import load_spec
 from megatron_ring.inference.schema import ModelSection, load_model_mapping
+from megatron_ring.inference.text_check import check_text_prompts
 
 PAIRS: dict[str, tuple[str, str]] = {
     "cpu": ("cpu_baseline_tp2_pp2.json", "cpu_ring_cp4.json"),
@@ -164,6 +166,8 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
                               f"the second run's result and log would overwrite the first's in --out-dir; rename one")
         if not args.allow_kernel_mismatch:
             check_same_kernel(baseline_cfg, ring_cfg)
+        for config in (baseline_cfg, ring_cfg):  # what the ranks would refuse, refused before any starts
+            check_text_prompts(load_spec(config, world_size=world_size_of(config)))
         with owned_folder(Path(args.out_dir), field="--out-dir") as out_dir:  # Note [Folder locks]
             for config in (baseline_cfg, ring_cfg):  # a run stopped half-way must not pair with an old result
                 (out_dir / f"{config.stem}.json").unlink(missing_ok=True)

@@ -18,8 +18,8 @@ import torch
 from megatron_ring.config import ConfigError
 from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
-from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, load_config, local_dir_once, \
-    resolve_checkpoint
+from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, load_config, load_tokenizer, \
+    local_dir_once, resolve_checkpoint
 from megatron_ring.integrations.megatron.hf_config import model_fields
 
 
@@ -69,3 +69,13 @@ def load_checkpoint(source: CheckpointSource, *, dtype: torch.dtype, attn_implem
     local_dir_once(path, source.gguf_file, _cache_dir(source))
     return load_causal_lm(path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation=attn_implementation,
                           cache_dir=_cache_dir(source))
+
+
+def source_tokenizer(source: CheckpointSource, where: str) -> Any:
+    """The checkpoint's tokenizer in this one process (before any rank: a GGUF file is converted here, once)."""
+    path, _ = locate(source, where)
+    try:
+        return load_tokenizer(path, gguf_file=source.gguf_file, cache_dir=_cache_dir(source))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"checkpoint = {source.checkpoint!r}: its tokenizer cannot be read ({err})",
+                          where=where) from None
