@@ -170,3 +170,66 @@ def test_signal_to_calibrate_alone_stops_its_ranks(tmp_path: Path) -> None:
                                    prints("calibrate: compute and memory"), signal.SIGTERM, str(out))
     check_stopped(code, elapsed, err, signal.SIGTERM, "calibrate")
     assert not list(tmp_path.iterdir()), "calibrate wrote something after the signal"
+
+
+KILL_BOUND_S = 10.0
+"""Issue 38: after SIGKILL of a command that starts ranks, none of its processes remains after 10 s."""
+
+
+def killed_leaves_nothing(argv: list[str], started: Callable[[], bool], working: Callable[[Path], bool],
+                          ready_s: float = 240) -> float:
+    """Run ``megatron-ring ARGV``, SIGKILL the command alone once its job works (no handler can run), and
+    return the seconds until every process it had started (launcher, ranks, pool workers) is gone."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    scratch = tempfile.TemporaryDirectory(prefix="probe_sigkill_")
+    stdout = Path(scratch.name) / "stdout"
+    with stdout.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_ring.cli", *argv], cwd=ROOT, env=env,
+                                stdout=sink, stderr=subprocess.DEVNULL, start_new_session=True)
+    descendants: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + ready_s
+        for ready in (started, lambda: working(stdout)):
+            while not ready():
+                assert proc.poll() is None and time.monotonic() < deadline, "the job never got to work"
+                time.sleep(0.1)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert descendants, "the command started no process"
+        proc.kill()
+        proc.wait()
+        killed = time.monotonic()
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants) \
+                and time.monotonic() - killed < KILL_BOUND_S + 20:
+            time.sleep(0.2)
+        return time.monotonic() - killed
+    finally:
+        for p in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        scratch.cleanup()
+
+
+@needs_deepspeed
+def test_sigkill_of_compare_leaves_no_rank(tmp_path: Path) -> None:
+    """The issue's case: the launched job kept running and would have written into --out-dir."""
+    base, ring = toy_pair(tmp_path / "configs")
+    out = tmp_path / "out"
+    gone = killed_leaves_nothing(["compare", str(base), str(ring), "--out-dir", str(out)],
+                                 ranks_running(str(tmp_path), 1), log_shows(out, WORKING))
+    assert gone <= KILL_BOUND_S, f"processes of the killed compare ran {gone:.1f} s on"
+    assert not (out / "toy_base.json").exists()
+
+
+@slow
+def test_sigkill_of_calibrate_leaves_no_pool_worker(tmp_path: Path) -> None:
+    import psutil
+
+    out = tmp_path / "profile.json"
+
+    def workers_started() -> bool:
+        return any(len(psutil.Process(pid).children()) >= 2 for pid in job_processes(str(out)))
+    gone = killed_leaves_nothing(["calibrate", "--quick", "--out", str(out)], workers_started,
+                                 prints("calibrate: compute and memory"))
+    assert gone <= KILL_BOUND_S, f"pool workers of the killed calibrate ran {gone:.1f} s on"
