@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ring.runtime.pool import free_port
+from megatron_ring.runtime.reporting import save_line_plot
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "deepspeed"
@@ -146,12 +147,7 @@ def plot(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path, t
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean token loss (log scale)")
     ax.set_yscale("log")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_line_plot(fig, ax, title, path)
 
 
 def answers(out: Path, side: str) -> dict[str, Any]:

