@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ring.runtime.pool import free_port
-from megatron_ring.runtime.reporting import save_line_plot
+from megatron_ring.inference.line_plot import save_line_plot
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs" / "deepspeed"

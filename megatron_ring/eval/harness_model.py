@@ -57,9 +57,11 @@ class RingHarnessModel(TemplateLM):
         self.args, self._max_length = checked.args, checked.max_length
         watch_parent(f"rank {env['rank']}")  # Note [Orphaned ranks]
         timeout = timedelta(seconds=self.args.collective_timeout_s)
-        if not torch.distributed.is_initialized():
-            ds_glue.init_distributed(timeout=timeout)
-        device, _ = ds_glue.select_device(env["local_rank"])
+        if torch.distributed.is_initialized():  # started by the caller: its device and threads are left as they are
+            nccl = torch.distributed.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        else:
+            device, _ = ds_glue.init_distributed(timeout=timeout)
         groups = init_parallel(checked.layout, timeout=timeout)
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.args.dtype]
         # The cache holds a request's prompt and answer (at most max_length tokens); a runner that fills its

@@ -96,6 +96,13 @@ def module_command(module: str, args: Sequence[str], *, nprocs: int, launcher: s
             "--master_port", str(_free_port()), "-m", module, *args]
 
 
+def has_text_prompts(config: Path) -> bool:
+    """Whether the config's workload has text prompts (``workload.text``), read without validating it."""
+    _, ours = split_config(load_mapping(config), where=f"config {str(config)!r}")
+    workload = ours.get("workload") if isinstance(ours, dict) else None
+    return isinstance(workload, dict) and workload.get("text") is not None
+
+
 def launch_command(config: Path, output: Path, *, nprocs: int, launcher: str) -> list[str]:
     """The command that runs ``config`` on ``nprocs`` local processes and writes ``output``."""
     return module_command("megatron_ring.inference.main", ["--deepspeed_config", str(config), "--output", str(output)],
@@ -166,8 +173,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
                               f"the second run's result and log would overwrite the first's in --out-dir; rename one")
         if not args.allow_kernel_mismatch:
             check_same_kernel(baseline_cfg, ring_cfg)
-        for config in (baseline_cfg, ring_cfg):  # what the ranks would refuse, refused before any starts
-            check_text_prompts(load_spec(config, world_size=world_size_of(config)))
+        for config in (baseline_cfg, ring_cfg):  # text prompts the ranks would refuse, refused before any starts
+            if has_text_prompts(config):
+                check_text_prompts(load_spec(config, world_size=world_size_of(config)))
         with owned_folder(Path(args.out_dir), field="--out-dir") as out_dir:  # Note [Folder locks]
             for config in (baseline_cfg, ring_cfg):  # a run stopped half-way must not pair with an old result
                 (out_dir / f"{config.stem}.json").unlink(missing_ok=True)

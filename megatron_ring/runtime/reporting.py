@@ -73,14 +73,3 @@ class _NoBar:
     def close(self) -> None:
         pass
 
-
-def save_line_plot(fig: Any, ax: Any, title: str, path: str | Path, dpi: int = 120) -> None:
-    """Finish a matplotlib line plot the project's way (small title, light grid, legend) and write it to ``path``."""
-    import matplotlib.pyplot as plt
-
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)

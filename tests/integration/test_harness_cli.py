@@ -3,8 +3,6 @@ tp * cp * pp ranks under torchrun and rank 0 alone writes lm-eval's results."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -56,15 +54,15 @@ def test_megatron_runner_needs_a_max_length_the_ring_can_shard(tiny, capsys) -> 
 
 
 @pytest.mark.launcher
-def test_cp2_under_torchrun_writes_results_once(tiny, tmp_path) -> None:
+def test_cp2_under_torchrun_writes_results_once(tiny, tmp_path, capsys) -> None:
     checkpoint, texts = tiny
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "megatron_ring.cli", "lm-eval", "--model_args",
-                           f"checkpoint={checkpoint},max_length=512,cp=2", "--tasks", "ring_corpus_ppl",
-                           "--metadata", metadata(texts, [512]), "--output_path", str(out), "--log_samples"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "ring_corpus_ppl" in proc.stdout and "2 processes via torchrun" in proc.stdout
+    code = harness_cli_main(["--model_args", f"checkpoint={checkpoint},max_length=512,cp=2", "--tasks",
+                             "ring_corpus_ppl", "--metadata", metadata(texts, [512]), "--output_path", str(out),
+                             "--log_samples"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:] + (out / "lm_eval.log").read_text()[-3000:]
+    assert "ring_corpus_ppl" in printed and "2 processes via torchrun" in printed
     results = list(out.rglob("results_*.json"))
     assert len(results) == 1, f"one results file, by rank 0: {results}"
     assert json.loads(results[0].read_text())["results"]["ring_corpus_ppl"]["word_perplexity,none"] > 0

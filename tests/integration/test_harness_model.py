@@ -1,6 +1,7 @@
-"""The lm-eval model ``megatron_ring`` (issue 34): the shipped tasks, every request type, at cp 2 and under the
-megatron runner with pp 2, give what cp 1 gives: the same generated strings, every log-likelihood within
-1e-5 relative, the same accuracy. A tiny random Llama with a byte tokenizer; texts of short paragraphs."""
+"""The lm-eval model ``megatron_ring`` (issue 34): the shipped tasks, every request type, at cp 2 give what
+cp 1 gives: the same generated strings, every log-likelihood within 1e-5 relative, the same accuracy. A tiny
+random Llama with a byte tokenizer; texts of short paragraphs. (SmolLM2 at 2k-8k, hf cp 1/2/4 and megatron
+pp 2 x cp 2: scripts/eval_smollm2.py, docs/results/lm_eval_smollm2.)"""
 from __future__ import annotations
 
 import random
@@ -32,7 +33,7 @@ def short_paragraphs(path) -> str:
 def setup(tmp_path_factory) -> tuple[str, dict[str, Any]]:
     folder = tmp_path_factory.mktemp("harness")
     checkpoint = save_tiny_model("llama", folder / "tiny")
-    metadata = {"max_seq_lengths": [384, 512], "depths": [0.0, 1.0], "texts": short_paragraphs(folder / "hay.txt")}
+    metadata = {"max_seq_lengths": [384, 512], "depths": [0.5], "texts": short_paragraphs(folder / "hay.txt")}
     return checkpoint, metadata
 
 
@@ -57,10 +58,11 @@ def same_answers(ours: dict[str, Any], reference: dict[str, Any], what: str) -> 
     assert ours["metrics"]["ring_passkey"]["acc,none"] == reference["metrics"]["ring_passkey"]["acc,none"]
 
 
-def test_cp2_and_megatron_pp2_answer_as_cp1(gloo_pool: Any, setup: tuple[str, dict[str, Any]]) -> None:
+def test_ring_cp2_answers_as_megatron_at_cp1(gloo_pool: Any, setup: tuple[str, dict[str, Any]]) -> None:
+    """The hf runner's ring at cp 2 against the megatron runner at cp 1 (pp 2: the checkpoint converted into
+    Megatron-core, no ring): two independent paths, one pool of 2 ranks."""
     checkpoint, metadata = setup
     base = {"checkpoint": checkpoint, "max_length": 512, "batch_size": 2}
-    reference = run(gloo_pool, 1, base, metadata)
-    assert len(reference["samples"]["ring_passkey"]) == 4 and len(reference["samples"]["ring_corpus_ppl"]) == 2
+    reference = run(gloo_pool, 2, {**base, "runner": "megatron", "pp": 2}, metadata)
+    assert len(reference["samples"]["ring_passkey"]) == 2 and len(reference["samples"]["ring_corpus_ppl"]) == 2
     same_answers(run(gloo_pool, 2, {**base, "cp": 2}, metadata), reference, "hf cp 2")
-    same_answers(run(gloo_pool, 2, {**base, "runner": "megatron", "pp": 2}, metadata), reference, "megatron pp 2")
