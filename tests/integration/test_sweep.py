@@ -45,13 +45,14 @@ def fake_predict(config: Path, prompt_len: int, batch: int, new_tokens: int) -> 
 @needs_launcher
 @pytest.mark.timeout(900)
 def test_sweep_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four launches: every result kept, the workload overridden, sweep.json valid with provenance, three PNGs."""
+    """Four launches (torchrun): every result kept, the workload overridden, sweep.json valid with provenance,
+    three PNGs."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     baseline, ring = tiny_pair(tmp_path)
     out = tmp_path / "sweep"
     run_sweep(baseline, ring, lengths=[32, 16], repeats=1, new_tokens=4, out_dir=out, predict=fake_predict,
-              command="test sweep")
+              command="test sweep", launcher="torchrun")  # the lighter launcher; compare's tests use DeepSpeed's
     summary = load_sweep(out / "sweep.json")
     assert [(p.prompt_len, p.batch, p.new_tokens) for p in summary.points] == [(16, 2, 4), (32, 2, 4)]
     for point in summary.points:
