@@ -22,6 +22,8 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 """The shipped task YAMLs (ring_passkey, ring_needle_choice, ring_corpus_ppl)."""
 WRITERS = {"--output_path": True, "-o": True, "--log_samples": False, "-s": False}
 """lm-eval flags that make a process write files -> whether the flag takes a value."""
+LAUNCHER_FLAGS = {"--local_rank": True}
+"""Flags the deepspeed launcher adds to every rank's arguments (its value is in LOCAL_RANK too); not lm-eval's."""
 
 
 def with_shipped_tasks(argv: Sequence[str]) -> list[str]:
@@ -37,16 +39,16 @@ def with_shipped_tasks(argv: Sequence[str]) -> list[str]:
     return argv + ["--include_path", str(TASKS_DIR)]
 
 
-def without_writers(argv: Sequence[str]) -> list[str]:
-    """``argv`` without the flags that write files (:data:`WRITERS`)."""
+def without_flags(argv: Sequence[str], flags: dict[str, bool]) -> list[str]:
+    """``argv`` without ``flags`` (flag -> whether it takes a value), given as ``--flag value`` or ``--flag=value``."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in WRITERS:
-            skip = WRITERS[name] and "=" not in arg
+        if name in flags:
+            skip = flags[name] and "=" not in arg
             continue
         out.append(arg)
     return out
@@ -58,9 +60,9 @@ def harness_main(argv: Optional[Sequence[str]] = None) -> int:
 
     import megatron_ring.eval.harness_model  # noqa: F401  (registers --model megatron_ring)
 
-    argv = with_shipped_tasks(sys.argv[1:] if argv is None else argv)
+    argv = with_shipped_tasks(without_flags(sys.argv[1:] if argv is None else argv, LAUNCHER_FLAGS))
     if launch_env()["rank"] != 0:
-        argv = without_writers(argv)
+        argv = without_flags(argv, WRITERS)
     sys.argv = ["lm-eval", *argv]
     try:
         cli_evaluate()

@@ -1,7 +1,7 @@
 """One rank's lm-eval command line: the shipped tasks on the include path, the writers on rank 0 alone."""
 from __future__ import annotations
 
-from megatron_ring.eval.harness_main import TASKS_DIR, with_shipped_tasks, without_writers
+from megatron_ring.eval.harness_main import LAUNCHER_FLAGS, TASKS_DIR, WRITERS, with_shipped_tasks, without_flags
 
 
 def test_shipped_tasks_join_the_include_path() -> None:
@@ -16,4 +16,9 @@ def test_shipped_tasks_join_the_include_path() -> None:
 def test_other_ranks_drop_the_flags_that_write() -> None:
     argv = ["--model", "megatron_ring", "--output_path", "out", "--log_samples", "--tasks", "a",
             "-o=x", "-s", "--limit", "2"]
-    assert without_writers(argv) == ["--model", "megatron_ring", "--tasks", "a", "--limit", "2"]
+    assert without_flags(argv, WRITERS) == ["--model", "megatron_ring", "--tasks", "a", "--limit", "2"]
+
+
+def test_the_deepspeed_launchers_local_rank_is_not_passed_to_lm_eval() -> None:
+    assert without_flags(["--local_rank=1", "--tasks", "a"], LAUNCHER_FLAGS) == ["--tasks", "a"]
+    assert without_flags(["--local_rank", "1", "--tasks", "a"], LAUNCHER_FLAGS) == ["--tasks", "a"]
