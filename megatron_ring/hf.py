@@ -9,15 +9,19 @@ from megatron_ring.integrations.hf.attention import enable_ring_attention, regis
 from megatron_ring.integrations.hf.cache import RingCache
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, CPContext, cp_context
 from megatron_ring.integrations.hf.generate import ring_forward, ring_generate
+from megatron_ring.integrations.hf.nll import TokenScores, ring_nll, ring_token_scores
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CPContext",
     "RingCache",
+    "TokenScores",
     "cp_context",
     "enable_ring_attention",
     "init_autotp",
     "register",
     "ring_forward",
     "ring_generate",
+    "ring_nll",
+    "ring_token_scores",
 ]

@@ -25,7 +25,7 @@ computed on a cut context would be a silent wrong answer.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -36,6 +36,7 @@ from tqdm import tqdm
 from megatron_ring.eval.harness_args import WHERE, check_harness_args, parse_harness_args
 from megatron_ring.inference.schema import runner_module
 from megatron_ring.inference.runners.protocol import ScoringRunner
+from megatron_ring.integrations.deepspeed import config as ds_config
 from megatron_ring.integrations.deepspeed import process_group as ds_glue
 from megatron_ring.parallel.groups import init_parallel
 from megatron_ring.runtime.parent_watch import watch_parent
@@ -63,20 +64,19 @@ class RingHarnessModel(TemplateLM):
         else:
             device, _ = ds_glue.init_distributed(timeout=timeout)
         groups = init_parallel(checked.layout, timeout=timeout)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.args.dtype]
+        deepspeed = {"dtype": self.args.dtype, "replace_with_kernel_inject": False,
+                     "tensor_parallel": {"tp_size": self.args.tp}}
         # The cache holds a request's prompt and answer (at most max_length tokens); a runner that fills its
         # shards round-robin while decoding may put up to 2 cp more on one rank than the even share.
         runner = runner_module(self.args.runner).build_runner(
-            checked.model, groups, dtype=dtype, device=device, seed=0, batch=self.args.batch_size,
-            prompt_len=self._max_length, new_tokens=2 * self.args.cp + 1)
-        runner.init_deepspeed({"dtype": self.args.dtype, "replace_with_kernel_inject": False,
-                               "tensor_parallel": {"tp_size": self.args.tp}})
+            checked.model, groups, dtype=ds_config.torch_dtype(deepspeed), device=device, seed=0,
+            batch=self.args.batch_size, prompt_len=self._max_length, new_tokens=2 * self.args.cp + 1)
+        runner.init_deepspeed(deepspeed)
         if not isinstance(runner, ScoringRunner) or runner.tokenizer is None:
             raise ValueError(f"{WHERE}: runner = {self.args.runner!r} cannot score text with a tokenizer")
         self.runner: ScoringRunner = runner
         self.tokenizer = runner.tokenizer
         self.global_rank = torch.distributed.get_rank()
-        self._recompute = False  # the running generation recomputes each step (a context shorter than 2 cp)
 
     # -- what lm-eval asks of a model ------------------------------------------------------------
 
@@ -123,14 +123,18 @@ class RingHarnessModel(TemplateLM):
                              f"max_length >= {tokens} in --model_args (at most the model's window) or a shorter "
                              "task (requests are never truncated)")
 
+    def _longest_first(self, lengths: list[int], size: int, desc: str, disable_tqdm: bool) -> Iterator[list[int]]:
+        """Indices of the requests in batches of ``size``, longest first (a batch pads to its first), with a
+        progress bar on rank 0."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        for start in tqdm(range(0, len(order), size), desc=desc, disable=disable_tqdm or self.global_rank != 0):
+            yield order[start:start + size]
+
     def _score_batches(self, sequences: list[list[int]], desc: str, disable_tqdm: bool
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(logprob [n - 1], argmax [n])`` of each token sequence, ``batch_size`` per forward, longest first."""
-        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
         out: list[Any] = [None] * len(sequences)
-        size = self.args.batch_size
-        for start in tqdm(range(0, len(order), size), desc=desc, disable=disable_tqdm or self.global_rank != 0):
-            chunk = order[start:start + size]
+        for chunk in self._longest_first([len(s) for s in sequences], self.args.batch_size, desc, disable_tqdm):
             width = len(sequences[chunk[0]])
             ids = torch.full((len(chunk), width), self.eot_token_id, dtype=torch.int64)
             for row, i in enumerate(chunk):
@@ -201,12 +205,9 @@ class RingHarnessModel(TemplateLM):
             ids = self.tok_encode(context)
             self._check_length(len(ids) + new_tokens, f"generate_until request {n} (context + max_gen_toks)")
             work.append((ids, until, new_tokens))
-        order = sorted(range(len(work)), key=lambda i: -len(work[i][0]))
         size = self.args.batch_size if self.runner.takes_padding else 1
         texts: list[str] = [""] * len(work)
-        for start in tqdm(range(0, len(order), size), desc="generate_until",
-                          disable=disable_tqdm or self.global_rank != 0):
-            chunk = order[start:start + size]
+        for chunk in self._longest_first([len(ids) for ids, _, _ in work], size, "generate_until", disable_tqdm):
             for i, text in zip(chunk, self._generate([work[i] for i in chunk])):
                 texts[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -218,7 +219,7 @@ class RingHarnessModel(TemplateLM):
         steps = max(new for _, _, new in batch)
         produced: list[list[int]] = [[] for _ in batch]
         done = [False] * len(batch)
-        nxt = self._first_tokens([ids for ids, _, _ in batch])
+        nxt, recompute = self._first_tokens([ids for ids, _, _ in batch])
         for _ in range(steps):
             for row, (_, until, new) in enumerate(batch):
                 if done[row]:
@@ -232,7 +233,7 @@ class RingHarnessModel(TemplateLM):
                 done[row] = len(produced[row]) >= new or any(stop in text for stop in until)
             if all(done):
                 break
-            nxt = self._next_tokens(batch, produced, nxt)
+            nxt = self._next_tokens(batch, produced, nxt, recompute)
         texts = []
         for row, (_, until, _) in enumerate(batch):
             text = self.tok_decode(produced[row])
@@ -241,8 +242,9 @@ class RingHarnessModel(TemplateLM):
             texts.append(text)
         return texts
 
-    def _first_tokens(self, contexts: list[list[int]]) -> torch.Tensor:
-        """The greedy token after each context ``[batch]``, the contexts now in the sharded KV cache.
+    def _first_tokens(self, contexts: list[list[int]]) -> tuple[torch.Tensor, bool]:
+        """The greedy token after each context ``[batch]``, the contexts now in the sharded KV cache, and whether
+        the next tokens must be recomputed instead (no cache).
 
         A runner with padding prefills the left-padded batch. One without (megatron, batch 1) prefills
         the longest multiple of ``2 cp`` tokens its zigzag can shard and decodes the rest one by one,
@@ -253,24 +255,23 @@ class RingHarnessModel(TemplateLM):
         if not self.runner.takes_padding:
             context = contexts[0]
             whole = len(context) - len(context) % (2 * self.args.cp)
-            self._recompute = whole == 0
-            if self._recompute:
-                return self.runner.score(torch.tensor([context]))[1][:, -1]
+            if whole == 0:
+                return self.runner.score(torch.tensor([context]))[1][:, -1], True
             nxt = self.runner.prefill(torch.tensor([context[:whole]]))
             for token in context[whole:]:
                 nxt = self.runner.decode(torch.tensor([token]))
-            return nxt
+            return nxt, False
         width = max(len(ids) for ids in contexts)
         ids = torch.full((len(contexts), width), self.eot_token_id, dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for row, context in enumerate(contexts):
             ids[row, width - len(context):], mask[row, width - len(context):] = torch.tensor(context), 1
-        return self.runner.prefill(ids, None if bool(mask.all()) else mask)
+        return self.runner.prefill(ids, None if bool(mask.all()) else mask), False
 
     def _next_tokens(self, batch: list[tuple[list[int], list[str], int]], produced: list[list[int]],
-                     last: torch.Tensor) -> torch.Tensor:
+                     last: torch.Tensor, recompute: bool) -> torch.Tensor:
         """The greedy token after each row's context + produced tokens ``[batch]``, decoded from the cache (rows
         that stopped go on decoding in lockstep; their tokens are ignored)."""
-        if not self.runner.takes_padding and self._recompute:
+        if recompute:
             return self.runner.score(torch.tensor([batch[0][0] + produced[0]]))[1][:, -1]
         return self.runner.decode(last)
