@@ -51,7 +51,7 @@ WIDTH = 24
 """Int64s per rank in the handshake: entry point, valid flag, up to 22 fields, zero padding."""
 REASON_BYTES = (WIDTH - 2) * 8
 """Bytes of a rejected rank's error message that travel in its row (UTF-8, cut, zero-padded)."""
-ENTRIES: tuple[str, ...] = ("ring_attention", "decode_attention")
+ENTRIES: tuple[str, ...] = ("ring_attention", "decode_attention", "turn_attention")
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 """The dtypes both entry points take."""
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "xpu", "mps", "hpu", "meta", "other")
@@ -93,7 +93,7 @@ def tensor_fields(q: torch.Tensor, k: torch.Tensor, seq_name: str) -> list[Field
     ]
 
 
-def _device(group: dist.ProcessGroup | None, hint: object) -> torch.device:
+def table_device(group: dist.ProcessGroup | None, hint: object) -> torch.device:
     """Where the rows travel: CPU for groups with a gloo backend, else the inputs' (CUDA) device."""
     backend = str(dist.get_backend(group))
     if "gloo" in backend:
@@ -160,7 +160,7 @@ def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup |
     assert len(codes) <= WIDTH - 2, "widen WIDTH for more fields"
     row = torch.zeros(WIDTH, dtype=torch.int64)
     row[: 2 + len(codes)] = torch.tensor([ENTRIES.index(entry), fields is not None, *codes], dtype=torch.int64)
-    table = gather_stacked(row.to(_device(group, hint)), group, size).tolist()
+    table = gather_stacked(row.to(table_device(group, hint)), group, size).tolist()
     problem = None if fields is None else _problem(entry, fields, table)
     if problem is not None:
         raise ValueError(f"{entry}: {problem}")

@@ -1,0 +1,59 @@
+"""Ranks of the turn-attention tests: a new turn against a cache sharded over the group, vs float64."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_ring.attention.reference import attention_reference, rel_err
+from megatron_ring.attention.turn import turn_attention
+
+CASES = [  # (cached tokens, new tokens, window left)
+    (23, 7, -1),   # a follow-up question after a document
+    (17, 1, -1),   # one new token: most ranks get no query
+    (0, 9, -1),    # a turn on an empty cache: a plain causal prefill
+    (30, 11, 5),   # a sliding window that hides most of the cache
+    (3, 26, -1),   # a turn longer than the cache
+]
+
+
+def _shard(positions: torch.Tensor, owner: torch.Tensor, rank: int, gen: torch.Generator) -> torch.Tensor:
+    mine = positions[owner == rank]
+    return mine[torch.randperm(mine.numel(), generator=gen)]  # any order
+
+
+def turn_vs_reference(heads_q: int, heads_kv: int, head_dim: int, modes: list[str]) -> list[dict]:
+    """Every case x mode x dtype on this rank: error against float64 and the output's dtype and shape."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    results = []
+    for cached, new, left in CASES:
+        total = cached + new
+        gen = torch.Generator().manual_seed(7 + total)
+        q64, k64, v64 = (torch.randn(2, total, h, head_dim, generator=gen, dtype=torch.float64)
+                         for h in (heads_q, heads_kv, heads_kv))
+        owner = torch.randint(size, (cached,), generator=gen)  # the cache: any split, empty shards allowed
+        positions = torch.arange(total)
+        cache_pos = _shard(positions[:cached], owner, rank, gen)
+        new_pos = positions[cached:][positions[cached:] % size == rank]  # new tokens: round-robin
+        k_pos = torch.cat([cache_pos, new_pos])
+        ref = attention_reference(q64, k64, v64, causal=True, window_size=(left, 0))[:, new_pos]
+        for mode in modes:
+            for dtype in (torch.float32, torch.bfloat16):
+                q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+                out = turn_attention(q[:, new_pos], k[:, k_pos], v[:, k_pos], q_positions=new_pos,
+                                     k_positions=k_pos, mode=mode, window_size=(left, 0))
+                results.append({"case": (cached, new, left), "mode": mode, "dtype": dtype, "out_dtype": out.dtype,
+                                "shape": tuple(out.shape), "want": (2, new_pos.numel(), heads_q, head_dim),
+                                "err": rel_err(out, ref) if new_pos.numel() else 0.0})
+    return results
+
+
+def mismatched_mode() -> str:
+    """Rank 0 asks for pass-KV, the others for pass-Q: every rank raises naming the mode."""
+    rank = dist.get_rank()
+    x = torch.randn(1, 2, 2, 4)
+    try:
+        turn_attention(x, x, x, q_positions=torch.arange(2) + 10 * rank, k_positions=torch.arange(2) + 10 * rank,
+                       mode="pass_kv" if rank == 0 else "pass_q")
+    except ValueError as err:
+        return str(err)
+    return "no error"
