@@ -10,6 +10,7 @@ from megatron_ring.integrations.hf.cache import RingCache
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, CPContext, cp_context
 from megatron_ring.integrations.hf.generate import ring_forward, ring_generate
 from megatron_ring.integrations.hf.nll import TokenScores, ring_nll, ring_token_scores
+from megatron_ring.integrations.hf.turns import ring_decode_step, ring_extend, ring_prefill_documents
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -20,8 +21,11 @@ __all__ = [
     "enable_ring_attention",
     "init_autotp",
     "register",
+    "ring_decode_step",
+    "ring_extend",
     "ring_forward",
     "ring_generate",
     "ring_nll",
+    "ring_prefill_documents",
     "ring_token_scores",
 ]

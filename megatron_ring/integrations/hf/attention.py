@@ -48,6 +48,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.api import ring_attention
+from megatron_ring.attention.turn import turn_attention
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, CPContext, active, generating
 from megatron_ring.integrations.hf.shard_check import check_shard_positions
 
@@ -121,6 +122,17 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                          "megatron_ring.hf.ring_generate")
     if ctx.cu_seqlens is not None:
         return _returned(ctx, _packed_prefill(ctx, q, k, v, attention_mask, scale, window)), None
+    if ctx.phase == "turn":
+        if ctx.cache is None or ctx.turn_positions is None or attention_mask is not None:
+            raise ValueError("the turn phase needs the conversation's RingCache and the turn's positions in the CP "
+                             "context, and no padding mask; run turns through megatron_ring.hf.ring_extend")
+        columns = ctx.cache.layers[module.layer_idx].columns
+        n = ctx.turn_positions.numel()  # q_len > n: the placeholder token of a rank without new tokens
+        out = turn_attention(q[:, :n], k, v, ctx.group, q_positions=ctx.turn_positions, k_positions=columns,
+                             mode=ctx.turn_mode, softmax_scale=scale, window_size=(window[0], 0))
+        if n < q.shape[1]:
+            out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
+        return _returned(ctx, out), None
     if ctx.phase == "prefill" and not ctx.sharded and getattr(module, "layer_idx", 0) == 0:
         check_shard_positions(ctx, kwargs.get("position_ids"), attention_mask, q.shape[0], q.shape[1])
     key_mask = attention_mask

@@ -62,6 +62,16 @@ class RingCacheLayer(DynamicLayer):
         """Store this rank's share of the new K/V ``[batch, heads_kv, q_len, head_dim]``; return the local shard."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        turn = self.owner.turn_plan
+        if turn is not None:  # Note [Pass-KV or pass-Q] in attention/turn.py: this rank's new tokens, appended
+            columns, new_tokens = turn
+            n = columns.numel()  # a rank without new tokens runs one placeholder token: not kept
+            self.keys = torch.cat([self.keys, key_states[..., :n, :]], dim=-2)
+            self.values = torch.cat([self.values, value_states[..., :n, :]], dim=-2)
+            columns = columns.to(key_states.device)
+            self.columns = columns if self.columns is None else torch.cat([self.columns, columns])
+            self.seen += new_tokens
+            return self.keys, self.values
         plan = self.owner.prefill_plan
         if plan is not None:
             columns, padding, global_len = plan
@@ -97,6 +107,13 @@ class RingCacheLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.seen
 
+    def keep_first(self, tokens: int) -> None:
+        """Keep the conversation's first ``tokens`` tokens: drop the local entries at later columns."""
+        if self.columns is not None and self.keys is not None:
+            keep = self.columns < tokens
+            self.keys, self.values, self.columns = self.keys[..., keep, :], self.values[..., keep, :], self.columns[keep]
+        self.seen = min(self.seen, tokens)
+
     def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply ``fn`` to the batch rows of the local K/V, also when this rank's shard is empty
         (``DynamicLayer`` skips a layer whose ``get_seq_length()`` is 0, which here is the global count)."""
@@ -131,6 +148,28 @@ class RingCache(Cache):
         super().__init__(layers=[RingCacheLayer(self) for _ in range(num_layers)])
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.prefill_plan: tuple[torch.Tensor, int, int] | None = None
+        self.turn_plan: tuple[torch.Tensor, int] | None = None
+
+    @contextlib.contextmanager
+    def turn(self, columns: torch.Tensor, new_tokens: int) -> Iterator[None]:
+        """Inside the block, ``update`` appends this rank's share of a new turn: the tokens at global
+        ``columns`` (int64 ``[n_local]``, may be empty), of ``new_tokens`` new tokens over all ranks."""
+        self.turn_plan = (columns, new_tokens)
+        try:
+            yield
+        finally:
+            self.turn_plan = None
+
+    def keep_first(self, tokens: int) -> None:
+        """Crop the conversation to its first ``tokens`` tokens on every layer (a follow-up whose prompt
+        shares only that prefix with what is cached)."""
+        for layer in self.layers:
+            layer.keep_first(tokens)
+
+    def nbytes(self) -> int:
+        """Bytes of this rank's K/V, all layers."""
+        return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers
+                   if layer.keys is not None)
 
     @contextlib.contextmanager
     def prefill(self, columns: torch.Tensor, global_len: int) -> Iterator[None]:

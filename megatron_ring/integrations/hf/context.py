@@ -21,8 +21,9 @@ SHARDING = "zigzag"  # causal LMs: zigzag balances the ring (Note [Zigzag shardi
 class CPContext:
     """The CP group of the running model call and what the attention function must do.
 
-    ``phase`` is ``"prefill"`` (local tokens of a zigzag-sharded sequence: ring attention) or
-    ``"decode"`` (new tokens identical on all ranks against ``cache``: decode attention).
+    ``phase`` is ``"prefill"`` (local tokens of a zigzag-sharded sequence: ring attention),
+    ``"decode"`` (new tokens identical on all ranks against ``cache``: decode attention) or ``"turn"``
+    (this rank's share of a new turn against ``cache``: turn attention, Note [Pass-KV or pass-Q]).
     ``cu_seqlens`` (int32 ``[n_docs + 1]``, global boundaries) marks a packed prefill: one row of
     documents, each sharded zigzag on its own (Note [Packed sequences] in packed.py).
     """
@@ -33,6 +34,10 @@ class CPContext:
     phase: str = "prefill"
     cache: "RingCache | None" = None
     cu_seqlens: torch.Tensor | None = None
+    turn_positions: torch.Tensor | None = None
+    """Phase ``"turn"``: the global positions (int64 ``[n_local]``) of this rank's new tokens."""
+    turn_mode: str = "auto"
+    """Phase ``"turn"``: ``turn_attention``'s mode (``"auto"``, ``"pass_kv"``, ``"pass_q"``)."""
     sharded: bool = False
     """This rank's prefill inputs were cut by the adapter (``local_inputs``), so they are a zigzag
     shard; otherwise a prefill's positions are checked first (Note [Checking a user's shard] in shard_check.py)."""

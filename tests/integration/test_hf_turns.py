@@ -1,0 +1,52 @@
+"""Follow-up turns and ragged first turns of a transformers model over a CP group, against one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ring.attention.reference import rel_err
+from megatron_ring.testing.tiny_hf import tiny_model
+from tests.integration import hf_turn_workers
+
+pytestmark = [pytest.mark.integration, pytest.mark.pool_family("frameworks")]
+
+
+def _reference_answers(family: str, overrides: dict) -> list[list[int]]:
+    model = tiny_model(family, **overrides)
+    document, turns = hf_turn_workers.conversation()
+    history, answers = document, []
+    for i, (ids, count) in enumerate(turns):
+        if i:
+            history = torch.cat([history, ids])
+        with torch.no_grad():
+            out = model.generate(history[None], max_new_tokens=count, do_sample=False, min_new_tokens=count)
+        answers.append(out[0, history.numel():].tolist())
+        history = out[0]
+    return answers
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", {"sliding_window": 8})])
+def test_follow_up_turns_equal_recomputing_the_conversation(gloo_pool, size, family, overrides):
+    want = _reference_answers(family, overrides)
+    for mode in ("pass_kv", "pass_q", "auto"):
+        for answers in gloo_pool(size).run(hf_turn_workers.run_conversation, family, mode, overrides):
+            assert answers == want, (mode, answers, want)
+
+
+def test_ragged_documents_in_one_packed_prefill(gloo_pool):
+    lengths, count = [5, 23, 40], 4
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, 256, (n,), generator=gen) for n in lengths]
+    for result in gloo_pool(3).run(hf_turn_workers.run_ragged, lengths, count):
+        for doc, answer, logits in zip(docs, result["answers"], result["first_logits"]):
+            with torch.no_grad():
+                ref = model.generate(doc[None], max_new_tokens=count, do_sample=False, min_new_tokens=count)
+                ref_logits = model(doc[None]).logits[0, -1]
+            assert answer == ref[0, doc.numel():].tolist()
+            assert rel_err(logits, ref_logits) < 1e-5
+        # every document's real tokens and answer are kept, none of its padding, split as evenly as zigzag allows
+        for doc_index, n in enumerate(lengths):
+            shares = [sizes[doc_index] for sizes in result["shard_sizes"]]
+            assert sum(shares) == n + count - 1 and max(shares) - min(shares) <= -(-n // 6) * 2 + 1
