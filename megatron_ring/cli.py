@@ -39,6 +39,9 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
                     "long-document question/answer JSONL (a fact hidden in local text) for fine-tuning and evaluation"),
     "lm-eval": ("megatron_ring.eval.harness_cli", "harness_cli_main",
                 "lm-evaluation-harness with the model megatron_ring over the ring (checked, then launched)"),
+    "serve": ("megatron_ring.serving.serve_cli", "serve_cli_main",
+              "an OpenAI-compatible HTTP server of an inference config's model over its ranks (chat, streaming, "
+              "follow-up turns from the sharded cache)"),
     "niah": ("megatron_ring.eval.niah", "niah_main",
              "needle in a haystack over lengths x depths for any inference config: niah.json and the heatmap"),
 }

@@ -148,6 +148,7 @@ class RankSession:
     backend: str
     dtype: torch.dtype
     runner: ModelRunner
+    monitor: PeerMonitor
 
 
 @contextmanager
@@ -171,7 +172,7 @@ def rank_session(spec: InferenceSpec, label: str) -> Iterator[RankSession]:
             spec.model, groups, dtype=dtype, device=device, seed=work.seed, batch=work.batch,
             prompt_len=work.prompt_len, new_tokens=work.new_tokens)
         runner.init_deepspeed(spec.deepspeed)
-        yield RankSession(rank, groups, device, backend, dtype, runner)
+        yield RankSession(rank, groups, device, backend, dtype, runner, monitor)
         monitor.done()
         dist.barrier()
     except Exception:

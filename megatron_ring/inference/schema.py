@@ -80,6 +80,8 @@ class RingSection(StrictModel):
     layout: LayoutConfig
     workload: WorkloadSection
     output: Optional[str] = Field(None, description="result JSON path; None prints only")
+    serve: Optional[dict[str, Any]] = Field(None, description="settings of megatron-ring serve, checked by it "
+                                                               "(serving/schema.py)")
     collective_timeout_s: TimeoutSeconds = Field(300.0, description="timeout of every collective")
     peer_timeout_s: TimeoutSeconds = Field(
         20.0, description="a peer silent this long is declared lost and the job stops")

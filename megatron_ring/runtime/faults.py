@@ -117,6 +117,8 @@ class PeerMonitor:
         self.timeout_s = timeout_s
         self.interval_s = interval_s
         self.rank = -1
+        self.on_sigterm: Any = None
+        """A callable that handles SIGTERM instead of the exit (a server that drains first); None: exit."""
         self._store: Any = None
         self._world = 0
         self._peers: dict[int, tuple[str, int]] = {}
@@ -359,6 +361,9 @@ class PeerMonitor:
         self._exit_once(f"lost {self._lost}; stopping (exit {EXIT_PEER_LOST}), no result is written", EXIT_PEER_LOST)
 
     def _exit_terminated(self) -> None:
+        if self.on_sigterm is not None:
+            self.on_sigterm()
+            return
         self._check_peers()
         why = f"after lost {self._lost}" if self._lost else "no lost peer seen"
         self._exit_once(f"terminated by SIGTERM ({why}); stopping (exit {EXIT_TERMINATED}), no result is written",

@@ -40,6 +40,7 @@ from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
 from megatron_ring.integrations.hf.nll import ring_token_scores
 from megatron_ring.integrations.hf.peer_errors import telling_peers
+from megatron_ring.integrations.hf.turns import ring_decode_step, ring_extend, ring_prefill_documents
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -171,6 +172,24 @@ class HFRunner:
         self.positions = self.positions + 1
         return logits[:, -1].float().argmax(dim=-1)
 
+
+    # Conversations (``megatron-ring serve``): each keeps its own RingCache, batch 1.
+
+    def start(self, documents: list[torch.Tensor]) -> list[tuple[RingCache, int]]:
+        """First turns of conversations of any lengths in one packed prefill: each one's cache and greedy next token."""
+        started = ring_prefill_documents(self.module, [d.to(self.device) for d in documents], group=self.groups.cp)
+        return [(cache, int(logits.argmax())) for cache, logits in started]
+
+    def extend(self, cache: RingCache, ids: torch.Tensor, mode: str) -> int:
+        """A follow-up turn ``ids`` (1-D) against ``cache``; the greedy next token."""
+        return int(ring_extend(self.module, cache, ids.to(self.device), group=self.groups.cp, mode=mode).argmax())
+
+    def step(self, cache: RingCache, token: int) -> int:
+        """Feed ``token`` to the conversation; the greedy next token."""
+        return int(ring_decode_step(self.module, cache, token, group=self.groups.cp).argmax())
+
+    def keep_first(self, cache: RingCache, tokens: int) -> None:
+        cache.keep_first(tokens)
 
     def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
