@@ -24,7 +24,7 @@ from megatron_ring.parallel.groups import leave_distributed
 from megatron_ring.serving.engine import ServeLoop, exchange_plan
 from megatron_ring.serving.schema import ServeSection, parse_serve
 
-SERVING_RUNNERS = ("hf",)
+SERVING_RUNNERS = ("hf", "megatron")
 """Runners whose conversations keep a sharded cache between turns (``start``, ``extend``, ``step``)."""
 
 
@@ -48,18 +48,27 @@ def serve_spec(config: str, world_size: int, flags: argparse.Namespace) -> tuple
                                                ("cache_budget_tokens", flags.cache_budget_tokens),
                                                ("turn_mode", flags.turn_mode)) if value is not None}
     serve = parse_serve({**(spec.ring.serve or {}), **overrides}, where)
-    problems = []
+    problems, summary = [], spec.model_summary
     if spec.ring.model.runner not in SERVING_RUNNERS:
         problems.append(f"megatron_ring.model.runner = {spec.ring.model.runner!r}: serve keeps conversations in the "
-                        f"sharded cache of the {list(SERVING_RUNNERS)} runner only; allowed: {list(SERVING_RUNNERS)}")
-    if spec.layout.dp != 1 or spec.layout.pp != 1:
-        problems.append(f"megatron_ring.layout: serve runs one replica over tp x cp; got dp = {spec.layout.dp}, "
-                        f"pp = {spec.layout.pp}; allowed: dp = 1, pp = 1")
-    if spec.model_summary.get("max_position_embeddings") is None:
-        problems.append("megatron_ring.model: the checkpoint does not say its max_position_embeddings (the window)")
+                        f"sharded cache of the {list(SERVING_RUNNERS)} runners only")
+    if spec.ring.model.runner == "megatron" and (summary.get("attention") != "ring" or "checkpoint" not in summary):
+        problems.append(f"megatron_ring.model: the megatron runner serves a checkpoint (its tokenizer) with attention: "
+                        f"ring (its turns run turn_attention); got attention = {summary.get('attention')!r}"
+                        + ("" if "checkpoint" in summary else ", random weights"))
+    if spec.layout.dp != 1:
+        problems.append(f"megatron_ring.layout.dp = {spec.layout.dp}: serve runs one replica; allowed: dp = 1")
+    if window_of(summary) is None:
+        problems.append("megatron_ring.model: the checkpoint does not say its window (max_position_embeddings)")
     if problems:
         raise ConfigError(*problems, where=where)
     return spec, serve
+
+
+def window_of(summary: dict[str, Any]) -> Optional[int]:
+    """The model's window in tokens: a transformers config's ``max_position_embeddings``, a GPT file's ``seq_length``."""
+    window = summary.get("max_position_embeddings") or summary.get("seq_length")
+    return None if window is None else int(window)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -107,7 +116,7 @@ def _serve_rank0(spec: InferenceSpec, serve: ServeSection, session: RankSession,
     generation = getattr(runner.module, "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
     stop_ids |= set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    window = int(spec.model_summary["max_position_embeddings"])
+    window = window_of(spec.model_summary)
     served = ServedModel(serve.served_model_name or spec.name, tokenizer, window, serve.max_tokens,
                          serve.max_tokens_limit or window, tuple(sorted(stop_ids)))
     bridge = Bridge(queue_limit=serve.queue_limit, max_batch=serve.max_batch)

@@ -60,6 +60,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence, unshard_sequence
+from megatron_ring.attention.turn import turn_attention
 from megatron_ring.config import ConfigError, Problems
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
@@ -68,6 +69,7 @@ from megatron_ring.integrations.megatron.model import build_gpt_model, global_na
     load_full_state_dict, shard_of, unwrap
 from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.inference.runners.checkpoint import gpt_config, load_checkpoint
+from megatron_ring.inference.runners.gpt_conversations import MegatronConversations
 from megatron_ring.inference.runners.protocol import DeepSpeedPassThrough, block_kernel_name, refuse_padding
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
@@ -146,6 +148,9 @@ class CachedCoreAttention(torch.nn.Module):
         self.rows = slice(None)
         self.positions = torch.zeros(0, dtype=torch.long, device=device)
         self.k_positions = torch.zeros(capacity, dtype=torch.long, device=device)  # of the cache rows
+        self.turn: Optional[tuple[int, str]] = None
+        """A follow-up turn (``megatron-ring serve``): this rank's count of new tokens (the call may carry one
+        placeholder more) and ``turn_attention``'s mode; :attr:`positions` are the new tokens' positions."""
 
     def _ensure(self, key: torch.Tensor) -> None:
         if self.k is None:
@@ -156,6 +161,54 @@ class CachedCoreAttention(torch.nn.Module):
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
+    def _room(self, rows: int) -> None:
+        """Grow the cache (doubling) so that ``rows`` more tokens fit."""
+        need = self.length + rows
+        if need <= self.capacity:
+            return
+        capacity = max(need, 2 * self.capacity)
+        grown = [torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in (self.k, self.v)]
+        for new, old in zip(grown, (self.k, self.v)):
+            new[:self.length] = old[:self.length]
+        positions = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        positions[:self.length] = self.k_positions[:self.length]
+        self.k, self.v, self.k_positions, self.capacity = grown[0], grown[1], positions, capacity
+
+    def state(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, int, int]:
+        """This layer's cache, to keep with a conversation (:meth:`load` puts it back)."""
+        return self.k, self.v, self.k_positions, self.length, self.capacity
+
+    def load(self, state: tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, int, int]) -> None:
+        self.k, self.v, self.k_positions, self.length, self.capacity = state
+
+    def keep_first(self, tokens: int) -> None:
+        """Drop the cached tokens at positions ``>= tokens``."""
+        if self.k is None:
+            return
+        keep = torch.nonzero(self.k_positions[:self.length] < tokens)[:, 0]
+        n = keep.numel()
+        self.k[:n], self.v[:n] = self.k[keep], self.v[keep]
+        self.k_positions[:n] = self.k_positions[keep]
+        self.length = n
+
+    def _turn(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A follow-up turn: this rank's new K/V appended, its queries against every shard (Note [Pass-KV or
+        pass-Q]); ``[sq, b, np * hn]`` with zeros for a placeholder row."""
+        n, mode = self.turn
+        sq, b = query.shape[:2]
+        self._room(n)
+        self.k[self.length:self.length + n, self.rows] = key[:n]
+        self.v[self.length:self.length + n, self.rows] = value[:n]
+        self.k_positions[self.length:self.length + n] = self.positions[:n]
+        self.length += n
+        k, v = self.k[:self.length, self.rows], self.v[:self.length, self.rows]
+        window = self.inner.ring_window(causal=True)
+        out = turn_attention(query[:n].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), self.inner.cp_group,
+                             q_positions=self.positions[:n], k_positions=self.k_positions[:self.length], mode=mode,
+                             softmax_scale=self.inner.softmax_scale, window_size=(window[0], 0))
+        out = out.transpose(0, 1).reshape(n, b, query.shape[2] * query.shape[3])
+        return torch.cat([out, out.new_zeros(sq - n, b, out.shape[-1])]) if n < sq else out
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -163,16 +216,17 @@ class CachedCoreAttention(torch.nn.Module):
         self._ensure(key)
         sq, b = key.shape[:2]
         rows = self.rows
+        if self.turn is not None:
+            return self._turn(query, key, value)
         if not self.decoding:
-            if sq > self.capacity:
-                raise ValueError(f"prompt shard of {sq} tokens exceeds the KV cache capacity {self.capacity}")
+            self.length = 0
+            self._room(sq)
             self.k[:sq, rows], self.v[:sq, rows] = key, value
             self.k_positions[:sq] = self.positions
             self.length = sq
             return self.inner(query, key, value, None, attn_mask_type=AttnMaskType.causal)
         if self.owner:
-            if self.length >= self.capacity:
-                raise RuntimeError(f"KV cache full ({self.capacity} tokens per rank); more new tokens than built for")
+            self._room(1)
             self.k[self.length, rows], self.v[self.length, rows] = key[0], value[0]
             self.k_positions[self.length] = self.positions[0]
         end = self.length + int(self.owner)
@@ -215,7 +269,7 @@ def draw_weights(model: torch.nn.Module, seed: int) -> None:
         param.copy_(shard_of(param, full.to(param.device), gated=is_gated_fc1(inner, key)))
 
 
-class MegatronRunner(DeepSpeedPassThrough):
+class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
     """:class:`~megatron_ring.inference.runners.protocol.ScoringRunner` of a Megatron-core GPT (Note [Sharded KV
     cache])."""
 
@@ -353,7 +407,7 @@ class MegatronRunner(DeepSpeedPassThrough):
     def decode(self, ids: torch.Tensor) -> torch.Tensor:
         if self._pos < 0:
             raise RuntimeError("decode() before prefill(): call reset() then prefill(prompt) first")
-        owner = self._step % self.cp_size == self.cp_rank
+        owner = self._pos % self.cp_size == self.cp_rank  # round-robin (a prefill's length is a multiple of cp)
         for cache in self.caches:
             cache.decoding, cache.owner, cache.check = True, owner, self._step == 0
         positions = torch.tensor([self._pos], device=self.device)
