@@ -144,6 +144,22 @@ def test_only_the_cli_and_launch_import_eval() -> None:
     assert not bad, "eval/ sits beside training/ and perf/, under the CLI only:\n" + "\n".join(bad)
 
 
+def test_only_the_cli_imports_serving() -> None:
+    """``serving/`` composes inference/ (runners, the rank session); only the CLI imports it, and the web stack
+    (fastapi, uvicorn, starlette) is imported there alone."""
+    web = {"fastapi", "uvicorn", "starlette"}
+    bad = [f"{path.relative_to(ROOT)} imports {name}" for path in PACKAGE.rglob("*.py")
+           if layer(module_name(path)) not in ("serving", "cli") for name in imports_of(path)
+           if name == "megatron_ring.serving" or name.startswith("megatron_ring.serving.")]
+    bad += [f"{path.relative_to(ROOT)} imports {name}" for path in (PACKAGE / "serving").rglob("*.py")
+            for name in imports_of(path) if any(name.startswith(f"megatron_ring.{o}") for o in
+                                                 ("training", "eval", "perf", "cli", "testing"))]
+    bad += [f"{path.relative_to(ROOT)} imports {name} (the web stack belongs to serving/)"
+            for path in PACKAGE.rglob("*.py") if layer(module_name(path)) != "serving"
+            for name in imports_of(path) if top(name) in web]
+    assert not bad, "serving/ sits beside eval/, under the CLI only:\n" + "\n".join(bad)
+
+
 def test_inference_and_training_never_import_each_other() -> None:
     """Both directions: inference/ never imports training/, training/ never imports inference/."""
     bad = [f"{path.relative_to(ROOT)} imports {name}"
