@@ -5,7 +5,8 @@ Every config kind the project ships goes through the same validation its ranks r
 * a DeepSpeed JSON with a ``megatron_ring`` section that trains (``steps``): ``load_train_spec``
   (both engines, the ``transformers`` entry, data and held-out files through the tokenizer);
 * a DeepSpeed JSON with a ``megatron_ring`` section that serves (``workload``): the inference
-  ``load_spec`` (runner, model, workload, prompts);
+  ``load_spec`` (runner, model, workload, prompts); with a ``serve`` section, ``megatron-ring serve``'s
+  checks (serving/serve_main.py);
 * a ``configs/megatron`` YAML: the GPT config (a model naming a checkpoint: its config read and
   converted, its weights not).
 
@@ -71,6 +72,13 @@ def check_one(path: Path, world: Optional[int]) -> str:
         spec = load_train_spec(path, world_size=size)
         return (f"training ({spec.train.engine} engine), layout {spec.layout.describe()} on {size} processes, "
                 f"seq_len {spec.train.seq_len}, {spec.train.steps} steps, global batch {spec.global_batch}")
+    ours = raw.get("megatron_ring")
+    if isinstance(ours, dict) and ours.get("serve") is not None:
+        from megatron_ring.serving.serve_main import serve_spec
+
+        spec, serve = serve_spec(str(path), size)
+        return (f"serve ({spec.ring.model.runner} runner), layout {spec.layout.describe()} on {size} processes, "
+                f"http://{serve.host}:{serve.port}/v1, cache budget {serve.cache_budget_tokens} tokens")
     from megatron_ring.inference.main import load_spec
     from megatron_ring.inference.text_check import check_text_prompts
 

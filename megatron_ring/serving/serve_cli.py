@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from megatron_ring.config import ConfigError
 from megatron_ring.inference.compare import LAUNCHERS, job_env, module_command, world_size_of
 from megatron_ring.runtime.args import usage_error
-from megatron_ring.serving.serve_main import add_serve_flags, serve_spec
+from megatron_ring.serving.serve_main import FLAGS, add_serve_flags, serve_spec
 
 
 def serve_cli_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -34,7 +34,7 @@ def serve_cli_main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"megatron-ring serve: config error, nothing was started:\n{err}", file=sys.stderr, flush=True)
         return 2
     forwarded = ["--config", str(config)]
-    for flag in ("host", "port", "served_model_name", "cache_budget_tokens", "turn_mode"):
+    for flag in FLAGS:
         value = getattr(args, flag)
         if value is not None:
             forwarded += [f"--{flag.replace('_', '-')}", str(value)]

@@ -28,6 +28,10 @@ SERVING_RUNNERS = ("hf", "megatron")
 """Runners whose conversations keep a sharded cache between turns (``start``, ``extend``, ``step``)."""
 
 
+FLAGS = ("host", "port", "served_model_name", "cache_budget_tokens", "turn_mode")
+"""The ``serve`` keys the command's flags override."""
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that override the config's ``serve`` section (shared with the command)."""
     parser.add_argument("--host", default=None, help="bind address (serve.host)")
@@ -37,16 +41,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-mode", choices=("auto", "pass_kv", "pass_q"), default=None, help="serve.turn_mode")
 
 
-def serve_spec(config: str, world_size: int, flags: argparse.Namespace) -> tuple[InferenceSpec, ServeSection]:
+def serve_spec(config: str, world_size: int, flags: Optional[argparse.Namespace] = None
+               ) -> tuple[InferenceSpec, ServeSection]:
     """The validated config for serving on ``world_size`` ranks and its ``serve`` section with the flags
     applied; ConfigError naming each problem (the workload section is not used: requests are)."""
     spec = load_spec(config, world_size=world_size,
                      workload={"batch": 1, "prompt_len": 2 * world_size, "new_tokens": 2, "text": None})
     where = f"config {config!r}"
-    overrides = {key: value for key, value in (("host", flags.host), ("port", flags.port),
-                                               ("served_model_name", flags.served_model_name),
-                                               ("cache_budget_tokens", flags.cache_budget_tokens),
-                                               ("turn_mode", flags.turn_mode)) if value is not None}
+    overrides = {key: getattr(flags, key) for key in FLAGS if getattr(flags, key, None) is not None}
     serve = parse_serve({**(spec.ring.serve or {}), **overrides}, where)
     problems, summary = [], spec.model_summary
     if spec.ring.model.runner not in SERVING_RUNNERS:
