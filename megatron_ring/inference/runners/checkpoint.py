@@ -5,7 +5,9 @@ a directory, a ``.gguf`` file, or ``package:<module>``. :func:`locate` finds it 
 ConfigError naming the key; :func:`read_config` reads its config without the weights (validation);
 :func:`gpt_config` turns a ``configs/megatron`` mapping, sizes or checkpoint, into its
 :class:`~megatron_ring.config.gpt.GPTConfig` (the megatron runner, the planner); :func:`load_checkpoint`
-loads model and tokenizer on every rank, a GGUF file converted once by rank 0 first (Note [GGUF
+loads model and tokenizer on every rank (the hf runner), :func:`load_weights` the weights as Megatron's
+names, read a slice at a time by each rank (the megatron runner, Note [Sharded loading] in
+``integrations/megatron/hf_checkpoint.py``), a GGUF file converted once by rank 0 first (Note [GGUF
 conversion cache] in ``integrations/hf/checkpoint.py``). Nothing here imports megatron-core.
 """
 from __future__ import annotations
@@ -20,7 +22,9 @@ from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.hf.checkpoint import gguf_location, load_causal_lm, load_config, load_tokenizer, \
     local_dir_once, resolve_checkpoint
+from megatron_ring.integrations.megatron.hf_checkpoint import checkpoint_weights
 from megatron_ring.integrations.megatron.hf_config import model_fields
+from megatron_ring.integrations.megatron.hf_weights import HFWeights
 
 
 def locate(source: CheckpointSource, where: str) -> tuple[Path, Optional[tuple[Path, str]]]:
@@ -69,6 +73,19 @@ def load_checkpoint(source: CheckpointSource, *, dtype: torch.dtype, attn_implem
     local_dir_once(path, source.gguf_file, _cache_dir(source))
     return load_causal_lm(path, gguf_file=source.gguf_file, dtype=dtype, attn_implementation=attn_implementation,
                           cache_dir=_cache_dir(source))
+
+
+def load_weights(source: CheckpointSource, *, where: str) -> tuple[HFWeights, Any]:
+    """``(HFWeights, tokenizer)`` on every rank: the weights by Megatron's unsharded names, nothing read until a
+    rank loads its stage and TP slices from them (Note [Sharded loading]); a GGUF file is converted by rank 0
+    while the others wait. ConfigError naming the checkpoint when its tensors do not fit the converter."""
+    path, _ = locate(source, where)
+    directory = local_dir_once(path, source.gguf_file, _cache_dir(source))
+    try:
+        weights = checkpoint_weights(directory)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint = {source.checkpoint!r}: {err}", where=where) from None
+    return weights, load_tokenizer(directory)
 
 
 def source_tokenizer(source: CheckpointSource, where: str) -> Any:

@@ -56,6 +56,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.integrations.megatron.hf_weights import HFWeights
 from megatron_ring.integrations.megatron.specs import get_gpt_layer_ring_spec
 from megatron_ring.integrations.megatron.state import check_parallel_state
 
@@ -208,6 +209,8 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
 
     Parameters are mapped by global layer index and sliced along their TP partition dim. With tied
     embeddings the last stage's ``output_layer.weight`` comes from ``embedding.word_embeddings.weight``.
+    Only this stage's names are read; from an :class:`HFWeights` only this TP rank's slices
+    (:meth:`HFWeights.tp_slice`: a checkpoint read from its files is read a slice at a time).
     """
     inner = unwrap(model)
     with torch.no_grad():
@@ -217,7 +220,13 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
                 key = "embedding.word_embeddings.weight"
             if key not in full:
                 raise KeyError(f"parameter {name!r} (global {key!r}) is missing from the full state dict")
-            src = shard_of(param, full[key], gated=is_gated_fc1(inner, key))
+            gated = is_gated_fc1(inner, key)
+            if isinstance(full, HFWeights) and getattr(param, "tensor_model_parallel", False):
+                src = full.tp_slice(key, dim=param.partition_dim, gated=gated,
+                                    parts=parallel_state.get_tensor_model_parallel_world_size(),
+                                    index=parallel_state.get_tensor_model_parallel_rank())
+            else:
+                src = shard_of(param, full[key], gated=gated)
             if src.shape != param.shape:
                 raise ValueError(f"{name}: full-state shard has shape {tuple(src.shape)}, parameter {tuple(param.shape)}")
             param.copy_(src)
