@@ -31,7 +31,8 @@ def sharded_and_whole(directory: str, sizes: dict[str, int]) -> dict[str, Any]:
     load_full_state_dict(sharded, weights)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
     whole = build_gpt_model(cfg).eval()
-    load_full_state_dict(whole, HFWeights(hf.config.to_dict(), hf.state_dict()))
+    converted = HFWeights(hf.config.to_dict(), hf.state_dict())
+    load_full_state_dict(whole, {key: converted[key] for key in converted})  # a dict: cut by shard_of, as before
     pairs = list(zip(sharded.named_parameters(), whole.named_parameters()))
     equal = all(na == nb and torch.equal(a, b) for (na, a), (nb, b) in pairs)
     return {"reads": list(weights.source.reads), "equal": equal, "shapes": dict(weights.source.shapes),

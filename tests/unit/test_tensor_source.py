@@ -37,6 +37,11 @@ def test_tp_slices_from_files_equal_chunks_of_the_whole(tmp_path: Path, family: 
                     got = sliced.tp_slice(key, dim=dim, parts=parts, index=index, gated=gated)
                     assert torch.equal(got, expected), (key, dim, parts, index)
                     assert torch.equal(whole.tp_slice(key, dim=dim, parts=parts, index=index, gated=gated), expected)
+                    into = torch.empty_like(expected)
+                    sliced.tp_slice(key, dim=dim, parts=parts, index=index, gated=gated, out=into)
+                    assert torch.equal(into, expected), (key, dim, parts, index, "out")
+    with pytest.raises(ValueError, match=r"has shape \(64,\), its destination \(3,\)"):
+        sliced.tp_slice("decoder.final_layernorm.weight", dim=0, parts=1, index=0, gated=False, out=torch.empty(3))
 
 
 def test_a_read_copies_only_its_slice(tmp_path: Path) -> None:
@@ -52,3 +57,19 @@ def test_a_read_copies_only_its_slice(tmp_path: Path) -> None:
     assert files.reads == [("w", 1, 2, 4), ("w", 0, 0, None)]
     assert torch.equal(TensorDict({"w": tensor}).read("w", 0, 1, 3), tensor[1:3].float())
     assert SafetensorsTensors.of(tmp_path / "nothing-here") is None
+
+
+def test_reads_in_blocks_give_the_same_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [One tensor's pages at a time]: a slice copied through many small mappings is the same slice."""
+    from safetensors.torch import save_file
+
+    from megatron_ring.integrations.megatron import tensor_source
+
+    tensor = torch.randn(37, 10, generator=torch.Generator().manual_seed(0))
+    save_file({"w": tensor, "b": tensor[:, 0].contiguous()}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(tensor_source, "BLOCK_BYTES", 3 * 10 * 4)  # three rows per mapping
+    files = SafetensorsTensors.of(tmp_path)
+    assert torch.equal(files.read("w"), tensor)
+    assert torch.equal(files.read("w", 0, 5, 30), tensor[5:30])
+    assert torch.equal(files.read("w", 1, 3, 7), tensor[:, 3:7])
+    assert torch.equal(files.read("b", 0, 1, 36), tensor[1:36, 0])

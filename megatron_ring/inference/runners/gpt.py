@@ -65,7 +65,7 @@ from megatron_ring.config import Problems
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, is_gated_fc1, \
-    load_full_state_dict, shard_of, unwrap
+    load_full_state_dict, shard_of, unwrap, weights_to_be_loaded
 from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.inference.runners.checkpoint import gpt_config, load_weights
 from megatron_ring.inference.runners.protocol import DeepSpeedPassThrough, block_kernel_name, refuse_padding
@@ -238,7 +238,7 @@ class MegatronRunner(DeepSpeedPassThrough):
         ps = parallel_state
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.module = unwrap(build_gpt_model(self.cfg))
+        self.module = unwrap(build_gpt_model(self.cfg, **({} if weights is None else weights_to_be_loaded())))
         self.attention_kernel = "megatron-local" if cfg.attention == "local" else \
             block_kernel_name(device, dtype, cfg.model.kv_channels)
         self.module.eval()

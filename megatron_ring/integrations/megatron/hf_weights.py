@@ -44,7 +44,7 @@ So a rank reads ``1/t`` of each tensor it owns and never the whole.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -87,27 +87,35 @@ class HFWeights(Mapping[str, torch.Tensor]):
             return fused_qkv(*parts, groups=self.fields["num_query_groups"])
         return torch.cat(parts) if len(parts) > 1 else parts[0]  # fc1: [gate; up] (Note [Gated fc1 shards])
 
-    def tp_slice(self, key: str, *, dim: int, parts: int, index: int, gated: bool) -> torch.Tensor:
+    def tp_slice(self, key: str, *, dim: int, parts: int, index: int, gated: bool,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``self[key].chunk(parts, dim)[index]`` (for a ``gated`` fc1: chunk ``index`` of each half, Note [Gated
-        fc1 shards]), read as slices of the checkpoint's tensors only (Note [TP slices of fused tensors])."""
+        fc1 shards]), read as slices of the checkpoint's tensors only (Note [TP slices of fused tensors]); with
+        ``out`` (a parameter) copied into it, a slice of one tensor read straight into it. ValueError when ``out``
+        has another shape."""
         names = self.sources[key]
+        if len(names) == 1:
+            return self._chunk(names[0], dim, parts, index, out)
         groups = self.fields["num_query_groups"]
-        if key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-            if dim != 0 or groups % parts:
-                return self[key].chunk(parts, dim)[index]
-            return fused_qkv(*(self._chunk(name, 0, parts, index) for name in names), groups=groups // parts)
-        if len(names) > 1:
-            if not gated or dim != 0:
-                return self[key].chunk(parts, dim)[index]
-            return torch.cat([self._chunk(name, 0, parts, index) for name in names])
-        return self._chunk(names[0], dim, parts, index)
+        if key.endswith(("linear_qkv.weight", "linear_qkv.bias")) and dim == 0 and groups % parts == 0:
+            result = fused_qkv(*(self._chunk(name, 0, parts, index) for name in names), groups=groups // parts)
+        elif gated and dim == 0 and not key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            result = torch.cat([self._chunk(name, 0, parts, index) for name in names])
+        else:
+            result = self[key].chunk(parts, dim)[index]
+        if out is None:
+            return result
+        if out.shape != result.shape:
+            raise ValueError(f"the TP slice of {key!r} has shape {tuple(result.shape)}, its destination "
+                             f"{tuple(out.shape)}")
+        return out.copy_(result)
 
-    def _chunk(self, name: str, dim: int, parts: int, index: int) -> torch.Tensor:
-        """``tensor.chunk(parts, dim)[index]`` of checkpoint tensor ``name``, read alone."""
+    def _chunk(self, name: str, dim: int, parts: int, index: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tensor.chunk(parts, dim)[index]`` of checkpoint tensor ``name``, read alone (into ``out``)."""
         size = self.source.shape(name)[dim]
         step = -(-size // parts)
         start = min(size, index * step)
-        return self.source.read(name, dim, start, min(size, start + step))
+        return self.source.read(name, dim, start, min(size, start + step), out=out)
 
     def __contains__(self, key: object) -> bool:
         return key in self.sources

@@ -17,18 +17,23 @@ safetensors' ``safe_open`` maps the file and ``get_slice`` returns a view of the
 that mapping; the pages a copy touches stay resident, and count in the process's RSS, until the
 mapping goes. Kept open while a stage reads its layers, the mapping's touched pages would add up
 to the stage's share of the file on top of the fp32 copies (measured on SmolLM2-135M: peak 847
-MiB instead of 538 for half the layers). :meth:`SafetensorsTensors.read` therefore opens the file
-per read and copies the slice out before the mapping is released: at most one tensor's pages are
-mapped at a time. A column slice (``dim=1``) touches every page of its tensor (rows are
-contiguous), transiently; a row slice only its rows.
+MiB instead of 538 for half the layers); opened once per tensor, the embedding's 113 MiB of pages
+would still sit beside its copy. :meth:`SafetensorsTensors.read` therefore copies a slice in
+blocks of rows of at most :data:`BLOCK_BYTES`, each through a mapping of its own that is released
+before the next: at most 16 MiB of the file is resident at a time. A column slice (``dim=1``)
+touches every page of the rows it reads (rows are contiguous), a row slice only its rows.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
+
+BLOCK_BYTES = 16 * 2**20
+"""Bytes of a tensor mapped at a time while it is read (Note [One tensor's pages at a time])."""
 
 
 @runtime_checkable
@@ -41,8 +46,10 @@ class TensorSource(Protocol):
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name`` without reading it."""
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-        """Rows ``start:stop`` of tensor ``name`` along ``dim`` (all of it by default), float32, its own memory."""
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` along ``dim`` (all of it by default): float32 in memory of its
+        own, or copied into ``out`` (its shape; any float dtype) and ``out`` returned."""
 
 
 def _index(ndim: int, dim: int, start: int, stop: Optional[int]) -> tuple[slice, ...]:
@@ -63,11 +70,18 @@ class TensorDict:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
         tensor = self.tensors[name]
-        if start == 0 and stop is None:
-            return tensor.float()
-        return tensor[_index(tensor.dim(), dim, start, stop)].float()
+        part = tensor if start == 0 and stop is None else tensor[_index(tensor.dim(), dim, start, stop)]
+        return part.float() if out is None else _checked(out, part.shape, name).copy_(part)
+
+
+def _checked(out: torch.Tensor, shape: Iterable[int], name: str) -> torch.Tensor:
+    """``out``, or a ValueError naming ``name`` when ``out`` is not of ``shape``."""
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"the slice of {name!r} has shape {tuple(shape)}, its destination {tuple(out.shape)}")
+    return out
 
 
 class SafetensorsTensors:
@@ -114,15 +128,26 @@ class SafetensorsTensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
-    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    def read(self, name: str, dim: int = 0, start: int = 0, stop: Optional[int] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
         from safetensors import safe_open
 
+        full = self.shapes[name]
+        rows = range(*slice(start, stop).indices(full[dim])) if full else range(0)
+        shape = list(full)
+        if full:
+            shape[dim] = len(rows)
+        out = torch.empty(shape, dtype=torch.float32) if out is None else _checked(out, shape, name)
         self.reads.append((name, dim, start, stop))
-        shape = list(self.shapes[name])
-        shape[dim] = len(range(*slice(start, stop).indices(shape[dim])))
-        out = torch.empty(shape, dtype=torch.float32)
-        with safe_open(self.files[name], framework="pt") as handle:
-            view = handle.get_slice(name)[_index(len(shape), dim, start, stop)]
-            out.copy_(view)
-            del view
+        if not full:
+            with safe_open(self.files[name], framework="pt") as handle:
+                return out.copy_(handle.get_tensor(name))
+        row_bytes = max(1, math.prod(full[1:]) * 4)  # at most fp32 (F64 is not a checkpoint's dtype here)
+        step = max(1, BLOCK_BYTES // row_bytes)
+        for lo in range(0, shape[0], step):  # Note [One tensor's pages at a time]: a mapping per block
+            hi = min(shape[0], lo + step)
+            index = list(_index(len(full), dim, rows.start, rows.stop))
+            index[0] = slice(rows.start + lo, rows.start + hi) if dim == 0 else slice(lo, hi)
+            with safe_open(self.files[name], framework="pt") as handle:
+                out[lo:hi].copy_(handle.get_slice(name)[tuple(index)])
         return out
