@@ -38,3 +38,29 @@ def sharded_and_whole(directory: str, sizes: dict[str, int]) -> dict[str, Any]:
     return {"reads": list(weights.source.reads), "equal": equal, "shapes": dict(weights.source.shapes),
             "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "elements": sum(p.numel() for p in sharded.parameters())}
+
+
+def autotp_sharded_and_whole(directory: str, tp: int) -> dict[str, Any]:
+    """The hf runner's model at tp ``tp`` built empty, cut by AutoTP and read a slice at a time, against transformers'
+    whole model cut by AutoTP: whether every parameter and buffer is equal, the reads and this rank's elements."""
+    from megatron_ring.config.checkpoint import CheckpointSource
+    from megatron_ring.inference.runners.checkpoint import load_checkpoint
+    from megatron_ring.inference.runners.hf import HFRunner
+    from megatron_ring.integrations.deepspeed.autotp import init_autotp
+    from megatron_ring.parallel.groups import init_parallel
+    from megatron_ring.parallel.layout import ParallelLayout
+
+    groups = init_parallel(ParallelLayout(tp=tp))
+    ds = {"dtype": "fp32", "replace_with_kernel_inject": False}
+    source = CheckpointSource.parse({"checkpoint": directory})
+    runner = HFRunner(source, groups, dtype=torch.float32, device=torch.device("cpu"))
+    assert runner._slices is not None, "the sliced route was not taken"
+    files = runner._slices[0]
+    runner.init_deepspeed(ds)
+    whole, _ = load_checkpoint(source, dtype=torch.float32, attn_implementation="ring", where="test")
+    whole = init_autotp(whole, groups.tp, ds)
+    ours = dict(runner.module.named_parameters()) | dict(runner.module.named_buffers())
+    theirs = dict(whole.named_parameters()) | dict(whole.named_buffers())
+    equal = ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    return {"equal": equal, "reads": list(files.reads), "shapes": dict(files.shapes),
+            "elements": sum(p.numel() for p in runner.module.parameters())}
