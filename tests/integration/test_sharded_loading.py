@@ -56,11 +56,13 @@ def test_each_rank_reads_its_slices_only(gloo_pool: Any, tmp_path: Any, family: 
         assert len(names) == len(set(names)), f"{label}: a tensor read twice: {names}"
 
 
-@pytest.mark.parametrize("family, overrides", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})],
-                         ids=["llama", "qwen2-tied"])
+@pytest.mark.parametrize("family, overrides", [("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),
+                                              ("qwen2", {"tie_word_embeddings": True})],
+                         ids=["llama-6-over-3-heads", "qwen2-tied"])
 def test_autotp_ranks_read_their_slices_only(gloo_pool: Any, tmp_path: Any, family: str, overrides: dict) -> None:
     """The hf runner at tp 2 (Note [AutoTP from slices]): the model equals transformers' whole model cut by AutoTP,
-    parameters and buffers; each rank reads as many elements as it holds, a row-parallel weight by columns."""
+    parameters and buffers; each rank reads as many elements as it holds, a row-parallel weight by columns. 3 K/V
+    heads split unevenly over 2 ranks (2 and 1, as SmolLM2's at tp 2)."""
     directory = save_tiny_model(family, tmp_path / family, **overrides)
     per_rank = gloo_pool(2).run(workers.autotp_sharded_and_whole, directory, 2, timeout_s=300)
     for rank, out in enumerate(per_rank):
@@ -69,7 +71,7 @@ def test_autotp_ranks_read_their_slices_only(gloo_pool: Any, tmp_path: Any, fami
         for name, dim, start, stop in out["reads"]:
             shape = out["shapes"][name]
             if name.endswith(ROW_PARALLEL):
-                assert dim == 1 and stop - start == shape[1] // 2, f"rank {rank}: {name} read as {(dim, start, stop)}"
+                assert dim == 1 and 0 < stop - start < shape[1], f"rank {rank}: {name} read as {(dim, start, stop)}"
             extent = (stop if stop is not None else shape[dim]) - start
             read += extent * (shape[0] * shape[1] // shape[dim] if len(shape) == 2 else 1)
         assert read == out["elements"], f"{family} rank {rank}: read {read} elements for {out['elements']}"
