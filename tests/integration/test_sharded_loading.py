@@ -56,8 +56,11 @@ def test_each_rank_reads_its_slices_only(gloo_pool: Any, tmp_path: Any, family: 
         assert len(names) == len(set(names)), f"{label}: a tensor read twice: {names}"
 
 
-@pytest.mark.parametrize("family, overrides", [("llama", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}),
-                                              ("qwen2", {"tie_word_embeddings": True})],
+UNEVEN = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
+"""3 K/V heads: AutoTP splits them 2 and 1 over 2 ranks, as SmolLM2's."""
+
+
+@pytest.mark.parametrize("family, overrides", [("llama", UNEVEN), ("qwen2", {"tie_word_embeddings": True})],
                          ids=["llama-6-over-3-heads", "qwen2-tied"])
 def test_autotp_ranks_read_their_slices_only(gloo_pool: Any, tmp_path: Any, family: str, overrides: dict) -> None:
     """The hf runner at tp 2 (Note [AutoTP from slices]): the model equals transformers' whole model cut by AutoTP,
@@ -75,3 +78,6 @@ def test_autotp_ranks_read_their_slices_only(gloo_pool: Any, tmp_path: Any, fami
             extent = (stop if stop is not None else shape[dim]) - start
             read += extent * (shape[0] * shape[1] // shape[dim] if len(shape) == 2 else 1)
         assert read == out["elements"], f"{family} rank {rank}: read {read} elements for {out['elements']}"
+        if overrides is UNEVEN:  # K/V heads 2 and 1, 16 rows each
+            k_proj = [r[2:] for r in out["reads"] if r[0] == "model.layers.0.self_attn.k_proj.weight"]
+            assert k_proj == [[(0, 32)], [(32, 48)]][rank], f"rank {rank}: k_proj rows {k_proj}"
