@@ -140,6 +140,11 @@ class HFRunner:
             self.module.to(self.device)
             self._slices = None
 
+    def _ready(self) -> None:
+        if self._slices is not None:
+            raise RuntimeError("init_deepspeed() first: at tp > 1 the weights are read once AutoTP has cut the model "
+                               "(Note [AutoTP from slices])")
+
     def kv_cache_bytes(self) -> int:
         if self.cache is None:
             return 0
@@ -151,6 +156,7 @@ class HFRunner:
 
     @torch.no_grad()
     def prefill(self, prompt_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._ready()
         ids = prompt_ids.to(self.device)
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(self.device).long()
         seq = ids.shape[1]
@@ -186,6 +192,7 @@ class HFRunner:
     def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``ScoringRunner.score``: :func:`~megatron_ring.integrations.hf.nll.ring_token_scores` over the CP group."""
+        self._ready()
         self.reset()
         mask = None if attention_mask is None else attention_mask.to(self.device)
         scores = ring_token_scores(self.module, ids.to(self.device), mask, group=self.groups.cp)
