@@ -8,15 +8,17 @@ read a slice at a time where it can be.
 
 Note [Sharded loading]
 ~~~~~~~~~~~~~~~~~~~~~~
-Loading the whole model on every rank and cutting it costs each rank the whole model in fp32 (and,
-through transformers, a second copy while the Megatron model is filled): 1.1 GB peak on SmolLM2-135M
-whatever the layout. When the directory's weights are safetensors files whose tensor names are the
-model's (what ``save_pretrained`` writes, and the GGUF conversion cache), the mapping reads them
-from the files instead (:class:`~megatron_ring.integrations.megatron.tensor_source.SafetensorsTensors`):
-a pipeline stage reads its own layers (and the embedding or output layer where it holds them), a TP
-rank only its rows or columns (Note [TP slices of fused tensors] in ``hf_weights.py``), so a rank's
-peak is its own share plus one tensor. The values are the file's, cast to fp32 as transformers
-casts them, so the model is bit for bit the one the whole load gives.
+Loading the whole model on every rank and cutting it costs each rank the whole model in fp32 beside
+its own part: on SmolLM2-135M (538 MB) the megatron runner's peak grew by 1.2 GiB over its imports at
+pp 1 and still by 0.74 GiB per stage at pp 2 (docs/inference.md, "Sharded loading"). When the
+directory's weights are safetensors files whose tensor names are the model's (what
+``save_pretrained`` writes, and the GGUF conversion cache), the mapping reads them from the files
+instead (:class:`~megatron_ring.integrations.megatron.tensor_source.SafetensorsTensors`): a
+pipeline stage reads its own layers (and the embedding or output layer where it holds them), a TP
+rank only its rows or columns (Note [TP slices of fused tensors] in ``hf_weights.py``), each slice
+of one tensor straight into its parameter, so a rank's peak is its own share plus one fused slice.
+The values are the file's, cast by the same ``copy_`` as before, so the model is bit for bit the
+one the whole load gives.
 
 Other checkpoints (``.bin`` files, or names transformers renames on load) still go through
 transformers' whole load: it alone knows their renames. A GGUF file is first converted once to
