@@ -15,8 +15,8 @@ runners, :class:`~megatron_ring.config.gpt.GPTCheckpointConfig`)::
 model's :class:`~megatron_ring.config.gpt.GPTConfig` with the training layout and ``seq_len``, through
 the converter of the inference runner (:func:`~megatron_ring.integrations.megatron.hf_config.model_fields`);
 :func:`load_pretrained_weights` reads the tensors on every rank as the converter's
-:class:`~megatron_ring.integrations.megatron.hf_weights.HFWeights`, which the engine cuts to each rank's
-TP shard and PP stage (:func:`~megatron_ring.integrations.megatron.model.load_full_state_dict`).
+:class:`~megatron_ring.integrations.megatron.hf_weights.HFWeights`, from which each rank reads only its
+TP shard of its PP stage (:func:`~megatron_ring.integrations.megatron.model.load_full_state_dict`).
 :data:`MODEL_FILE` is what the engine writes next to every checkpoint so that
 :mod:`megatron_ring.training.export_megatron` can write it back as a transformers checkpoint.
 Importing this module needs pydantic only.
@@ -95,26 +95,18 @@ def pretrained_gpt_config(data: dict[str, Any], *, seq_len: Optional[int], where
 
 
 def load_pretrained_weights(pretrained: PretrainedSource) -> tuple[Any, Any]:
-    """``(HFWeights, tokenizer or None)`` of the checkpoint on every rank (fp32 on CPU); a GGUF file is converted
-    by rank 0 while the others wait (Note [GGUF conversion cache]), so a job converts it once. Collective."""
-    import torch
-    import torch.distributed as dist
-
-    from transformers import AutoModelForCausalLM
-
-    from megatron_ring.integrations.hf.checkpoint import load_tokenizer, local_dir, prepare_gguf
-    from megatron_ring.integrations.megatron.hf_weights import HFWeights
+    """``(HFWeights, tokenizer or None)`` of the checkpoint on every rank (fp32 on CPU), nothing read until the
+    engine loads each rank's TP slices of its stage from it (Note [Sharded loading] in
+    ``integrations/megatron/hf_checkpoint.py``); a GGUF file is converted by rank 0 while the others wait
+    (Note [GGUF conversion cache]), so a job converts it once. Collective."""
+    from megatron_ring.integrations.hf.checkpoint import load_tokenizer, local_dir_once
+    from megatron_ring.integrations.megatron.hf_checkpoint import checkpoint_weights
 
     source, where = pretrained.source, "the training config's model file"
-    path, location, cache = _local(source, where)
-    if location is not None:
-        if dist.get_rank() == 0:
-            prepare_gguf(*location, cache)
-        dist.barrier()
-    directory = local_dir(path, source.gguf_file, cache)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
+    path, _, cache = _local(source, where)
+    directory = local_dir_once(path, source.gguf_file, cache)
     tokenizer = load_tokenizer(directory) if any((directory / name).is_file() for name in TOKENIZER_FILES) else None
     try:
-        return HFWeights(model.config.to_dict(), model.state_dict()), tokenizer
+        return checkpoint_weights(directory), tokenizer
     except ValueError as err:
         raise ConfigError(f"checkpoint = {source.checkpoint!r}: {err}", where=where) from None

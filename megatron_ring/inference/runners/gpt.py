@@ -4,7 +4,8 @@ The model is a real ``GPTModel`` built from a ``configs/megatron`` YAML (see
 :mod:`megatron_ring.integrations.megatron.model`): random weights of the file's sizes, or a
 transformers Llama / Qwen2 / Mistral checkpoint (``checkpoint:`` instead of ``model:``; a directory
 or GGUF), its sizes read from its config and its tensors converted to this rank's TP shard and PP
-stage (``integrations/megatron/hf_config.py``, ``hf_weights.py``). The baseline (tensor parallel heads, pipeline
+stage, each rank reading only those (``integrations/megatron/hf_config.py``, ``hf_weights.py``,
+``hf_checkpoint.py``). The baseline (tensor parallel heads, pipeline
 stages, full sequence on every rank) takes ``attention: sdpa``, the core's fused block kernel
 without a ring (the same kernel as the ring: a fair comparison), or ``attention: local``,
 Megatron's own unfused ``DotProductAttention``; ``attention: ring`` gives
@@ -61,14 +62,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.sharding import local_positions, shard_sequence, unshard_sequence
 from megatron_ring.attention.turn import turn_attention
-from megatron_ring.config import ConfigError, Problems
+from megatron_ring.config import Problems
 from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
-from megatron_ring.integrations.megatron.hf_weights import HFWeights
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, is_gated_fc1, \
-    load_full_state_dict, shard_of, unwrap
+    load_full_state_dict, shard_of, unwrap, weights_to_be_loaded
 from megatron_ring.integrations.megatron.state import init_megatron
-from megatron_ring.inference.runners.checkpoint import gpt_config, load_checkpoint
+from megatron_ring.inference.runners.checkpoint import gpt_config, load_weights
 from megatron_ring.inference.runners.gpt_conversations import MegatronConversations
 from megatron_ring.inference.runners.protocol import DeepSpeedPassThrough, block_kernel_name, refuse_padding
 from megatron_ring.parallel.groups import ParallelGroups
@@ -292,7 +292,7 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
         ps = parallel_state
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.module = unwrap(build_gpt_model(self.cfg))
+        self.module = unwrap(build_gpt_model(self.cfg, **({} if weights is None else weights_to_be_loaded())))
         self.attention_kernel = "megatron-local" if cfg.attention == "local" else \
             block_kernel_name(device, dtype, cfg.model.kv_channels)
         self.module.eval()
@@ -456,16 +456,12 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
 def build_runner(model: dict[str, Any], groups: ParallelGroups, *, dtype: torch.dtype, device: torch.device,
                  seed: int, batch: int, prompt_len: int, new_tokens: int) -> MegatronRunner:
     """:class:`~megatron_ring.inference.runners.protocol.RunnerFactory` of a ``configs/megatron`` GPT: random
-    weights from ``seed``, or a transformers checkpoint's (loaded on every rank, converted to this rank's
-    TP shard and PP stage)."""
+    weights from ``seed``, or a transformers checkpoint's (each rank reads its TP shard of its PP stage, Note
+    [Sharded loading] in ``integrations/megatron/hf_checkpoint.py``)."""
     sizes = dict(dtype=dtype, device=device, seed=seed, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
     file = parse_model_file(model, where=WHERE)
     if isinstance(file, GPTConfig):
         return MegatronRunner(file, groups, **sizes)
-    hf_model, tokenizer = load_checkpoint(file, dtype=torch.float32, attn_implementation="eager", where=WHERE)
-    try:
-        weights = HFWeights(hf_model.config.to_dict(), hf_model.state_dict())
-    except ValueError as err:
-        raise ConfigError(f"checkpoint = {file.checkpoint!r}: {err}", where=WHERE) from None
+    weights, tokenizer = load_weights(file, where=WHERE)
     return MegatronRunner(file.with_model(weights.fields, where=WHERE), groups, weights=weights, tokenizer=tokenizer,
                           **sizes)

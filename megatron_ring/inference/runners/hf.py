@@ -7,10 +7,13 @@
 
 The checkpoint is a directory (``config.json``, weights, tokenizer), a ``.gguf`` file, or the
 directory of an installed Python package (``package:<module>``); GGUF goes through a conversion
-cache (Note [GGUF conversion cache] in ``integrations/hf/checkpoint.py``). Every rank loads the
-whole model with ``attn_implementation="ring"``; :meth:`HFRunner.init_deepspeed` hands it to
+cache (Note [GGUF conversion cache] in ``integrations/hf/checkpoint.py``). Every rank builds the
+model with ``attn_implementation="ring"``; :meth:`HFRunner.init_deepspeed` hands it to
 ``deepspeed.init_inference`` with ``tensor_parallel = {tp_size, our TP group}`` (AutoTP shards the
 projections and the MLP over ``layout.tp``), and the ring shards the sequence over ``layout.cp``.
+At tp > 1 with safetensors weights the model is built empty, AutoTP cuts it, and each rank then
+reads only its slices (Note [AutoTP from slices] in ``integrations/deepspeed/autotp_slices.py``);
+otherwise each rank loads the whole model first.
 The baseline of a pair is the same checkpoint at ``cp = 1``: the same attention function, which
 then calls the core's block kernel once per layer without communication, so both sides use one
 kernel. Pipeline parallelism is refused: a transformers model runs whole on every rank.
@@ -30,9 +33,10 @@ import torch
 
 from megatron_ring.config import ConfigError, Problems
 from megatron_ring.config.checkpoint import CheckpointSource
-from megatron_ring.inference.runners.checkpoint import load_checkpoint, locate
+from megatron_ring.inference.runners.checkpoint import load_for_autotp, locate
 from megatron_ring.inference.runners.protocol import block_kernel_name
 from megatron_ring.integrations.deepspeed.autotp import init_autotp
+from megatron_ring.integrations.deepspeed.autotp_slices import fill_autotp_slices
 from megatron_ring.integrations.hf.attention import register
 from megatron_ring.integrations.hf.cache import RingCache
 from megatron_ring.integrations.hf.checkpoint import load_config, weights_problem
@@ -114,8 +118,10 @@ class HFRunner:
     def __init__(self, cfg: CheckpointSource, groups: ParallelGroups, *, dtype: torch.dtype,
                  device: torch.device) -> None:
         register()  # attn_implementation="ring" (idempotent)
-        self.module, self.tokenizer = load_checkpoint(cfg, dtype=dtype, attn_implementation="ring", where=WHERE)
-        self.module.to(device)
+        self.module, self.tokenizer, self._slices = load_for_autotp(cfg, tp=groups.layout.tp, dtype=dtype,
+                                                                    attn_implementation="ring", where=WHERE)
+        if self._slices is None:
+            self.module.to(device)
         self.groups, self.device, self.dtype = groups, device, dtype
         text = self.module.config.get_text_config()
         self.vocab_size = text.vocab_size
@@ -127,8 +133,18 @@ class HFRunner:
         self.positions: Optional[torch.Tensor] = None  # [batch, 1] position of the next token
 
     def init_deepspeed(self, ds_config: dict[str, Any]) -> None:
-        """DeepSpeed AutoTP over the layout's TP group (``tp_size`` 1: dtype and placement only)."""
+        """DeepSpeed AutoTP over the layout's TP group (``tp_size`` 1: dtype and placement only); a model built
+        empty is then given this rank's slices of the checkpoint (Note [AutoTP from slices])."""
         self.module = init_autotp(self.module, self.groups.tp, ds_config)
+        if self._slices is not None:
+            fill_autotp_slices(self.module, *self._slices)
+            self.module.to(self.device)
+            self._slices = None
+
+    def _ready(self) -> None:
+        if self._slices is not None:
+            raise RuntimeError("init_deepspeed() first: at tp > 1 the weights are read once AutoTP has cut the model "
+                               "(Note [AutoTP from slices])")
 
     def kv_cache_bytes(self) -> int:
         if self.cache is None:
@@ -141,6 +157,7 @@ class HFRunner:
 
     @torch.no_grad()
     def prefill(self, prompt_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._ready()
         ids = prompt_ids.to(self.device)
         mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(self.device).long()
         seq = ids.shape[1]
@@ -194,6 +211,7 @@ class HFRunner:
     def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``ScoringRunner.score``: :func:`~megatron_ring.integrations.hf.nll.ring_token_scores` over the CP group."""
+        self._ready()
         self.reset()
         mask = None if attention_mask is None else attention_mask.to(self.device)
         scores = ring_token_scores(self.module, ids.to(self.device), mask, group=self.groups.cp)

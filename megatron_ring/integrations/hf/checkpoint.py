@@ -172,3 +172,19 @@ def load_causal_lm(path: Path, *, gguf_file: str | None = None, dtype: torch.dty
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                  local_files_only=True)
     return model.eval(), load_tokenizer(path)
+
+
+def empty_causal_lm(directory: Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "ring") -> Any:
+    """The causal LM of a checkpoint directory's config with its parameters on the meta device (nothing
+    allocated, nothing read: for AutoTP to cut before the weights are read, Note [AutoTP from slices] in
+    ``integrations/deepspeed/autotp_slices.py``), in eval mode, with the directory's generation config."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    model.tie_weights()  # as from_pretrained does: a tied output head is the embedding (not done on meta)
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    return model.eval()

@@ -3,11 +3,15 @@
 ::
 
     weights = HFWeights(hf_model.config.to_dict(), hf_model.state_dict())   # checks names and shapes
+    weights = HFWeights(config, SafetensorsTensors.of(directory))            # or read from the files
     load_full_state_dict(model, weights)   # this rank's TP shard and PP stage (integrations/megatron/model.py)
 
 :class:`HFWeights` is a read-only mapping from Megatron's global parameter names (tp = pp = 1) to
 tensors, each built from the checkpoint's tensors when first read, so a pipeline stage converts its
-own layers only. The architecture is checked by
+own layers only; :meth:`HFWeights.tp_slice` builds one TP rank's slice of a tensor from the slices of
+the checkpoint's tensors it is made of (Note [TP slices of fused tensors]), so that read from the
+files (:class:`~megatron_ring.integrations.megatron.tensor_source.SafetensorsTensors`) a rank reads
+only what it keeps. The architecture is checked by
 :func:`~megatron_ring.integrations.megatron.hf_config.model_fields`; every tensor's presence and
 shape is checked when the mapping is made, before anything is converted: a missing tensor, one of
 the wrong shape, or one the conversion has no place for is a ValueError naming it.
@@ -24,14 +28,28 @@ group ``h // (heads / groups)``). Because whole groups are contiguous, the conti
 fused matrix gives each TP rank ``groups / tp`` complete groups: its query heads with their own K/V.
 Q/K/V biases (Qwen2) are fused the same way. RoPE needs no permutation: transformers' checkpoints
 rotate the two halves of a head (``rotate_half``), as Megatron's non-interleaved RoPE does.
+
+Note [TP slices of fused tensors]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+TP rank ``r`` of ``t`` keeps the ``r``-th contiguous chunk of a column-parallel tensor (dim 0) and of a
+row-parallel one (dim 1), except fc1 (Note [Gated fc1 shards] in ``model.py``). Each is a fusion of
+contiguous slices of the checkpoint's tensors:
+
+* ``linear_qkv``: chunk ``r`` holds the whole query groups ``r G/t .. (r+1) G/t - 1``, i.e. chunk ``r``
+  of ``q_proj``, of ``k_proj`` and of ``v_proj``, fused per group (``G/t`` groups);
+* ``linear_fc1``: ``[chunk r of gate_proj; chunk r of up_proj]``;
+* everything else: chunk ``r`` of its one tensor (rows, or columns of ``o_proj`` / ``down_proj``).
+
+So a rank reads ``1/t`` of each tensor it owns and never the whole.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 
 from megatron_ring.integrations.megatron.hf_config import model_fields
+from megatron_ring.integrations.megatron.tensor_source import TensorDict, TensorSource
 
 
 class HFWeights(Mapping[str, torch.Tensor]):
@@ -39,33 +57,65 @@ class HFWeights(Mapping[str, torch.Tensor]):
 
     ``config``: ``PretrainedConfig.to_dict()``; ``tensors``: the model's ``state_dict()`` (with tied
     embeddings it may or may not list ``lm_head.weight``; Megatron's output layer then reads the
-    embedding). Raises ValueError for an architecture :func:`model_fields` refuses and for a missing,
-    misshapen or unused tensor.
+    embedding), or a :class:`TensorSource` of the same names (safetensors files, read when asked).
+    Values are float32. Raises ValueError for an architecture :func:`model_fields` refuses and for a
+    missing, misshapen or unused tensor (names and shapes only: nothing is read).
     """
 
-    def __init__(self, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | TensorSource) -> None:
         self.fields = model_fields(config)
-        self.tensors = tensors
+        self.source: TensorSource = tensors if isinstance(tensors, TensorSource) else TensorDict(tensors)
+        names = set(self.source.keys())
         self.sources, shapes = _layout(self.fields)
         for name, shape in shapes.items():
-            if name not in tensors:
+            if name not in names:
                 owner = next(key for key, parts in self.sources.items() if name in parts)
                 raise ValueError(f"checkpoint tensor {name!r} is missing: Megatron's {owner} is made of "
                                  f"{list(self.sources[owner])}")
-            if tuple(tensors[name].shape) != shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensors[name].shape)}; the config "
+            if self.source.shape(name) != shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {self.source.shape(name)}; the config "
                                  f"({config.get('model_type')}) gives {shape}")
         ignorable = {"lm_head.weight"} if self.fields["tie_embeddings"] else set()
-        unused = sorted(set(tensors) - set(shapes) - ignorable)
+        unused = sorted(names - set(shapes) - ignorable)
         if unused:
             raise ValueError(f"checkpoint tensors {unused} have no place in Megatron's GPTModel of this config "
                              f"(model_type {config.get('model_type')!r}); they would be dropped")
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        parts = [self.tensors[name] for name in self.sources[key]]
+        parts = [self.source.read(name) for name in self.sources[key]]
         if key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
             return fused_qkv(*parts, groups=self.fields["num_query_groups"])
         return torch.cat(parts) if len(parts) > 1 else parts[0]  # fc1: [gate; up] (Note [Gated fc1 shards])
+
+    def tp_slice(self, key: str, *, dim: int, parts: int, index: int, gated: bool,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``self[key].chunk(parts, dim)[index]`` (for a ``gated`` fc1: chunk ``index`` of each half, Note [Gated
+        fc1 shards]), read as slices of the checkpoint's tensors only (Note [TP slices of fused tensors]); with
+        ``out`` (a parameter) copied into it, a slice of one tensor read straight into it. ValueError when ``out``
+        has another shape."""
+        names = self.sources[key]
+        if len(names) == 1:
+            return self._chunk(names[0], dim, parts, index, out)
+        groups = self.fields["num_query_groups"]
+        if key.endswith(("linear_qkv.weight", "linear_qkv.bias")) and dim == 0 and groups % parts == 0:
+            result = fused_qkv(*(self._chunk(name, 0, parts, index) for name in names), groups=groups // parts)
+        elif gated and dim == 0 and not key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+            result = torch.cat([self._chunk(name, 0, parts, index) for name in names])
+        else:
+            result = self[key].chunk(parts, dim)[index]
+        if out is None:
+            return result
+        if out.shape != result.shape:
+            raise ValueError(f"the TP slice of {key!r} has shape {tuple(result.shape)}, its destination "
+                             f"{tuple(out.shape)}")
+        return out.copy_(result)
+
+    def _chunk(self, name: str, dim: int, parts: int, index: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``tensor.chunk(parts, dim)[index]`` of checkpoint tensor ``name``, read alone (into ``out``)."""
+        size = self.source.shape(name)[dim]
+        step = -(-size // parts)
+        start = min(size, index * step)
+        return self.source.read(name, dim, start, min(size, start + step), out=out)
 
     def __contains__(self, key: object) -> bool:
         return key in self.sources

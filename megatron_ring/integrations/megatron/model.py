@@ -56,6 +56,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_ring.config.gpt import GPTConfig
+from megatron_ring.integrations.megatron.hf_weights import HFWeights
 from megatron_ring.integrations.megatron.specs import get_gpt_layer_ring_spec
 from megatron_ring.integrations.megatron.state import check_parallel_state
 
@@ -96,6 +97,19 @@ def transformer_config(cfg: GPTConfig, **overrides: Any) -> TransformerConfig:
         use_cpu_initialization=not torch.cuda.is_available(),
         **overrides,
     )
+
+
+def _keep(weight: torch.Tensor) -> None:
+    """An init method that leaves ``weight`` as allocated (see :func:`weights_to_be_loaded`)."""
+
+
+def weights_to_be_loaded() -> dict[str, Any]:
+    """``TransformerConfig`` overrides (:func:`build_gpt_model`) for a model whose every parameter is loaded right
+    after it is built: the init methods leave the weights as allocated. Megatron still allocates each weight
+    and marks its TP attributes (``perform_initialization=False`` would skip the marks on CPU), but draws no
+    random master weight, so building costs neither its time nor its pages (Note [Sharded loading] in
+    ``hf_checkpoint.py``)."""
+    return {"init_method": _keep, "output_layer_init_method": _keep, "embedding_init_method": _keep}
 
 
 def layer_spec(cfg: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
@@ -208,6 +222,8 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
 
     Parameters are mapped by global layer index and sliced along their TP partition dim. With tied
     embeddings the last stage's ``output_layer.weight`` comes from ``embedding.word_embeddings.weight``.
+    Only this stage's names are read; from an :class:`HFWeights` only this TP rank's slices
+    (:meth:`HFWeights.tp_slice`: a checkpoint read from its files is read a slice at a time).
     """
     inner = unwrap(model)
     with torch.no_grad():
@@ -217,7 +233,17 @@ def load_full_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor
                 key = "embedding.word_embeddings.weight"
             if key not in full:
                 raise KeyError(f"parameter {name!r} (global {key!r}) is missing from the full state dict")
-            src = shard_of(param, full[key], gated=is_gated_fc1(inner, key))
+            gated = is_gated_fc1(inner, key)
+            if isinstance(full, HFWeights):  # read into the parameter: no copy of the whole tensor
+                split = getattr(param, "tensor_model_parallel", False)
+                try:
+                    full.tp_slice(key, dim=param.partition_dim if split else 0, gated=gated, out=param,
+                                  parts=parallel_state.get_tensor_model_parallel_world_size() if split else 1,
+                                  index=parallel_state.get_tensor_model_parallel_rank() if split else 0)
+                except ValueError as err:
+                    raise ValueError(f"{name}: {err}") from None
+                continue
+            src = shard_of(param, full[key], gated=gated)
             if src.shape != param.shape:
                 raise ValueError(f"{name}: full-state shard has shape {tuple(src.shape)}, parameter {tuple(param.shape)}")
             param.copy_(src)
