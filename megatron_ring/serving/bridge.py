@@ -44,6 +44,8 @@ class Bridge:
         self.cancels: list[str] = []
         self.sinks: dict[str, Sink] = {}
         self.draining = False
+        self.stats: dict[str, int] = {}
+        """The loop's figures after its last round (conversations cached, tokens, evictions, ...), for /health."""
 
     def submit(self, request: GenRequest, sink: Sink) -> None:
         with self.lock:

@@ -127,6 +127,11 @@ class ServeLoop:
     def idle(self) -> bool:
         return not self.running
 
+    def stats(self) -> dict[str, int]:
+        """What the loop holds now: rounds run, requests running, conversations cached and their tokens, evictions."""
+        return {"rounds": self.round, "running": len(self.running), "conversations": len(self.store.conversations),
+                "cached_tokens": self.store.tokens(), "evicted": self.store.evicted}
+
 
 def exchange_plan(plan: Plan | None, group: dist.ProcessGroup | None, size: int) -> Plan:
     """Rank 0's ``plan`` on every rank of ``group`` (others pass None)."""

@@ -128,6 +128,16 @@ class _Text:
         return piece
 
 
+def _rss_mb() -> Optional[float]:
+    """This process's resident memory in MiB (Linux), None elsewhere."""
+    try:
+        with open("/proc/self/status") as status:
+            kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kb / 1024, 1)
+
+
 def build_app(bridge: Bridge, served: ServedModel) -> FastAPI:
     """The FastAPI app of rank 0."""
     app = FastAPI(title="megatron-ring serve")
@@ -146,7 +156,7 @@ def build_app(bridge: Bridge, served: ServedModel) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "draining" if bridge.draining else "ok"}
+        return {"status": "draining" if bridge.draining else "ok", **bridge.stats, "rank0_rss_mb": _rss_mb()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

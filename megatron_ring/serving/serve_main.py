@@ -143,6 +143,7 @@ def _serve_rank0(spec: InferenceSpec, serve: ServeSection, session: RankSession,
             if plan.stop:
                 break
             loop.run_round(plan)
+            bridge.stats = loop.stats()
     finally:
         server.should_exit = True
         thread.join(timeout=10)
