@@ -10,7 +10,9 @@ from megatron_ring.integrations.hf.cache import RingCache
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, CPContext, cp_context
 from megatron_ring.integrations.hf.generate import ring_forward, ring_generate
 from megatron_ring.integrations.hf.nll import TokenScores, ring_nll, ring_token_scores
-from megatron_ring.integrations.hf.turns import ring_decode_step, ring_extend, ring_prefill_documents
+from megatron_ring.integrations.hf.turns import (
+    ring_decode_rows, ring_decode_step, ring_extend, ring_prefill_documents,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -21,6 +23,7 @@ __all__ = [
     "enable_ring_attention",
     "init_autotp",
     "register",
+    "ring_decode_rows",
     "ring_decode_step",
     "ring_extend",
     "ring_forward",

@@ -173,3 +173,65 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             part[..., :d] = out
             part[..., d] = lse
         return _gather_merge(part, place).to(q.dtype).transpose(1, 2)
+
+
+def decode_attention_rows(q: torch.Tensor, shards: list[tuple[torch.Tensor, torch.Tensor]],
+                          group: dist.ProcessGroup | CPGroups | tuple | None = None, *,
+                          softmax_scale: float | None = None, backend: str = "auto",
+                          window_size: tuple[int, int] = (-1, -1), q_positions: torch.Tensor | None = None,
+                          k_positions: list[torch.Tensor] | None = None, check_consistency: bool = True) -> torch.Tensor:
+    """:func:`decode_attention` of ``n`` independent sequences at once, each against its own cache shard.
+
+    Serving decodes the running conversations together: their shards have different lengths on each
+    rank, so they cannot share one ``[batch, s_local, ...]`` tensor without padding every one to the
+    longest (a copy of every cache, every step). Each row attends its own shard here, and one
+    all-gather merges every row's partial result, as one :func:`decode_attention` call would.
+
+    Args:
+        q: ``[n, q_len, heads_q, head_dim]``, identical on all ranks of ``group``.
+        shards: ``n`` pairs ``(k_j, v_j)``, this rank's shard of sequence ``j``, each
+            ``[1, s_j, heads_kv, head_dim]`` (``s_j`` may differ between rows and ranks, and be 0).
+        window_size: as in :func:`decode_attention`; other than ``(-1, -1)`` it needs ``q_positions``
+            (int ``[n, q_len]``) and ``k_positions`` (``n`` int tensors ``[s_j]``).
+
+    Returns:
+        ``[n, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
+    """
+    if not isinstance(shards, (list, tuple)) or len(shards) != q.shape[0]:
+        raise ValueError(f"shards must be a list of {q.shape[0]} (k, v) pairs, one per row of q, got "
+                         f"{len(shards) if isinstance(shards, (list, tuple)) else type(shards).__name__}")
+    window = check_window(window_size)
+    if window != NO_WINDOW and (q_positions is None or k_positions is None or len(k_positions) != len(shards)):
+        raise ValueError("window_size other than (-1, -1) needs q_positions [n, q_len] and k_positions (n tensors)")
+    place = cp_place(group, "auto")
+    empty = q.new_empty(q.shape[0], 0, *shards[0][0].shape[2:]) if shards else q.new_empty(0, 0, 1, q.shape[-1])
+    call = prepare("decode_attention", place, check_consistency, q, lambda: _rows_call(
+        q, shards, empty, softmax_scale=softmax_scale, backend=backend, window=window))
+    with torch.no_grad():
+        qh = q.transpose(1, 2)
+        n, hq, tq, d = qh.shape
+        part = torch.empty(n, hq, tq, d + 1, dtype=compute_dtype(q.dtype), device=q.device)
+        for j, (k, v) in enumerate(shards):
+            visible = None
+            if window != NO_WINDOW:
+                visible = positions_visible(q_positions[j].to(q.device), k_positions[j].to(q.device), window)
+            if k.shape[1] == 0 or (visible is not None and not bool(visible.any())):
+                part[j, ..., :d], part[j, ..., d] = 0, float("-inf")
+                continue
+            out, lse = block_forward(qh[j:j + 1], k.transpose(1, 2), v.transpose(1, 2), causal=False, scale=call.scale,
+                                     backend=call.backend, visible=visible)
+            part[j, ..., :d], part[j, ..., d] = out[0], lse[0]
+        return _gather_merge(part, place).to(q.dtype).transpose(1, 2)
+
+
+def _rows_call(q: torch.Tensor, shards: list[tuple[torch.Tensor, torch.Tensor]], empty: torch.Tensor, *,
+               softmax_scale: float | None, backend: str, window: tuple[int, int]) -> tuple[DecodeCall, list[Field]]:
+    """The checks of :func:`decode_attention_rows`: each row's shard, then the call's record and fields
+    (the window itself is compared; positions differ by row, so only their presence counts)."""
+    for j, (k, v) in enumerate(shards):
+        check_qkv(q[j:j + 1], k, v, same_seq=False)
+    call, fields = decode_call(q, empty, empty, softmax_scale=softmax_scale, backend=backend, key_padding_mask=None,
+                               window_size=NO_WINDOW, q_positions=None, k_positions=None)
+    kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=window != NO_WINDOW)
+    fields = fields + [field("rows window_size[0]", window[0]), field("rows window_size[1]", window[1])]
+    return DecodeCall(call.scale, kernel, None), fields

@@ -8,7 +8,8 @@ ones cancelled, whether to stop) over a CPU group, and every rank then runs the 
 1. cancelled requests leave (their conversation is kept, as far as it was fed);
 2. new requests whose prompt extends a cached conversation prefill the rest as a turn
    (Note [Follow-up turns by prefix]); the others prefill together in one packed ragged row;
-3. every request already running decodes one token.
+3. every request already running decodes one token, all in one forward where the runner can
+   (``step_many``: the hf runner; the megatron runner steps them one by one).
 
 Every rank sees the same plans and computes the same greedy tokens, so requests finish (length,
 end of text) in the same round everywhere, and the conversation store decides alike. While
@@ -104,8 +105,12 @@ class ServeLoop:
             run = Running(request, cache, list(request.tokens))
             self.running[request.rid] = run
             self._produced(run, token, info)
-        for run in stepping:
-            self._produced(run, self.runner.step(run.cache, run.produced[-1]), {})
+        if len(stepping) > 1 and hasattr(self.runner, "step_many"):  # one forward for every running request
+            tokens = self.runner.step_many([run.cache for run in stepping], [run.produced[-1] for run in stepping])
+        else:
+            tokens = [self.runner.step(run.cache, run.produced[-1]) for run in stepping]
+        for run, token in zip(stepping, tokens):
+            self._produced(run, token, {})
 
     def _produced(self, run: Running, token: int, info: dict) -> None:
         if run.produced:

@@ -44,3 +44,12 @@ def test_cost_model_switches_from_pass_q_to_pass_kv_as_the_turn_grows():
     long = turn_times(costs, new_tokens=100_000, **{**shape, "kv_tokens": 200_000})
     assert short.mode == "pass_q" and short.pass_q_s < short.pass_kv_s
     assert long.mode == "pass_kv" and long.pass_kv_s <= long.pass_q_s
+
+
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("left", [-1, 4])
+def test_decode_rows_matches_reference(gloo_pool, size, left):
+    """Rows with caches of 1 to 30 tokens, split unevenly (empty shards too), one all-gather for all of them."""
+    for results in gloo_pool(size).run(turn_workers.decode_rows_vs_reference, 4, 2, 8, [1, 7, 30], left):
+        for r in results:
+            assert r["err"] <= TOL[r["dtype"]] and r["out_dtype"] == r["dtype"], r

@@ -57,3 +57,31 @@ def mismatched_mode() -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def decode_rows_vs_reference(heads_q: int, heads_kv: int, head_dim: int, lengths: list[int], left: int) -> list[dict]:
+    """decode_attention_rows of sequences of ``lengths`` (each split over the ranks in any way) vs float64."""
+    from megatron_ring.attention.decode import decode_attention_rows
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(3)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q64 = torch.randn(len(lengths), 1, heads_q, head_dim, generator=gen, dtype=torch.float64)
+        shards, k_pos, refs = [], [], []
+        drawn = [(torch.randn(1, n, heads_kv, head_dim, generator=gen, dtype=torch.float64),
+                  torch.randn(1, n, heads_kv, head_dim, generator=gen, dtype=torch.float64),
+                  torch.randint(size, (n,), generator=gen)) for n in lengths]  # the same on every rank
+        order = torch.Generator().manual_seed(rank)
+        for j, (n, (k64, v64, owner)) in enumerate(zip(lengths, drawn)):
+            mine = _shard(torch.arange(n), owner, rank, order)
+            shards.append((k64[:, mine].to(dtype), v64[:, mine].to(dtype)))
+            k_pos.append(mine)
+            q_full = torch.zeros(1, n, heads_q, head_dim, dtype=torch.float64)
+            q_full[:, -1] = q64[j, 0]  # the new token's query at position n - 1 (its own K/V cached)
+            refs.append(attention_reference(q_full, k64, v64, causal=True, window_size=(left, 0))[:, -1:])
+        q_pos = torch.tensor([[n - 1] for n in lengths])
+        window = (-1, -1) if left < 0 else (left, 0)
+        out = decode_attention_rows(q64.to(dtype), shards, window_size=window, q_positions=q_pos, k_positions=k_pos)
+        results.append({"dtype": dtype, "out_dtype": out.dtype, "err": rel_err(out, torch.cat(refs))})
+    return results

@@ -54,3 +54,20 @@ def run_ragged(lengths: list[int], count: int) -> dict[str, Any]:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, sizes)
     return {"answers": answers, "first_logits": [logits for _, logits in started], "shard_sizes": every}
+
+
+def run_rows(family: str, overrides: dict[str, Any], lengths: list[int], count: int) -> dict[str, Any]:
+    """Documents of ``lengths`` answered together (``ring_decode_rows``) and one by one (``ring_decode_step``)."""
+    from megatron_ring.hf import ring_decode_rows
+
+    model = tiny_model(family, attn_implementation="ring", **overrides)
+    gen = torch.Generator().manual_seed(13)
+    docs = [torch.randint(0, 256, (n,), generator=gen) for n in lengths]
+    started = ring_prefill_documents(model, docs)
+    caches, tokens = [c for c, _ in started], [[int(logits.argmax())] for _, logits in started]
+    for _ in range(count - 1):
+        logits = ring_decode_rows(model, caches, [t[-1] for t in tokens])
+        for row, t in zip(logits, tokens):
+            t.append(int(row.argmax()))
+    alone = [_answer(model, cache, logits, count) for cache, logits in ring_prefill_documents(model, docs)]
+    return {"together": tokens, "alone": alone}

@@ -50,3 +50,19 @@ def test_ragged_documents_in_one_packed_prefill(gloo_pool):
         for doc_index, n in enumerate(lengths):
             shares = [sizes[doc_index] for sizes in result["shard_sizes"]]
             assert sum(shares) == n + count - 1 and max(shares) - min(shares) <= -(-n // 6) * 2 + 1
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", {"sliding_window": 8})])
+def test_decoding_conversations_together_equals_each_alone(gloo_pool, family, overrides):
+    """ring_decode_rows: rows with caches of 5 to 40 tokens (shards of different lengths on every rank) in one
+    forward give each conversation the tokens it gets alone, and transformers' on that document."""
+    lengths, count = [5, 23, 40], 5
+    model = tiny_model(family, **overrides)
+    gen = torch.Generator().manual_seed(13)
+    docs = [torch.randint(0, 256, (n,), generator=gen) for n in lengths]
+    for result in gloo_pool(3).run(hf_turn_workers.run_rows, family, overrides, lengths, count):
+        assert result["together"] == result["alone"]
+        for doc, answer in zip(docs, result["together"]):
+            with torch.no_grad():
+                ref = model.generate(doc[None], max_new_tokens=count, do_sample=False, min_new_tokens=count)
+            assert answer == ref[0, doc.numel():].tolist()

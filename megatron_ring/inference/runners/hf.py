@@ -44,7 +44,9 @@ from megatron_ring.integrations.hf.context import cp_context
 from megatron_ring.integrations.hf.inputs import generate_positions, last_token, local_columns, local_inputs
 from megatron_ring.integrations.hf.nll import ring_token_scores
 from megatron_ring.integrations.hf.peer_errors import telling_peers
-from megatron_ring.integrations.hf.turns import ring_decode_step, ring_extend, ring_prefill_documents
+from megatron_ring.integrations.hf.turns import (
+    ring_decode_rows, ring_decode_step, ring_extend, ring_prefill_documents,
+)
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -204,6 +206,11 @@ class HFRunner:
     def step(self, cache: RingCache, token: int) -> int:
         """Feed ``token`` to the conversation; the greedy next token."""
         return int(ring_decode_step(self.module, cache, token, group=self.groups.cp).argmax())
+
+    def step_many(self, caches: list[RingCache], tokens: list[int]) -> list[int]:
+        """One decode step of several conversations in one forward; each one's greedy next token."""
+        logits = ring_decode_rows(self.module, caches, tokens, group=self.groups.cp)
+        return [int(t) for t in logits.argmax(dim=-1)]
 
     def keep_first(self, cache: RingCache, tokens: int) -> None:
         cache.keep_first(tokens)

@@ -46,7 +46,7 @@ import torch
 from transformers import AttentionInterface, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from megatron_ring.attention.decode import decode_attention
+from megatron_ring.attention.decode import decode_attention, decode_attention_rows
 from megatron_ring.attention.api import ring_attention
 from megatron_ring.attention.turn import turn_attention
 from megatron_ring.integrations.hf.context import ATTN_IMPLEMENTATION, SHARDING, CPContext, active, generating
@@ -122,6 +122,14 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                          "megatron_ring.hf.ring_generate")
     if ctx.cu_seqlens is not None:
         return _returned(ctx, _packed_prefill(ctx, q, k, v, attention_mask, scale, window)), None
+    if ctx.phase == "decode_rows":
+        layers = [cache.layers[module.layer_idx] for cache in ctx.rows]
+        shards = [(layer.keys.transpose(1, 2), layer.values.transpose(1, 2)) for layer in layers]
+        positions = {} if window == (-1, -1) else {
+            "q_positions": torch.tensor([[layer.seen - 1] for layer in layers], device=q.device),
+            "k_positions": [layer.columns for layer in layers]}
+        out = decode_attention_rows(q, shards, ctx.group, softmax_scale=scale, window_size=window, **positions)
+        return _returned(ctx, out), None
     if ctx.phase == "turn":
         if ctx.cache is None or ctx.turn_positions is None or attention_mask is not None:
             raise ValueError("the turn phase needs the conversation's RingCache and the turn's positions in the CP "

@@ -23,7 +23,8 @@ class CPContext:
 
     ``phase`` is ``"prefill"`` (local tokens of a zigzag-sharded sequence: ring attention),
     ``"decode"`` (new tokens identical on all ranks against ``cache``: decode attention) or ``"turn"``
-    (this rank's share of a new turn against ``cache``: turn attention, Note [Pass-KV or pass-Q]).
+    (this rank's share of a new turn against ``cache``: turn attention, Note [Pass-KV or pass-Q]) or
+    ``"decode_rows"`` (one new token per row, each row against its own cache in ``rows``).
     ``cu_seqlens`` (int32 ``[n_docs + 1]``, global boundaries) marks a packed prefill: one row of
     documents, each sharded zigzag on its own (Note [Packed sequences] in packed.py).
     """
@@ -37,6 +38,8 @@ class CPContext:
     turn_positions: torch.Tensor | None = None
     """Phase ``"turn"``: the global positions (int64 ``[n_local]``) of this rank's new tokens."""
     turn_mode: str = "auto"
+    rows: "list[RingCache] | None" = None
+    """Phase ``"decode_rows"``: each batch row's conversation cache (``ring_decode_rows``)."""
     """Phase ``"turn"``: ``turn_attention``'s mode (``"auto"``, ``"pass_kv"``, ``"pass_q"``)."""
     sharded: bool = False
     """This rank's prefill inputs were cut by the adapter (``local_inputs``), so they are a zigzag

@@ -9,7 +9,9 @@ every function returns the logits of the conversation's last token, identical on
   no padding to the longest; each document's K/V become its own cache.
 * :func:`ring_extend`: a follow-up turn against a conversation's cache (Note [Pass-KV or pass-Q]
   in attention/turn.py): new token ``i`` runs on rank ``i % cp`` and stays in its shard.
-* :func:`ring_decode_step`: one token, run on every rank, against the cache (decode attention).
+* :func:`ring_decode_step`: one token, run on every rank, against the cache (decode attention);
+  :func:`ring_decode_rows`: one token of each of several conversations in one forward, each row
+  against its own cache (``decode_attention_rows``: no shard is padded or copied).
 """
 from __future__ import annotations
 
@@ -165,3 +167,40 @@ def ring_decode_step(model: PreTrainedModel, cache: RingCache, token: int,
             out = model(input_ids=torch.tensor([[token]], device=device),
                         position_ids=torch.tensor([[seen]], device=device), cache=cache, use_cache=True)
     return out.logits[0, -1].float()
+
+
+class _Rows(Cache):
+    """The caches of several conversations as the rows of one decode forward: each layer's ``update`` hands
+    each row's new K/V to its own conversation (kept by CP rank ``index % cp``); the attention function
+    reads the rows' shards from the context (``CPContext.rows``), so what ``update`` returns is unused."""
+
+    def __init__(self, caches: list[RingCache]) -> None:
+        super().__init__(layers=[DynamicLayer() for _ in caches[0].layers])
+        self.caches = caches
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        for j, cache in enumerate(self.caches):
+            cache.layers[layer_idx].update(key_states[j:j + 1], value_states[j:j + 1])
+        return key_states, value_states
+
+
+@torch.no_grad()
+def ring_decode_rows(model: PreTrainedModel, caches: list[RingCache], tokens: list[int],
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """One decode step of each conversation in one forward: ``tokens[j]`` appended to ``caches[j]``.
+
+    Returns the float32 logits ``[n, vocab]`` after each token, the same on every rank; each row equals
+    :func:`ring_decode_step` of that conversation alone (up to the rounding of batched matmuls).
+    """
+    if len(caches) != len(tokens) or not caches:
+        raise ValueError(f"ring_decode_rows needs one token per cache, got {len(tokens)} tokens for {len(caches)} "
+                         "caches")
+    device = next(model.parameters()).device
+    seen = [cache.get_seq_length() for cache in caches]
+    with cp_context(group) as ctx:
+        ctx.phase, ctx.rows = "decode_rows", caches
+        with telling_peers(ctx, model):
+            out = model(input_ids=torch.tensor(tokens, device=device)[:, None],
+                        position_ids=torch.tensor(seen, device=device)[:, None], cache=_Rows(caches), use_cache=True)
+    return out.logits[:, -1].float()
