@@ -25,8 +25,8 @@ def _reference_answers(family: str, overrides: dict) -> list[list[int]]:
     return answers
 
 
-@pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize("size,family,overrides", [(2, "llama", {}), (3, "llama", {}),
+                                                   (3, "mistral", {"sliding_window": 8})])
 def test_follow_up_turns_equal_recomputing_the_conversation(gloo_pool, size, family, overrides):
     want = _reference_answers(family, overrides)
     for mode in ("pass_kv", "pass_q", "auto"):
@@ -52,7 +52,7 @@ def test_ragged_documents_in_one_packed_prefill(gloo_pool):
             assert sum(shares) == n + count - 1 and max(shares) - min(shares) <= -(-n // 6) * 2 + 1
 
 
-@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize("family,overrides", [("mistral", {"sliding_window": 8})])
 def test_decoding_conversations_together_equals_each_alone(gloo_pool, family, overrides):
     """ring_decode_rows: rows with caches of 5 to 40 tokens (shards of different lengths on every rank) in one
     forward give each conversation the tokens it gets alone, and transformers' on that document."""

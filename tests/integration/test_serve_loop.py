@@ -31,9 +31,9 @@ def check(checkpoint: str, per_rank: list[dict[str, Any]], *, cached: bool) -> N
                 assert turn["cached"] == len(turns[i - 1]["prompt"]) + len(turns[i - 1]["answer"]) - 1, (rid, i)
 
 
-@pytest.mark.parametrize("mode", ["pass_kv", "pass_q"])
-def test_hf_runner_at_cp3(gloo_pool: Any, checkpoint: str, mode: str) -> None:
-    per_rank = gloo_pool(3).run(workers.serve_conversations, "hf", {"checkpoint": checkpoint}, {"cp": 3}, mode,
+def test_hf_runner_at_cp3(gloo_pool: Any, checkpoint: str) -> None:
+    """Both modes of a turn are checked in test_hf_turns.py; here the loop picks (auto) and decodes together."""
+    per_rank = gloo_pool(3).run(workers.serve_conversations, "hf", {"checkpoint": checkpoint}, {"cp": 3}, "auto",
                                 10_000, timeout_s=300)
     check(checkpoint, per_rank, cached=True)
     assert per_rank[0]["evicted"] == 0
