@@ -31,6 +31,7 @@ from megatron_ring.inference.loop import job_timings, run_requests
 from megatron_ring.inference.metrics import RequestTiming, format_table, median_metrics, request_metrics
 from megatron_ring.inference.prompts import answers, text_prompts
 from megatron_ring.inference.schema import InferenceSpec, runner_module, validate
+from megatron_ring.inference.text_check import check_text_prompts
 from megatron_ring.integrations.deepspeed import config as ds_config
 from megatron_ring.integrations.deepspeed import process_group as ds_glue
 from megatron_ring.inference.runners.protocol import ModelRunner
@@ -186,6 +187,7 @@ def infer_main(argv: Sequence[str] | None = None) -> int:
     env = ds_glue.launch_env()
     try:
         spec = load_spec(args.config, world_size=env["world_size"], output=args.output)
+        check_text_prompts(spec)  # with the tokenizer only: before the model loads (a launcher gave no check)
     except ConfigError as err:
         # Every rank says it: the launcher stops the others as soon as one rank exits.
         print(f"[megatron_ring] rank {env['rank']}: config error, nothing was started:\n{err}", file=sys.stderr,

@@ -64,3 +64,17 @@ def test_compare_refuses_before_launching(tmp_path, capsys, checkpoint) -> None:
     assert compare_main([str(base), str(ring), "--out-dir", str(out), "--launcher", "torchrun"]) == 2
     assert "has no chat template" in capsys.readouterr().err
     assert not list(out.glob("*.log")), "no run may start"
+
+
+def test_a_launched_rank_refuses_before_loading_its_model(tmp_path, capsys, checkpoint, monkeypatch) -> None:
+    """A rank a launcher started directly (no check, no compare before it) builds the text prompts with the
+    tokenizer alone, before any process group or model: exit 2 naming workload.text."""
+    from megatron_ring.inference.main import infer_main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    path = config(tmp_path, "c", {"runner": "hf", "config": {"checkpoint": checkpoint}}, prompt_len=64, chat=True,
+                  question="Why?")
+    assert infer_main(["--deepspeed_config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "workload.text" in err and "has no chat template" in err, err
