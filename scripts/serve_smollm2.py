@@ -90,14 +90,13 @@ def conversation_rank(cp: int, doc_tokens: int, modes: bool, ragged: bool) -> di
     store, answers, turns = ConversationStore(10 ** 6), [], []
     for turn in range(3):
         prompt = _tokens(tok, _messages(document, [tok.decode(a, skip_special_tokens=True) for a in answers], turn))
-        conv, prefix = store.take(prompt)
+        conv, prefix, whole = store.take(prompt, turn)
         dist.barrier()
         start = time.perf_counter()
         if conv is None:
             [(cache, first)] = runner.start([torch.tensor(prompt)])
         else:
-            cache = conv.cache
-            runner.keep_first(cache, prefix)
+            cache = conv.cache if whole else runner.fork(conv.cache, prefix)
             first = runner.extend(cache, torch.tensor(prompt[prefix:]), "auto")
         ttft = time.perf_counter() - start
         answer = _answer(runner, cache, first, stop)

@@ -4,10 +4,12 @@ Note [Follow-up turns by prefix]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The OpenAI API is stateless: a follow-up request carries the whole conversation again (the
 document, the first question, the model's answer, the new question). So a conversation is
-found by its tokens: the cached conversation sharing the longest prefix with the new prompt is
-taken, cropped to that prefix (every rank drops its entries beyond it), and only the rest of the
-prompt is prefilled as a turn against it. At least the prompt's last token is always prefilled,
-for the logits of the first answer token. The store decides the same on every rank, because
+found by its tokens: the cached conversation sharing the longest prefix with the new prompt, and
+only the rest of the prompt is prefilled as a turn against it. When the prompt extends the whole
+cached conversation (a follow-up), the request takes it over. When they share only a prefix (a
+system prompt, a document asked about in two conversations), every rank copies its entries of
+that prefix into a new cache, and the cached conversation stays for its own follow-ups. At least
+the prompt's last token is always prefilled, for the logits of the first answer token. The store decides the same on every rank, because
 every rank sees the same requests in the same order: it holds token lists and round numbers, and
 each rank its own shard of each cache.
 """
@@ -35,17 +37,23 @@ class ConversationStore:
     evicted: int = 0
     """Conversations evicted so far."""
 
-    def take(self, prompt: list[int]) -> tuple[Conversation | None, int]:
-        """Remove and return the conversation sharing the longest prefix with ``prompt`` and that prefix's
-        length, at most ``len(prompt) - 1`` (Note [Follow-up turns by prefix]); ``(None, 0)`` if none shares one."""
+    def take(self, prompt: list[int], now: int) -> tuple[Conversation | None, int, bool]:
+        """The conversation sharing the longest prefix with ``prompt``, that prefix's length (at most
+        ``len(prompt) - 1``) and whether the prompt extends all of it, so that the caller takes it over: it
+        then leaves the store (Note [Follow-up turns by prefix]). ``(None, 0, False)`` if none shares a token."""
         best, best_len = None, 0
         for conv in self.conversations:
             n = _common_prefix(conv.tokens, prompt, len(prompt) - 1)
             if n > best_len:
                 best, best_len = conv, n
-        if best is not None:
+        if best is None:
+            return None, 0, False
+        whole = best_len == len(best.tokens)
+        if whole:
             self.conversations.remove(best)
-        return best, best_len
+        else:
+            best.last_used = now
+        return best, best_len, whole
 
     def put(self, conv: Conversation, now: int) -> list[Conversation]:
         """Keep ``conv``; return the conversations evicted to stay within the budget (oldest use first)."""

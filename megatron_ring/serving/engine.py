@@ -54,7 +54,7 @@ class ConversationRunner(Protocol):
     def start(self, documents: list[torch.Tensor]) -> list[tuple[object, int]]: ...
     def extend(self, cache: object, ids: torch.Tensor, mode: str) -> int: ...
     def step(self, cache: object, token: int) -> int: ...
-    def keep_first(self, cache: object, tokens: int) -> None: ...
+    def fork(self, cache: object, tokens: int) -> object: ...
 
 
 Emit = Callable[[str, Optional[int], Optional[str], dict], None]
@@ -87,14 +87,14 @@ class ServeLoop:
                 self._finish(self.running.pop(rid), "cancelled")
         fresh, joined = [], []
         for request in plan.new:
-            conv, prefix = self.store.take(request.tokens)
+            conv, prefix, whole = self.store.take(request.tokens, self.round)
             if conv is None:
                 fresh.append(request)
                 continue
-            self.runner.keep_first(conv.cache, prefix)
             start = time.perf_counter()
-            token = self.runner.extend(conv.cache, torch.tensor(request.tokens[prefix:]), self.turn_mode)
-            joined.append((request, conv.cache, token, {"cached_tokens": prefix, "prefill_s": time.perf_counter() - start}))
+            cache = conv.cache if whole else self.runner.fork(conv.cache, prefix)
+            token = self.runner.extend(cache, torch.tensor(request.tokens[prefix:]), self.turn_mode)
+            joined.append((request, cache, token, {"cached_tokens": prefix, "prefill_s": time.perf_counter() - start}))
         if fresh:
             start = time.perf_counter()
             started = self.runner.start([torch.tensor(r.tokens) for r in fresh])

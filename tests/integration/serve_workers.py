@@ -79,3 +79,30 @@ def alone(path: str, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=EOS, pad_token_id=EOS)
     return out[0, ids.shape[1]:].tolist()
+
+
+def shared_prefix(runner: str, model: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
+    """Two conversations about one document, one after the other: the second copies the shared prefix from
+    the first one's cache, which stays for the first one's follow-up."""
+    built = build(runner, model, sizes)
+    events: dict[str, list] = {}
+    loop = ServeLoop(built, budget_tokens=10_000, turn_mode="auto",
+                     emit=lambda rid, token, finish, info: events.setdefault(rid, []).append((token, finish, info)),
+                     log=lambda msg: None)
+    document, first_q, second_q, follow = conversations()[0][0], [1, 2, 3], [4, 5], [6, 7, 8]
+
+    def serve(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        loop.run_round(Plan(new=[GenRequest(rid, prompt, MAX_TOKENS, [EOS])]))
+        while not loop.idle:
+            loop.run_round(Plan())
+        answer = [t for t, _, _ in events[rid] if t is not None]
+        return answer, next(i["cached_tokens"] for _, _, i in events[rid] if "cached_tokens" in i)
+
+    one = document + first_q
+    answer_one, _ = serve("one", one)
+    two = document + second_q
+    answer_two, cached_two = serve("two", two)
+    three = one + answer_one + follow
+    answer_three, cached_three = serve("three", three)
+    return {"prompts": [one, two, three], "answers": [answer_one, answer_two, answer_three],
+            "cached": [cached_two, cached_three], "conversations": len(loop.store.conversations)}

@@ -54,3 +54,19 @@ def test_a_small_budget_evicts_and_still_answers_right(gloo_pool: Any, checkpoin
     check(checkpoint, per_rank, cached=False)
     assert per_rank[0]["evicted"] >= 5
     assert all(turn["cached"] == 0 for turns in per_rank[0]["turns"].values() for turn in turns)
+
+
+@pytest.mark.parametrize("runner", ["hf", "megatron"])
+def test_a_shared_prefix_is_copied_and_the_conversation_kept(gloo_pool: Any, checkpoint: str, runner: str) -> None:
+    """Note [Follow-up turns by prefix]: a second conversation about the same document copies the document's
+    entries; the first conversation keeps its whole cache for its follow-up."""
+    model = {"checkpoint": checkpoint} if runner == "hf" else \
+        {"checkpoint": checkpoint, "dtype": "fp32", "attention": "ring", "parallel": {"cp": 2}}
+    per_rank = gloo_pool(2).run(workers.shared_prefix, runner, model, {"cp": 2}, timeout_s=300)
+    first = per_rank[0]
+    assert all(r == first for r in per_rank)
+    one, two, three = first["prompts"]
+    assert first["cached"] == [41, len(one) + len(first["answers"][0]) - 1]
+    for prompt, answer in zip(first["prompts"], first["answers"]):
+        assert answer == workers.alone(checkpoint, prompt)
+    assert first["conversations"] == 2

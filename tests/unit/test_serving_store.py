@@ -8,15 +8,16 @@ from megatron_ring.serving.conversations import Conversation, ConversationStore
 from megatron_ring.serving.engine import GenRequest
 
 
-def test_the_longest_shared_prefix_wins_and_leaves_the_store():
+def test_a_follow_up_takes_its_conversation_a_shared_prefix_leaves_it():
     store = ConversationStore(budget_tokens=100)
     store.put(Conversation([1, 2, 3, 4], "a"), now=1)
     store.put(Conversation([1, 2, 9], "b"), now=2)
-    conv, prefix = store.take([1, 2, 3, 4, 5, 6])
-    assert (conv.cache, prefix) == ("a", 4) and [c.cache for c in store.conversations] == ["b"]
-    conv, prefix = store.take([1, 2, 9])  # the whole prompt cached: its last token is prefilled again
-    assert (conv.cache, prefix) == ("b", 2)
-    assert store.take([7, 8]) == (None, 0)
+    conv, prefix, whole = store.take([1, 2, 3, 4, 5, 6], now=3)  # extends all of a: a follow-up
+    assert (conv.cache, prefix, whole) == ("a", 4, True) and [c.cache for c in store.conversations] == ["b"]
+    conv, prefix, whole = store.take([1, 2, 9], now=4)  # all cached: its last token is prefilled again
+    assert (conv.cache, prefix, whole) == ("b", 2, False) and conv.last_used == 4
+    assert [c.cache for c in store.conversations] == ["b"]  # shared only: b stays, the caller copies the prefix
+    assert store.take([7, 8], now=5) == (None, 0, False)
 
 
 def test_the_budget_evicts_the_least_recently_used():

@@ -86,6 +86,17 @@ class MegatronConversations:
         self._pos = min(self._pos, tokens)
         self._keep(conv)
 
+    def fork(self, conv: MegatronConversation, tokens: int) -> MegatronConversation:
+        """A new conversation holding a copy of ``conv``'s first ``tokens`` tokens (``conv`` unchanged)."""
+        layers = []
+        for k, v, positions, length, _ in conv.layers:
+            if k is None:
+                layers.append((None, None, positions.clone(), 0, positions.numel()))
+                continue
+            keep = torch.nonzero(positions[:length] < tokens)[:, 0]
+            layers.append((k[keep], v[keep], positions[keep], keep.numel(), keep.numel()))
+        return MegatronConversation(layers, min(conv.seen, tokens))
+
     def _turn(self, ids: torch.Tensor, mode: str) -> int:
         """``ids`` (1-D) at positions ``_pos ..``; each CP rank runs its own (Note in the module docstring)."""
         positions = torch.arange(self._pos, self._pos + ids.numel(), device=self.device)

@@ -215,6 +215,10 @@ class HFRunner:
     def keep_first(self, cache: RingCache, tokens: int) -> None:
         cache.keep_first(tokens)
 
+    def fork(self, cache: RingCache, tokens: int) -> RingCache:
+        """A new conversation holding a copy of ``cache``'s first ``tokens`` tokens."""
+        return cache.prefix_copy(tokens)
+
     def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``ScoringRunner.score``: :func:`~megatron_ring.integrations.hf.nll.ring_token_scores` over the CP group."""

@@ -161,10 +161,21 @@ class RingCache(Cache):
             self.turn_plan = None
 
     def keep_first(self, tokens: int) -> None:
-        """Crop the conversation to its first ``tokens`` tokens on every layer (a follow-up whose prompt
-        shares only that prefix with what is cached)."""
+        """Crop the conversation to its first ``tokens`` tokens on every layer."""
         for layer in self.layers:
             layer.keep_first(tokens)
+
+    def prefix_copy(self, tokens: int) -> "RingCache":
+        """A new cache holding a copy of this rank's entries of the first ``tokens`` tokens (this one unchanged)."""
+        copy = RingCache(len(self.layers), self.cp_rank, self.cp_size)
+        for mine, theirs in zip(self.layers, copy.layers):
+            if mine.keys is None or mine.columns is None:
+                continue
+            keep = torch.nonzero(mine.columns < tokens)[:, 0]
+            theirs.lazy_initialization(mine.keys, mine.values)
+            theirs.keys, theirs.values = mine.keys[..., keep, :], mine.values[..., keep, :]
+            theirs.columns, theirs.seen = mine.columns[keep], min(mine.seen, tokens)
+        return copy
 
     def nbytes(self) -> int:
         """Bytes of this rank's K/V, all layers."""
