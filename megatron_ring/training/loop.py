@@ -138,9 +138,10 @@ def build_data(spec: TrainSpec, groups: ParallelGroups, *, held_out: bool = Fals
     else:
         samples = build_samples(d.kind, vocab_size=spec.vocab_size, seq_len=spec.train.seq_len, files=files,
                                 synthetic_samples=d.synthetic_samples, seed=d.seed)
+    split = spec.layout.tp if spec.model is not None and spec.model.parallel.sequence_parallel else 1
     return TrainData(samples, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, dp=spec.layout.dp,
                      dp_rank=groups.coords["dp"], cp=spec.layout.cp, cp_rank=groups.cp_rank,
-                     shuffle=d.shuffle, seed=d.seed)
+                     shuffle=d.shuffle, seed=d.seed, split=split)
 
 
 # --- one step ----------------------------------------------------------------------------------

@@ -323,10 +323,15 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                          f"end); allowed: seq_len <= {positions}, or raise max_position_embeddings in "
                          f"{SECTION}.transformers.config")
     else:
-        from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
-
-        model, pretrained = problems.run(_model_config, train, base_dir,
-                                         seq_len=row_length(train.seq_len, layout.cp)) or (None, None)
+        model, pretrained = problems.run(_model_config, train, base_dir, pad=True) or (None, None)
+        if model is not None and model.parallel.sequence_parallel and deepspeed_engine:
+            problems.add(f"sequence_parallel (model {train.model!r}, parallel.sequence_parallel) trains under "
+                         f"{SECTION}.engine = 'megatron' only (its finalize_model_grads reduces the norms' gradients "
+                         "over TP); allowed with engine 'deepspeed': false")
+        if model is not None and model.parallel.sequence_parallel and train.data.kind in DOCUMENT_KINDS:
+            problems.add(f"{SECTION}.data.kind = {train.data.kind!r} packs documents into rows of varying length, "
+                         "which sequence_parallel would have to split over the TP ranks; allowed: sequence_parallel "
+                         "false, or data.kind 'text' / 'synthetic'")
         if pretrained is not None and deepspeed_engine:
             problems.add(f"{SECTION}.model = {train.model!r} names a checkpoint: it trains under {SECTION}.engine = "
                          f"'megatron' (or give it as {SECTION}.transformers under engine 'deepspeed')")
@@ -539,14 +544,21 @@ def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
                           "add text or lower seq_len")
 
 
-def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> tuple[GPTConfig, Optional[Any]]:
-    """The model YAML with our layout, ``seq_len`` (None: the file's own, ours being rejected
-    already) and attention (if set) written into it; and where its weights come from when it names a
-    checkpoint (:mod:`megatron_ring.training.pretrained`), else None."""
+def _model_config(train: TrainSection, base_dir: Path, *, pad: bool) -> tuple[GPTConfig, Optional[Any]]:
+    """The model YAML with our layout, ``megatron.sequence_parallel`` (if set), ``seq_len`` padded for
+    the layout (:func:`~megatron_ring.training.data.row_length`; ``pad`` False: the file's own, ours
+    being rejected already) and attention (if set) written into it; and where its weights come from
+    when it names a checkpoint (:mod:`megatron_ring.training.pretrained`), else None."""
+    from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
+
     path = _resolve(train.model, base_dir, must_exist=True)
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
     data["parallel"] = {**data.get("parallel", {}), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
+    if train.megatron is not None and train.megatron.sequence_parallel is not None:
+        data["parallel"]["sequence_parallel"] = train.megatron.sequence_parallel
+    split = lay.tp if data["parallel"].get("sequence_parallel") is True else 1
+    seq_len = row_length(train.seq_len, lay.cp, split) if pad else None
     if seq_len is not None and isinstance(data.get("model"), dict):
         data["model"]["seq_length"] = seq_len
     if train.attention is not None:

@@ -84,22 +84,35 @@ def constant_reference(gloo_pool: Any) -> dict[str, Any]:
     return ref
 
 
-@pytest.mark.parametrize("layout", [{"cp": 2, "dp": 2}, {"tp": 2, "cp": 2}, {"pp": 2, "cp": 2}],
-                         ids=["cp2-dp2", "tp2-cp2", "pp2-cp2"])
-def test_layouts_train_like_cp1(gloo_pool: Any, reference: dict[str, Any], layout: dict[str, int]) -> None:
-    assert_same(run(gloo_pool(4), config(layout)), reference, str(layout))
+@pytest.mark.parametrize("layout,megatron", [({"cp": 2, "dp": 2}, {}), ({"tp": 2, "cp": 2}, {}),
+                                             ({"tp": 2, "cp": 2}, {"sequence_parallel": True}),
+                                             ({"pp": 2, "cp": 2}, {})],
+                         ids=["cp2-dp2", "tp2-cp2", "tp2-cp2-sp", "pp2-cp2"])
+def test_layouts_train_like_cp1(gloo_pool: Any, reference: dict[str, Any], layout: dict[str, int],
+                                megatron: dict[str, Any]) -> None:
+    """Every layout, and tp2·cp2 with sequence parallelism (Note [Sequence parallelism and the ring]), equals cp 1."""
+    assert_same(run(gloo_pool(4), config(layout, megatron=megatron)), reference, f"{layout} {megatron}")
 
 
 def test_interleaved_pipeline_and_recompute_train_like_cp1(gloo_pool: Any) -> None:
-    """4 layers: pp2·cp2 with 2 virtual stages, and cp2·dp2 recomputing every layer, against cp 1."""
+    """4 layers, a global batch of 8: pp2·cp2 with 2 virtual stages over 4 and 8 micro-batches (more than
+    the stages: Note [Interleaved p2p at pp = 2]), and cp2·dp2 recomputing every layer or only the core
+    attention (selective), against cp 1."""
     pool, model = gloo_pool(4), "tiny_ring_4layers.yaml"
-    ref = run(pool, config({"cp": 1, "dp": 4}, model=model))
-    interleaved = config({"pp": 2, "cp": 2}, model=model, megatron={"virtual_pipeline": 2})
-    interleaved["gradient_accumulation_steps"] = 2  # = pp: 2 micro-batches of 2 sequences
-    assert_same(run(pool, interleaved), ref, "pp2-cp2 vp2")
+
+    def eight(layout: dict[str, int], micro_batches: int, **megatron: Any) -> dict[str, Any]:
+        raw = config(layout, model=model, megatron=megatron)
+        raw.update(train_batch_size=8, gradient_accumulation_steps=micro_batches)
+        return raw
+
+    ref = run(pool, eight({"cp": 1, "dp": 4}, 2))
+    for micro_batches in (4, 8):
+        assert_same(run(pool, eight({"pp": 2, "cp": 2}, micro_batches, virtual_pipeline=2)), ref,
+                    f"pp2-cp2 vp2, {micro_batches} micro-batches")
     full = {"granularity": "full", "method": "uniform", "num_layers": 1}
-    assert_same(run(pool, config({"cp": 2, "dp": 2}, model=model, megatron={"recompute": full})), ref,
-                "cp2-dp2 full recompute")
+    for recompute in (full, {"granularity": "selective"}):
+        assert_same(run(pool, eight({"cp": 2, "dp": 2}, 2, recompute=recompute)), ref,
+                    f"cp2-dp2 {recompute['granularity']} recompute")
 
 
 @pytest.mark.parametrize("first,then", [({"cp": 2, "dp": 2}, {"tp": 2, "cp": 2}),
@@ -142,8 +155,8 @@ BAD = {
                        ["recompute.granularity = 'full' needs recompute.method"]),
     "vp layers": ("megatron_ring.megatron.virtual_pipeline", 2, ["virtual_pipeline = 2", "num_layers = 2",
                                                                  "pp * virtual_pipeline = 4"]),
-    "vp micro-batches": ("megatron_ring.megatron.virtual_pipeline", 2,
-                         ["virtual_pipeline = 2 needs gradient_accumulation_steps", "= layout.pp = 2, got 4"]),
+    "sp without tp": ("megatron_ring.megatron.sequence_parallel", True,
+                      ["parallel.sequence_parallel = true needs parallel.tp > 1", "got tp = 1"]),
     "engine name": ("megatron_ring.engine", "megatorn", ["megatron_ring.engine = 'megatorn'", "'deepspeed'",
                                                          "'megatron'"]),
 }
@@ -156,6 +169,15 @@ def test_bad_megatron_config_names_the_field(case: str) -> None:
         parse_train_spec(train_workers.changed(good(), dotted, value), world_size=4, base_dir=ROOT)
     for needle in needles:
         assert needle in str(err.value), f"{needle!r} not in: {err.value}"
+
+
+def test_interleaved_micro_batches_not_a_multiple_of_pp_are_refused() -> None:
+    raw = config({"pp": 2, "cp": 2}, model="tiny_ring_4layers.yaml", megatron={"virtual_pipeline": 2})
+    raw.update(train_batch_size=3, gradient_accumulation_steps=3)
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(raw, world_size=4, base_dir=ROOT)
+    assert "virtual_pipeline = 2: the interleaved schedule" in str(err.value)
+    assert "must be a multiple of 2, got 3" in str(err.value)
 
 
 def test_deepspeed_engine_refuses_pipeline_and_megatron_section() -> None:
