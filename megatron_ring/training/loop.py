@@ -394,11 +394,20 @@ def nonfinite_message(loss: float, step: int, ckpt_dir: Optional[Path]) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Train a Megatron GPT with ring attention under DeepSpeed.")
-    parser.add_argument("--deepspeed_config", "--config", dest="config", required=True,
-                        help="DeepSpeed training JSON with a 'megatron_ring' section")
+    """``CONFIG`` or ``--deepspeed_config CONFIG`` (either kind: :func:`~megatron_ring.training.schema.load_train_spec`)
+    and the deepspeed launcher's ``--local_rank``."""
+    parser = argparse.ArgumentParser(description="Train a Megatron GPT (or a transformers model) with ring attention: "
+                                     "one rank of a job started by torchrun or the deepspeed launcher.")
+    parser.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
+                        help="a training YAML with Megatron-LM's names, or a DeepSpeed training JSON")
+    parser.add_argument("--deepspeed_config", "--config", dest="config", default=None,
+                        help="DeepSpeed training JSON with a 'megatron_ring' section (or the YAML)")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (unused)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.config is None) == (args.config_file is None):
+        parser.error("give the config once: CONFIG or --deepspeed_config CONFIG")
+    args.config = args.config or args.config_file
+    return args
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:

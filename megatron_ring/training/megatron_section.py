@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 from pydantic import Field
 
 from megatron_ring.config import StrictModel
+from megatron_ring.config.gpt import CpCommType
 
 if TYPE_CHECKING:
     from megatron_ring.config.gpt import GPTConfig
@@ -121,6 +122,8 @@ class MegatronSection(StrictModel):
                                                                      "(interleaved 1F1B); None: one")
     sequence_parallel: Optional[bool] = Field(None, description="Megatron's sequence_parallel (needs tp > 1); None: "
                                               "the model file's parallel.sequence_parallel")
+    cp_comm_type: Optional[CpCommType | list[CpCommType]] = Field(None, description="Megatron's cp_comm_type; None: "
+                                                                  "the model file's parallel.cp_comm_type")
 
     def problems(self, model: "GPTConfig", *, grad_accum: int, where: str) -> list[str]:
         """What Megatron would reject only once the model is built, each naming the field."""

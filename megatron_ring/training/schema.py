@@ -555,8 +555,9 @@ def _model_config(train: TrainSection, base_dir: Path, *, pad: bool) -> tuple[GP
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
     data["parallel"] = {**data.get("parallel", {}), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
-    if train.megatron is not None and train.megatron.sequence_parallel is not None:
-        data["parallel"]["sequence_parallel"] = train.megatron.sequence_parallel
+    for key in ("sequence_parallel", "cp_comm_type"):  # the section's, over the model file's
+        if train.megatron is not None and getattr(train.megatron, key) is not None:
+            data["parallel"][key] = getattr(train.megatron, key)
     split = lay.tp if data["parallel"].get("sequence_parallel") is True else 1
     seq_len = row_length(train.seq_len, lay.cp, split) if pad else None
     if seq_len is not None and isinstance(data.get("model"), dict):
@@ -572,7 +573,12 @@ def _model_config(train: TrainSection, base_dir: Path, *, pad: bool) -> tuple[GP
 
 
 def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
-    """Read and validate a training config file (relative paths inside resolve against its folder)."""
+    """Read and validate a training config file (relative paths inside resolve against its folder): the
+    DeepSpeed JSON, or a YAML with Megatron-LM's names (:mod:`megatron_ring.training.megatron_args`)."""
     path = Path(path)
-    return parse_train_spec(load_mapping(path), world_size=world_size, base_dir=path.resolve().parent,
-                            where=f"config {str(path)!r}")
+    raw, where = load_mapping(path), f"config {str(path)!r}"
+    from megatron_ring.training.megatron_args import is_megatron_args, parse_megatron_args
+
+    if is_megatron_args(raw, path):  # Megatron-LM's names (megatron_args.py): translated, then as below
+        return parse_megatron_args(raw, world_size=world_size, base_dir=path.resolve().parent, where=where)
+    return parse_train_spec(raw, world_size=world_size, base_dir=path.resolve().parent, where=where)

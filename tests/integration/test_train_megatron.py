@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("megatron.core")
 
-from megatron_ring.config import ConfigError  # noqa: E402
+from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.training.schema import parse_train_spec  # noqa: E402
 from tests.integration import train_workers  # noqa: E402
 
@@ -207,3 +208,61 @@ def test_a_checkpoint_of_another_model_or_engine_is_refused_naming_the_folder(gl
     other = outcome(deepspeed_config("cp2-dp2", 0, checkpoint=ckpt))
     assert other.startswith("ConfigError") and "saved by engine 'megatron'" in other and \
         "megatron_ring.engine = 'deepspeed'" in other, other
+
+
+# --- the YAML with Megatron-LM's names (megatron_ring/training/megatron_args.py) ---------------------------
+
+SHIPPED_YAML = ROOT / "configs" / "train" / "megatron_pp2_cp2.yaml"
+SHIPPED_JSON = ROOT / "configs" / "deepspeed" / "train_megatron_pp2_cp2.json"
+
+
+def shipped_yaml(**changes: Any) -> dict[str, Any]:
+    """The shipped YAML without checkpoints or log file, with ``changes`` (None: the key removed)."""
+    raw = {key: value for key, value in load_mapping(SHIPPED_YAML).items() if key not in ("save", "load", "log_jsonl")}
+    raw.update(log_progress=False, **changes)
+    return {key: value for key, value in raw.items() if value is not None}
+
+
+def test_shipped_yaml_trains_like_the_json(gloo_pool: Any) -> None:
+    """configs/train/megatron_pp2_cp2.yaml (Megatron-LM's names: pp2 x 2 virtual stages x cp2, 2 micro-batches
+    of 4) against configs/deepspeed/train_megatron_pp2_cp2.json, 2 steps of 64 tokens: the same losses and weights."""
+    pool = gloo_pool(4)
+    raw_json = load_mapping(SHIPPED_JSON)
+    raw_json["megatron_ring"].update(steps=2, seq_len=64, checkpoint={}, log={"progress": False})
+    from_json = train_workers.run_on_pool(pool, raw_json, str(SHIPPED_JSON.parent))
+    from_yaml = train_workers.run_on_pool(pool, shipped_yaml(train_iters=2, seq_length=64), str(SHIPPED_YAML.parent))
+    train_workers.assert_same_training(from_yaml, from_json, "yaml vs json", loss_tol=1e-12, weight_tol=1e-12)
+
+
+BAD_YAML = {
+    "unknown key": ({"tensor_model_paralel_size": 2}, 4, ["'tensor_model_paralel_size'",
+                                                         "did you mean 'tensor_model_parallel_size'"]),
+    "tp heads": ({"tensor_model_parallel_size": 3, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                  "num_layers_per_virtual_pipeline_stage": None}, 3,
+                 ["tensor_model_parallel_size = 3 does not divide the model's num_attention_heads = 4"]),
+    "sp without tp": ({"sequence_parallel": True}, 4, ["sequence_parallel = true needs tensor_model_parallel_size > 1"]),
+    "vp layers": ({"num_layers_per_virtual_pipeline_stage": 3}, 4,
+                  ["num_layers_per_virtual_pipeline_stage = 3: the model's num_layers = 4 is not divisible"]),
+    "vp micro-batches": ({"global_batch_size": 12}, 4, ["global_batch_size = 12 gives 3 micro-batches per step",
+                                                        "must be a multiple of 2"]),
+    "world": ({}, 6, ["world size 6 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size"]),
+    "translated field": ({"min_lr": 1.0}, 4, ["min_lr = 1.0 is above lr = 0.003"]),
+    "load elsewhere": ({"save": "a", "load": "b"}, 4, ["load = 'b' is not save = 'a'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_YAML))
+def test_bad_megatron_yaml_names_its_key(case: str, tmp_path: Path) -> None:
+    """Refused before any rank, by ``load_train_spec`` (what every rank, ``megatron-ring check`` and
+    ``megatron-ring train`` run first), naming the YAML's own key."""
+    from megatron_ring.training.schema import load_train_spec
+
+    changes, world, needles = BAD_YAML[case]
+    path = tmp_path / "train.yaml"
+    raw = shipped_yaml(**changes)
+    raw.update(model=str(MODELS / "tiny_ring_4layers.yaml"), data_path=[str(ROOT / "data" / "corpus")])
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as err:
+        load_train_spec(path, world_size=world)
+    for needle in needles:
+        assert needle in str(err.value), f"{needle!r} not in: {err.value}"
