@@ -20,9 +20,9 @@ flat, with underscores, and Megatron-LM's defaults::
 
 and runs as engine ``megatron`` (:mod:`megatron_ring.training.megatron_engine`): :func:`translate`
 writes the DeepSpeed-JSON form's mapping (batch keys plus the ``megatron_ring`` section,
-:mod:`megatron_ring.training.schema`), which :func:`parse_megatron_args` validates with the same
-:func:`~megatron_ring.training.schema.parse_train_spec` as the JSON, so both forms are one code path
-and train alike. The data-parallel size is Megatron's: the world size over tp * pp * cp.
+:mod:`megatron_ring.training.schema`), which :func:`~megatron_ring.training.schema.parse_megatron_args`
+validates with the same :func:`~megatron_ring.training.schema.parse_train_spec` as the JSON, so both
+forms are one code path and train alike. The data-parallel size is Megatron's: the world size over tp * pp * cp.
 
 Problems name this file's keys: unknown keys with a did-you-mean (:class:`MegatronArgs`), the
 layout rules Megatron checks at start-up (:func:`layout_problems`: tp dividing the heads, sequence
@@ -290,11 +290,10 @@ def is_megatron_args(raw: Any, path: Path) -> bool:
             and bool({"train_iters", "micro_batch_size", "tensor_model_parallel_size"} & set(raw)))
 
 
-def parse_megatron_args(raw: Any, *, world_size: int, base_dir: Path, where: str = "config") -> Any:
-    """Validate a Megatron-LM-style mapping for ``world_size`` processes into a
-    :class:`~megatron_ring.training.schema.TrainSpec`; one ConfigError naming this file's keys."""
-    from megatron_ring.training.schema import parse_train_spec
-
+def translated(raw: Any, *, world_size: int, base_dir: Path, where: str = "config") -> dict[str, Any]:
+    """The JSON form's mapping of a Megatron-LM-style mapping for ``world_size`` processes, after the
+    checks named by this file's keys (one ConfigError); the caller validates it with
+    :func:`~megatron_ring.training.schema.parse_train_spec`, its problems passed through :func:`renamed`."""
     args = MegatronArgs.parse(raw, where=where)
     dp = data_parallel_size(args, world_size, where)
     sizes = model_sizes(args, base_dir)
@@ -308,8 +307,4 @@ def parse_megatron_args(raw: Any, *, world_size: int, base_dir: Path, where: str
         found.append(f"eval_interval = {args.eval_interval} needs valid_data_path (held-out files)")
     if found:
         raise ConfigError(*found, where=where)
-    try:
-        return parse_train_spec(translate(args, dp=dp, chunks=chunks), world_size=world_size, base_dir=base_dir,
-                                where=where)
-    except ConfigError as err:
-        raise ConfigError(*(renamed(p) for p in err.problems), where=err.where) from None
+    return translate(args, dp=dp, chunks=chunks)

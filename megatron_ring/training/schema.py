@@ -53,6 +53,7 @@ from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
+from megatron_ring.training.megatron_args import is_megatron_args
 from megatron_ring.training.megatron_section import MegatronSection
 from megatron_ring.training.hf_schema import TransformersModelSection, transformers_config
 
@@ -577,8 +578,18 @@ def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
     DeepSpeed JSON, or a YAML with Megatron-LM's names (:mod:`megatron_ring.training.megatron_args`)."""
     path = Path(path)
     raw, where = load_mapping(path), f"config {str(path)!r}"
-    from megatron_ring.training.megatron_args import is_megatron_args, parse_megatron_args
-
-    if is_megatron_args(raw, path):  # Megatron-LM's names (megatron_args.py): translated, then as below
+    if is_megatron_args(raw, path):
         return parse_megatron_args(raw, world_size=world_size, base_dir=path.resolve().parent, where=where)
     return parse_train_spec(raw, world_size=world_size, base_dir=path.resolve().parent, where=where)
+
+
+def parse_megatron_args(raw: Any, *, world_size: int, base_dir: Path, where: str = "config") -> TrainSpec:
+    """A YAML mapping with Megatron-LM's names (:mod:`megatron_ring.training.megatron_args`): translated into
+    this module's form and validated by :func:`parse_train_spec`, every problem naming the YAML's keys."""
+    from megatron_ring.training.megatron_args import renamed, translated
+
+    mapping = translated(raw, world_size=world_size, base_dir=base_dir, where=where)
+    try:
+        return parse_train_spec(mapping, world_size=world_size, base_dir=base_dir, where=where)
+    except ConfigError as err:
+        raise ConfigError(*(renamed(p) for p in err.problems), where=err.where) from None

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.training.loop import init_model_parallel, train
-from megatron_ring.training.megatron_args import parse_megatron_args
-from megatron_ring.training.schema import parse_train_spec
+from megatron_ring.training.schema import parse_megatron_args, parse_train_spec
 
 
 def changed(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
