@@ -22,7 +22,8 @@ runs on any device.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -61,3 +62,28 @@ def sequence_parallel_block(layer: ModuleSpec, num_layers: int) -> ModuleSpec:
     final = SequenceParallelNorm if LayerNormImpl is WrappedTorchNorm else LayerNormImpl
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=[layer] * num_layers, layer_norm=final))
+
+
+SWITCHES = ("sequence_parallel", "reduce_scatter_embeddings")
+"""Attributes of Megatron's modules that fix sequence parallelism at construction (tensor-parallel linears,
+the embedding and its vocabulary-parallel table)."""
+
+
+@contextmanager
+def sequence_parallel_off(model: torch.nn.Module) -> Iterator[None]:
+    """Inside the block ``model`` (a GPTModel) runs without sequence parallelism: its config's flag and
+    every module's :data:`SWITCHES` set False, restored after. For a call whose sequence cannot split
+    over the TP ranks (a decode step's one token); the weights are the same either way."""
+    config = model.config
+    saved = [(module, name, getattr(module, name)) for module in model.modules() for name in SWITCHES
+             if isinstance(getattr(module, name, None), bool)]
+    was = config.sequence_parallel
+    try:
+        config.sequence_parallel = False
+        for module, name, _ in saved:
+            setattr(module, name, False)
+        yield
+    finally:
+        config.sequence_parallel = was
+        for module, name, value in saved:
+            setattr(module, name, value)
