@@ -556,6 +556,8 @@ def _model_config(train: TrainSection, base_dir: Path, *, pad: bool) -> tuple[GP
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
     data["parallel"] = {**data.get("parallel", {}), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
+    if lay.cp_a2a is not None:  # hierarchical CP: the layout's groups are the model's
+        data["parallel"]["cp_a2a"] = lay.cp_a2a
     for key in ("sequence_parallel", "cp_comm_type"):  # the section's, over the model file's
         if train.megatron is not None and getattr(train.megatron, key) is not None:
             data["parallel"][key] = getattr(train.megatron, key)
