@@ -4,7 +4,7 @@ scheduler, recomputation and virtual pipeline for ``engine: megatron``.
 Field names follow Megatron-LM's arguments (``--lr``, ``--adam-beta1``, ``--clip-grad``,
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``, ``--recompute-granularity``,
 ``--num-layers-per-virtual-pipeline-stage`` as chunks per stage, ...). Importing this module needs
-pydantic only; building the Megatron objects imports megatron-core.
+pydantic and the config schemas only; building the Megatron objects imports megatron-core.
 
 Note [Interleaved p2p at pp = 2]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -16,15 +16,16 @@ untagged; messages between one pair of ranks match in the order they were posted
 ``prev`` and ``next`` are the same peer, so stage 0's first message to stage 1 (its gradient, for
 stage 1 as ``next``) lands in stage 1's first receive from stage 0 (``recv_prev``: an activation),
 and the other way round: the two tensors of equal shape swap silently (Megatron-LM issue #750;
-here step 1's loss was 4.904 instead of cp 1's 4.891). At pp > 2 ``prev`` and ``next`` differ, so
+here, pp2 x vp2 x cp2, step 1's loss was 4.904 with 4 micro-batches and 4.905 with 8 instead of cp
+1's 4.891). At pp > 2 ``prev`` and ``next`` differ, so
 between two ranks one call carries at most one message each way and nothing can swap; the
 non-interleaved 1F1B schedule never sends both ways in one call. Only interleaving at pp = 2 is
 exposed, but Megatron-LM itself interleaves with ``overlap_p2p_comm=True, batch_p2p_comm=False``
 at every pp (its ``--overlap-p2p-communication`` default), and so do we: one setting for every
 interleaved layout. Without batching, megatron-core posts separate isend/irecv in an even/odd rank
 order and, at pp = 2, sends the two directions over two different groups (the pp group and the
-world), so each receive gets the tensor meant for it; with it pp2 x vp2 x cp2 equals cp 1 at 4 and
-8 micro-batches (tests/integration/test_train_megatron.py).
+world), so each receive gets the tensor meant for it: pp2 x vp2 x cp2 then equals cp 1 at 4 and
+8 micro-batches, and so does pp 4 x vp2 (tests/integration/test_train_megatron.py).
 """
 from __future__ import annotations
 
