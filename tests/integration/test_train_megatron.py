@@ -205,6 +205,26 @@ def test_interleaved_micro_batches_not_a_multiple_of_pp_are_refused() -> None:
     assert "must be a multiple of 2, got 3" in str(err.value)
 
 
+def test_sequence_parallel_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    """A model file with ``parallel.sequence_parallel`` under DeepSpeed's engine (which would not sum the norms'
+    gradients over TP), and packed documents with it, are refused naming why."""
+    model = load_mapping(MODELS / "tiny_ring_tp2_cp2.yaml")
+    model["parallel"]["sequence_parallel"] = True
+    path = tmp_path / "sp.yaml"
+    path.write_text(yaml.safe_dump(model))
+    raw = config({"tp": 2, "cp": 2}, model=str(path))
+    raw["megatron_ring"]["engine"] = "deepspeed"
+    del raw["megatron_ring"]["megatron"]
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(raw, world_size=4, base_dir=ROOT)
+    assert "sequence_parallel" in str(err.value) and "engine = 'megatron' only" in str(err.value)
+    raw = config({"tp": 2, "cp": 2}, model=str(path))
+    raw["megatron_ring"]["data"] = {"kind": "chat", "paths": [str(tmp_path)]}
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(raw, world_size=4, base_dir=ROOT)
+    assert "which sequence_parallel would have to split over the TP ranks" in str(err.value)
+
+
 def test_deepspeed_engine_refuses_pipeline_and_megatron_section() -> None:
     raw = good()
     raw["megatron_ring"]["engine"] = "deepspeed"
