@@ -4,6 +4,7 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 launch/train.py --deepspeed_config configs/deepspeed/train_tp2_cp2.json
     DS_ACCELERATOR=cpu deepspeed --num_gpus 4 launch/train.py --deepspeed_config configs/deepspeed/train_hf_cp2.json
     torchrun --nproc_per_node 4 launch/train.py --deepspeed_config configs/deepspeed/train_cp2.json
+    torchrun --nproc_per_node 4 launch/train.py configs/train/megatron_pp2_cp2.yaml   # Megatron-LM's names
 """
 import sys
 from pathlib import Path

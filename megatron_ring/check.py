@@ -4,13 +4,16 @@ Every config kind the project ships goes through the same validation its ranks r
 
 * a DeepSpeed JSON with a ``megatron_ring`` section that trains (``steps``): ``load_train_spec``
   (both engines, the ``transformers`` entry, data and held-out files through the tokenizer);
+* a training YAML with Megatron-LM's names (``train_iters``, ``tensor_model_parallel_size``, ...):
+  the same ``load_train_spec`` after its translation (:mod:`megatron_ring.training.megatron_args`);
 * a DeepSpeed JSON with a ``megatron_ring`` section that serves (``workload``): the inference
   ``load_spec`` (runner, model, workload, prompts); with a ``serve`` section, ``megatron-ring serve``'s
   checks (serving/serve_main.py);
 * a ``configs/megatron`` YAML: the GPT config (a model naming a checkpoint: its config read and
   converted, its weights not).
 
-The world size is the config's own layout (tp · pp · cp · dp) unless ``--world`` says how many
+The world size is the config's own layout (tp · pp · cp · dp; a Megatron-LM-style YAML: tp · pp · cp,
+Megatron's data-parallel size being what the world leaves) unless ``--world`` says how many
 processes would be launched. Exit 0 with one line per config, or 2 with every problem of the first
 bad one, naming the field, its value and what is allowed.
 """
@@ -29,7 +32,12 @@ SECTION = "megatron_ring"
 
 
 def config_kind(raw: Any, path: Path) -> str:
-    """``"training"``, ``"inference"`` or ``"model"`` from the mapping's keys; ConfigError when none fits."""
+    """``"training"``, ``"inference"`` or ``"model"`` from the mapping's keys; ConfigError when none fits.
+    A YAML with Megatron-LM's training names (:mod:`megatron_ring.training.megatron_args`) is ``"training"``."""
+    from megatron_ring.training.megatron_args import is_megatron_args
+
+    if is_megatron_args(raw, path):
+        return "training"
     if isinstance(raw, dict) and isinstance(raw.get(SECTION), dict):
         ours = raw[SECTION]
         if "steps" in ours or "seq_len" in ours or "engine" in ours:
@@ -43,9 +51,14 @@ def config_kind(raw: Any, path: Path) -> str:
 
 
 def layout_world(raw: dict[str, Any]) -> int:
-    """The product of the section's layout sizes (1 for an axis not given)."""
-    layout = raw[SECTION].get("layout") or {}
-    sizes = [layout.get(axis, 1) for axis in ("tp", "pp", "cp", "dp")]
+    """The product of the section's layout sizes (1 for an axis not given); of a Megatron-LM-style YAML,
+    tp * pp * cp (data-parallel size 1)."""
+    if SECTION not in raw:
+        keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        sizes = [raw.get(key, 1) for key in keys]
+    else:
+        layout = raw[SECTION].get("layout") or {}
+        sizes = [layout.get(axis, 1) for axis in ("tp", "pp", "cp", "dp")]
     return math.prod(s for s in sizes if isinstance(s, int) and s > 0)
 
 
@@ -90,7 +103,8 @@ def check_one(path: Path, world: Optional[int]) -> str:
 def check_main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ring check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("configs", nargs="+", type=Path, help="training or inference JSON, or configs/megatron YAML")
+    parser.add_argument("configs", nargs="+", type=Path, help="training or inference JSON, a training YAML with "
+                        "Megatron-LM's names, or a configs/megatron model YAML")
     parser.add_argument("--world", type=positive_int, default=None,
                         help="processes the launcher would start (default: the config's layout)")
     args = parser.parse_args(argv)

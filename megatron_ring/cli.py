@@ -1,4 +1,4 @@
-"""``megatron-ring``: inspect layouts, run the ring demo, plan, calibrate, benchmark and compare setups.
+"""``megatron-ring``: inspect layouts, run the ring demo, train, plan, calibrate, benchmark and compare setups.
 
 Subcommands that need optional frameworks import them only when called. Delegated subcommands
 (``plan``, ``bench attention`` ...) parse their own flags, ``--help`` included; a bad value exits
@@ -33,6 +33,8 @@ DELEGATED: dict[str, tuple[str, str, str]] = {
               "one inference run of a deepspeed JSON config in this process group (what launch/infer.py runs)"),
     "export": ("megatron_ring.training.export", "export_main",
                "write a transformers checkpoint (safetensors, config, tokenizer) from a training checkpoint"),
+    "train": ("megatron_ring.train", "train_command",
+              "train (engine megatron: a YAML with Megatron-LM's names, or a training JSON): checked, then torchrun"),
     "check": ("megatron_ring.check", "check_main",
               "validate training, inference and model configs without starting a rank (exit 2 naming the field)"),
     "needle-data": ("megatron_ring.training.needle_data", "needle_data_main",

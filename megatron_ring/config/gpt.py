@@ -10,7 +10,8 @@ over ranks::
     attention: ring          # sdpa = the same fused block kernel without a ring; local = Megatron's
                              # unfused DotProductAttention (both need cp = 1)
     parallel: {tp: 1, cp: 2, pp: 1, cp_comm_type: p2p}   # or a2a, all_gather, a2a+p2p (with cp_a2a),
-                                                         # or one per layer: [p2p, a2a]
+                                                         # or one per layer: [p2p, a2a];
+                                                         # sequence_parallel: true with tp > 1
 
 Swapping ``attention: sdpa`` (or ``local``) for ``attention: ring`` (and raising ``cp``) is the whole change.
 A file may name a transformers checkpoint (Llama, Qwen2, Mistral; a directory or GGUF) instead of
@@ -31,6 +32,7 @@ names the field, its value and what is allowed. Importing this module needs pyda
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
@@ -104,6 +106,9 @@ class GPTParallelConfig(LayoutConfig):
     dp: Optional[int] = Field(default=None, ge=1, description="data parallel size; default: world size / (tp*cp*pp)")
     cp_comm_type: CpCommType | list[CpCommType] = Field(
         "p2p", description="Megatron's cp_comm_type: one for every layer, or a list with one per layer")
+    sequence_parallel: bool = Field(
+        False, description="Megatron's sequence_parallel: activations outside the TP regions split along the "
+        "sequence over the TP ranks (needs tp > 1)")
 
     def layout(self, world_size: Optional[int] = None) -> ParallelLayout:  # type: ignore[override]
         """The :class:`ParallelLayout`; with ``dp`` unset it is derived from ``world_size`` (else 1)."""
@@ -196,6 +201,13 @@ class GPTConfig(GPTSetup):
                 f"model.seq_length = {m.seq_length} is not divisible by 2*parallel.cp = {2 * p.cp} "
                 f"(zigzag sharding over cp = {p.cp}); pad it to a multiple of {2 * p.cp}"
             )
+        if p.sequence_parallel and p.tp == 1:
+            problems.append("parallel.sequence_parallel = true needs parallel.tp > 1 (it splits the sequence over "
+                            "the TP ranks), got tp = 1; allowed: false, or tp > 1")
+        elif p.sequence_parallel and m.seq_length % (p.cp * p.tp):
+            problems.append(f"model.seq_length = {m.seq_length} is not divisible by parallel.cp * tp = {p.cp * p.tp}: "
+                            f"parallel.sequence_parallel splits each CP rank's {m.seq_length} / {p.cp} tokens over "
+                            f"tp = {p.tp} ranks; pad it to a multiple of {math.lcm(p.cp * p.tp, 2 * p.cp)}")
         problems += self._comm_problems() + self._dilation_problems()
         if problems:
             raise ConfigError(*problems, where=where)

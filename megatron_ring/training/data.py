@@ -16,7 +16,8 @@ The path of a training sequence:
 4. Each row is cut zigzag for this CP rank (chunks r and 2P-1-r of 2P, Megatron's
    ``get_batch_on_this_cp_rank``): tokens, labels, loss mask and global position ids alike. A row
    whose length is not a multiple of ``2 * cp`` is padded at its end first (loss mask 0; under the
-   causal mask no real token sees the padding), so ``seq_len`` may be any length.
+   causal mask no real token sees the padding), so ``seq_len`` may be any length; with sequence
+   parallelism to a multiple of ``cp * tp`` too (:func:`row_length`).
 
 Documents through a checkpoint's tokenizer (``data.kind`` ``documents`` / ``chat``,
 :mod:`megatron_ring.training.tokenized`) take the packed path instead (Note [Packed training rows]).
@@ -38,6 +39,7 @@ The same rows at any cp give the same global loss: only the padding differs, and
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Protocol, Sequence
@@ -207,9 +209,12 @@ def padded_length(n: int, cp: int) -> int:
     return -(-n // (2 * cp)) * 2 * cp
 
 
-def row_length(seq_len: int, cp: int) -> int:
-    """The length of an unpacked row of ``seq_len`` tokens on the model: padded for zigzag at cp > 1."""
-    return padded_length(seq_len, cp) if cp > 1 else seq_len
+def row_length(seq_len: int, cp: int, split: int = 1) -> int:
+    """The length of an unpacked row of ``seq_len`` tokens on the model: padded for zigzag at cp > 1, and
+    so that each CP rank's ``row / cp`` tokens split evenly over ``split`` ranks (the TP ranks under
+    sequence parallelism, which scatter a CP rank's tokens ``[s_local, b, h]`` along the sequence)."""
+    multiple = math.lcm(2 * cp if cp > 1 else 1, cp * split)
+    return -(-seq_len // multiple) * multiple
 
 
 def pad_row(full: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
@@ -252,12 +257,13 @@ class TrainData:
     """Which samples each step, data-parallel rank and micro-batch sees; see the module docstring."""
 
     def __init__(self, samples: Samples, *, micro_batch: int, grad_accum: int, dp: int, dp_rank: int,
-                 cp: int, cp_rank: int, shuffle: bool, seed: int) -> None:
+                 cp: int, cp_rank: int, shuffle: bool, seed: int, split: int = 1) -> None:
+        """``split``: the TP ranks sharing a row under sequence parallelism (:func:`row_length`)."""
         if not 0 <= dp_rank < dp or not 0 <= cp_rank < cp:
             raise ValueError(f"dp_rank = {dp_rank} / cp_rank = {cp_rank} out of range for dp = {dp}, cp = {cp}")
         self.samples = samples
         self.micro_batch, self.grad_accum, self.dp, self.dp_rank = micro_batch, grad_accum, dp, dp_rank
-        self.cp, self.cp_rank = cp, cp_rank
+        self.cp, self.cp_rank, self.split = cp, cp_rank, split
         self.shuffle, self.seed = shuffle, seed
         self._perms: dict[int, torch.Tensor] = {}
 
@@ -318,7 +324,7 @@ class TrainData:
             "loss_mask": torch.tensor(learned, dtype=torch.float32)[:, None].expand(-1, seq_len).contiguous(),
             "position_ids": torch.arange(seq_len).expand(len(ids), -1),
         }
-        full = pad_row(full, row_length(seq_len, self.cp))
+        full = pad_row(full, row_length(seq_len, self.cp, self.split))
         if self.cp > 1:  # cp 1 keeps a row of any length whole
             full = {k: shard_sequence(v, self.cp_rank, self.cp, dim=1).contiguous() for k, v in full.items()}
         return Batch(**full)

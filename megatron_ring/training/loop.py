@@ -138,9 +138,10 @@ def build_data(spec: TrainSpec, groups: ParallelGroups, *, held_out: bool = Fals
     else:
         samples = build_samples(d.kind, vocab_size=spec.vocab_size, seq_len=spec.train.seq_len, files=files,
                                 synthetic_samples=d.synthetic_samples, seed=d.seed)
+    split = spec.layout.tp if spec.model is not None and spec.model.parallel.sequence_parallel else 1
     return TrainData(samples, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum, dp=spec.layout.dp,
                      dp_rank=groups.coords["dp"], cp=spec.layout.cp, cp_rank=groups.cp_rank,
-                     shuffle=d.shuffle, seed=d.seed)
+                     shuffle=d.shuffle, seed=d.seed, split=split)
 
 
 # --- one step ----------------------------------------------------------------------------------
@@ -393,11 +394,20 @@ def nonfinite_message(loss: float, step: int, ckpt_dir: Optional[Path]) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Train a Megatron GPT with ring attention under DeepSpeed.")
-    parser.add_argument("--deepspeed_config", "--config", dest="config", required=True,
-                        help="DeepSpeed training JSON with a 'megatron_ring' section")
+    """``CONFIG`` or ``--deepspeed_config CONFIG`` (either kind: :func:`~megatron_ring.training.schema.load_train_spec`)
+    and the deepspeed launcher's ``--local_rank``."""
+    parser = argparse.ArgumentParser(description="Train a Megatron GPT (or a transformers model) with ring attention: "
+                                     "one rank of a job started by torchrun or the deepspeed launcher.")
+    parser.add_argument("config_file", nargs="?", default=None, metavar="CONFIG",
+                        help="a training YAML with Megatron-LM's names, or a DeepSpeed training JSON")
+    parser.add_argument("--deepspeed_config", "--config", dest="config", default=None,
+                        help="DeepSpeed training JSON with a 'megatron_ring' section (or the YAML)")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (unused)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.config is None) == (args.config_file is None):
+        parser.error("give the config once: CONFIG or --deepspeed_config CONFIG")
+    args.config = args.config or args.config_file
+    return args
 
 
 def train_main(argv: Optional[Sequence[str]] = None) -> int:

@@ -4,7 +4,28 @@ scheduler, recomputation and virtual pipeline for ``engine: megatron``.
 Field names follow Megatron-LM's arguments (``--lr``, ``--adam-beta1``, ``--clip-grad``,
 ``--use-distributed-optimizer``, ``--overlap-grad-reduce``, ``--recompute-granularity``,
 ``--num-layers-per-virtual-pipeline-stage`` as chunks per stage, ...). Importing this module needs
-pydantic only; building the Megatron objects imports megatron-core.
+pydantic and the config schemas only; building the Megatron objects imports megatron-core.
+
+Note [Interleaved p2p at pp = 2]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+In the steady state of the interleaved schedule a stage sends and receives in both directions in
+one call (``send_forward_backward_recv_forward_backward``): an activation to ``next``, a gradient
+to ``prev``, and receives one of each. With megatron-core's default ``batch_p2p_comm=True`` the
+four ops go into one ``batch_isend_irecv`` in the order send-prev, recv-prev, send-next, recv-next,
+untagged; messages between one pair of ranks match in the order they were posted. At pp = 2
+``prev`` and ``next`` are the same peer, so stage 0's first message to stage 1 (its gradient, for
+stage 1 as ``next``) lands in stage 1's first receive from stage 0 (``recv_prev``: an activation),
+and the other way round: the two tensors of equal shape swap silently (Megatron-LM issue #750;
+here, pp2 x vp2 x cp2, step 1's loss was 4.904 with 4 micro-batches and 4.905 with 8 instead of cp
+1's 4.891). At pp > 2 ``prev`` and ``next`` differ, so
+between two ranks one call carries at most one message each way and nothing can swap; the
+non-interleaved 1F1B schedule never sends both ways in one call. Only interleaving at pp = 2 is
+exposed, but Megatron-LM itself interleaves with ``overlap_p2p_comm=True, batch_p2p_comm=False``
+at every pp (its ``--overlap-p2p-communication`` default), and so do we: one setting for every
+interleaved layout. Without batching, megatron-core posts separate isend/irecv in an even/odd rank
+order and, at pp = 2, sends the two directions over two different groups (the pp group and the
+world), so each receive gets the tensor meant for it: pp2 x vp2 x cp2 then equals cp 1 at 4 and
+8 micro-batches, and so does pp 4 x vp2 (tests/integration/test_train_megatron.py).
 """
 from __future__ import annotations
 
@@ -13,9 +34,14 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 from pydantic import Field
 
 from megatron_ring.config import StrictModel
+from megatron_ring.config.gpt import CpCommType
 
 if TYPE_CHECKING:
     from megatron_ring.config.gpt import GPTConfig
+
+
+INTERLEAVED_P2P: dict[str, bool] = {"overlap_p2p_comm": True, "batch_p2p_comm": False}
+"""The p2p options of every interleaved pipeline (Note [Interleaved p2p at pp = 2])."""
 
 
 class OptimizerSection(StrictModel):
@@ -95,6 +121,10 @@ class MegatronSection(StrictModel):
     recompute: RecomputeSection = Field(default_factory=RecomputeSection)
     virtual_pipeline: Optional[int] = Field(None, ge=2, description="model chunks per pipeline stage "
                                                                      "(interleaved 1F1B); None: one")
+    sequence_parallel: Optional[bool] = Field(None, description="Megatron's sequence_parallel (needs tp > 1); None: "
+                                              "the model file's parallel.sequence_parallel")
+    cp_comm_type: Optional[CpCommType | list[CpCommType]] = Field(None, description="Megatron's cp_comm_type; None: "
+                                                                  "the model file's parallel.cp_comm_type")
 
     def problems(self, model: "GPTConfig", *, grad_accum: int, where: str) -> list[str]:
         """What Megatron would reject only once the model is built, each naming the field."""
@@ -117,24 +147,24 @@ class MegatronSection(StrictModel):
                 found.append(f"{where}.virtual_pipeline = {self.virtual_pipeline}: model.num_layers = "
                              f"{model.model.num_layers} is not divisible by pp * virtual_pipeline = "
                              f"{pp * self.virtual_pipeline}")
-            if grad_accum != pp:
-                found.append(f"{where}.virtual_pipeline = {self.virtual_pipeline} needs gradient_accumulation_steps "
-                             f"(micro-batches per step) = layout.pp = {pp}, got {grad_accum}: with more micro-batches "
-                             "than stages megatron-core's interleaved schedule trained to another loss than every "
-                             "other schedule here (first step 4.904 vs 4.891), with fewer it cannot run; raise "
-                             "train_micro_batch_size_per_gpu instead")
+            if grad_accum % pp:
+                found.append(f"{where}.virtual_pipeline = {self.virtual_pipeline}: the interleaved schedule runs the "
+                             f"micro-batches in groups of layout.pp = {pp} (megatron-core's "
+                             f"microbatch_group_size_per_vp_stage), so gradient_accumulation_steps (micro-batches per "
+                             f"step) must be a multiple of {pp}, got {grad_accum}")
         if isinstance(model.parallel.cp_comm_type, list) and self.virtual_pipeline is not None:
             found.append(f"{where}.virtual_pipeline with a per-layer parallel.cp_comm_type list is not supported; "
                          "give one cp_comm_type")
         return found
 
     def transformer_overrides(self, chunks: int) -> dict[str, Any]:
-        """``TransformerConfig`` fields for the recomputation and the virtual pipeline."""
+        """``TransformerConfig`` fields for the recomputation and the virtual pipeline (with its p2p
+        options: Note [Interleaved p2p at pp = 2])."""
         rc = self.recompute
         out: dict[str, Any] = {}
         if rc.granularity is not None:
             out.update(recompute_granularity=rc.granularity, recompute_method=rc.method,
                        recompute_num_layers=rc.num_layers)
         if chunks > 1:
-            out["virtual_pipeline_model_parallel_size"] = chunks
+            out.update(virtual_pipeline_model_parallel_size=chunks, **INTERLEAVED_P2P)
         return out

@@ -53,6 +53,7 @@ from megatron_ring.config.checkpoint import CheckpointSource
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.layout import LayoutConfig
 from megatron_ring.parallel.layout import ParallelLayout
+from megatron_ring.training.megatron_args import is_megatron_args
 from megatron_ring.training.megatron_section import MegatronSection
 from megatron_ring.training.hf_schema import TransformersModelSection, transformers_config
 
@@ -323,10 +324,15 @@ def parse_train_spec(raw: dict[str, Any], *, world_size: int, base_dir: Path, wh
                          f"end); allowed: seq_len <= {positions}, or raise max_position_embeddings in "
                          f"{SECTION}.transformers.config")
     else:
-        from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
-
-        model, pretrained = problems.run(_model_config, train, base_dir,
-                                         seq_len=row_length(train.seq_len, layout.cp)) or (None, None)
+        model, pretrained = problems.run(_model_config, train, base_dir, pad=True) or (None, None)
+        if model is not None and model.parallel.sequence_parallel and deepspeed_engine:
+            problems.add(f"sequence_parallel (model {train.model!r}, parallel.sequence_parallel) trains under "
+                         f"{SECTION}.engine = 'megatron' only (its finalize_model_grads reduces the norms' gradients "
+                         "over TP); allowed with engine 'deepspeed': false")
+        if model is not None and model.parallel.sequence_parallel and train.data.kind in DOCUMENT_KINDS:
+            problems.add(f"{SECTION}.data.kind = {train.data.kind!r} packs documents into rows of varying length, "
+                         "which sequence_parallel would have to split over the TP ranks; allowed: sequence_parallel "
+                         "false, or data.kind 'text' / 'synthetic'")
         if pretrained is not None and deepspeed_engine:
             problems.add(f"{SECTION}.model = {train.model!r} names a checkpoint: it trains under {SECTION}.engine = "
                          f"'megatron' (or give it as {SECTION}.transformers under engine 'deepspeed')")
@@ -539,14 +545,24 @@ def check_corpus_length(train: TrainSection, base_dir: Path) -> None:
                           "add text or lower seq_len")
 
 
-def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]) -> tuple[GPTConfig, Optional[Any]]:
-    """The model YAML with our layout, ``seq_len`` (None: the file's own, ours being rejected
-    already) and attention (if set) written into it; and where its weights come from when it names a
-    checkpoint (:mod:`megatron_ring.training.pretrained`), else None."""
+def _model_config(train: TrainSection, base_dir: Path, *, pad: bool) -> tuple[GPTConfig, Optional[Any]]:
+    """The model YAML with our layout, ``megatron.sequence_parallel`` (if set), ``seq_len`` padded for
+    the layout (:func:`~megatron_ring.training.data.row_length`; ``pad`` False: the file's own, ours
+    being rejected already) and attention (if set) written into it; and where its weights come from
+    when it names a checkpoint (:mod:`megatron_ring.training.pretrained`), else None."""
+    from megatron_ring.training.data import row_length  # a row of any length is padded for zigzag
+
     path = _resolve(train.model, base_dir, must_exist=True)
     data = copy.deepcopy(load_mapping(path))
     lay = train.layout
     data["parallel"] = {**data.get("parallel", {}), "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
+    if lay.cp_a2a is not None:  # hierarchical CP: the layout's groups are the model's
+        data["parallel"]["cp_a2a"] = lay.cp_a2a
+    for key in ("sequence_parallel", "cp_comm_type"):  # the section's, over the model file's
+        if train.megatron is not None and getattr(train.megatron, key) is not None:
+            data["parallel"][key] = getattr(train.megatron, key)
+    split = lay.tp if data["parallel"].get("sequence_parallel") is True else 1
+    seq_len = row_length(train.seq_len, lay.cp, split) if pad else None
     if seq_len is not None and isinstance(data.get("model"), dict):
         data["model"]["seq_length"] = seq_len
     if train.attention is not None:
@@ -560,7 +576,22 @@ def _model_config(train: TrainSection, base_dir: Path, *, seq_len: Optional[int]
 
 
 def load_train_spec(path: str | Path, *, world_size: int) -> TrainSpec:
-    """Read and validate a training config file (relative paths inside resolve against its folder)."""
+    """Read and validate a training config file (relative paths inside resolve against its folder): the
+    DeepSpeed JSON, or a YAML with Megatron-LM's names (:mod:`megatron_ring.training.megatron_args`)."""
     path = Path(path)
-    return parse_train_spec(load_mapping(path), world_size=world_size, base_dir=path.resolve().parent,
-                            where=f"config {str(path)!r}")
+    raw, where = load_mapping(path), f"config {str(path)!r}"
+    if is_megatron_args(raw, path):
+        return parse_megatron_args(raw, world_size=world_size, base_dir=path.resolve().parent, where=where)
+    return parse_train_spec(raw, world_size=world_size, base_dir=path.resolve().parent, where=where)
+
+
+def parse_megatron_args(raw: Any, *, world_size: int, base_dir: Path, where: str = "config") -> TrainSpec:
+    """A YAML mapping with Megatron-LM's names (:mod:`megatron_ring.training.megatron_args`): translated into
+    this module's form and validated by :func:`parse_train_spec`, every problem naming the YAML's keys."""
+    from megatron_ring.training.megatron_args import renamed, translated
+
+    mapping = translated(raw, world_size=world_size, base_dir=base_dir, where=where)
+    try:
+        return parse_train_spec(mapping, world_size=world_size, base_dir=base_dir, where=where)
+    except ConfigError as err:
+        raise ConfigError(*(renamed(p) for p in err.problems), where=err.where) from None

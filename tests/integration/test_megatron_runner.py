@@ -27,9 +27,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "megatron"
 TINY = load_mapping(CONFIGS / "tiny_local.yaml")
 
 
-def _model(attention: str, layout: ParallelLayout, **model: Any) -> dict[str, Any]:
+def _model(attention: str, layout: ParallelLayout, parallel: dict[str, Any] | None = None,
+           **model: Any) -> dict[str, Any]:
     return {**TINY, "attention": attention, "model": {**TINY["model"], **model},
-            "parallel": {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp}}
+            "parallel": {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, **(parallel or {})}}
 
 
 LAYOUTS = {
@@ -39,7 +40,11 @@ LAYOUTS = {
     "local-tp2-pp2": ("local", ParallelLayout(tp=2, pp=2)),
     "ring-tp2-cp2": ("ring", ParallelLayout(tp=2, cp=2)),
     "ring-pp2-cp2": ("ring", ParallelLayout(pp=2, cp=2)),
+    "ring-tp2-cp2-sp": ("ring", ParallelLayout(tp=2, cp=2), {"sequence_parallel": True}),
+    "ring-tp2-pp2-sp": ("ring", ParallelLayout(tp=2, pp=2), {"sequence_parallel": True}),
 }
+"""name -> (attention, layout[, more parallel keys]); with sequence parallelism prefill runs split over TP
+(between pipeline stages too) and decode without (Note [Sequence parallelism in the runner])."""
 
 
 MODELS = {"rope-gqa": {"num_query_groups": 2}, "learned-mha": {"position_embedding": "learned_absolute"},
@@ -51,8 +56,8 @@ RUN_TIMEOUT_S = 600
 def greedy(gloo_pool: Any) -> Any:
     """Every model's reference and layout tokens on the pool of 4, in one pool call (layouts made once each)."""
     cases = {model_id: {"reference": _model("local", ParallelLayout(dp=4), **model),
-                        "layouts": {name: (_model(attention, layout, **model), layout)
-                                    for name, (attention, layout) in LAYOUTS.items()}}
+                        "layouts": {name: (_model(attention, layout, *extra, **model), layout)
+                                    for name, (attention, layout, *extra) in LAYOUTS.items()}}
              for model_id, model in MODELS.items()}
     run = update_wrapper(partial(megatron_workers.greedy_across_layouts, cases), megatron_workers.greedy_across_layouts)
     return runs_per_size(gloo_pool, run, RUN_TIMEOUT_S)

@@ -74,11 +74,14 @@ def test_hf_runner_scores_left_padded_edge_rows(gloo_pool: Any, checkpoint: str)
     check(checkpoint, per_rank, "left")
 
 
-def test_megatron_runner_scores_right_padded_rows(gloo_pool: Any, checkpoint: str) -> None:
+@pytest.mark.parametrize("sizes", [{"pp": 2, "cp": 2}, {"tp": 2, "cp": 2, "sequence_parallel": True}],
+                         ids=["pp2-cp2", "tp2-cp2-sp"])
+def test_megatron_runner_scores_right_padded_rows(gloo_pool: Any, checkpoint: str, sizes: dict[str, Any]) -> None:
     """Note [Right padding for scores]: the megatron runner takes no mask; rows share a tensor padded on the right
-    (pp 2 x cp 2: the last stage's scores gathered over CP, then sent along the pipeline)."""
-    sizes = {"pp": 2, "cp": 2}
+    (pp 2 x cp 2: the last stage's scores gathered over CP, then sent along the pipeline; tp 2 x cp 2 with
+    sequence parallelism: padded to a multiple of cp * tp, gathered over TP before the final norm)."""
     ids, _ = padded("right")
     model = {"checkpoint": checkpoint, "dtype": "fp32", "attention": "ring", "parallel": sizes}
+    sizes = {k: v for k, v in sizes.items() if k != "sequence_parallel"}
     per_rank = gloo_pool(4).run(workers.runner_scores, "megatron", model, sizes, ids, None, timeout_s=300)
     check(checkpoint, per_rank, "right")

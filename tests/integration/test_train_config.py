@@ -144,6 +144,24 @@ def test_train_main_stops_before_anything_starts(tmp_path: Path, monkeypatch: An
     assert not torch.distributed.is_initialized()
 
 
+def test_a_rank_takes_the_megatron_yaml_as_its_argument(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    """``torchrun -m megatron_ring.train CONFIG`` / ``deepspeed launch/train.py CONFIG`` (its ``--local_rank``
+    too): the YAML with Megatron-LM's names, refused before anything starts naming its key; the config
+    is given once."""
+    text = (ROOT / "configs" / "train" / "megatron_pp2_cp2.yaml").read_text()
+    path = tmp_path / "train.yaml"
+    path.write_text(text.replace("../megatron/", f"{ROOT}/configs/megatron/").replace("../../", f"{ROOT}/")
+                    .replace("global_batch_size: 8", "global_batch_size: 6"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert train_main([str(path), "--local_rank=0"]) == EXIT_CONFIG
+    assert "global_batch_size = 6 is not divisible by micro_batch_size * data-parallel size = 4 * 1" in \
+        capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(SystemExit):
+        train_main([str(path), "--deepspeed_config", str(path)])
+
+
 def test_byte_tokenizer() -> None:
     tok = ByteTokenizer(128)
     ids = tok.encode("ring é")

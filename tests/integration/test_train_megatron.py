@@ -4,14 +4,17 @@ train every layout like cp = 1, and a checkpoint resumes at another layout.
 Four CPU ranks train the same tiny GPT (every layout starts from the same weights, Note [Initial
 weights of any layout]) on the same global batch of real text with the distributed optimizer on:
 cp = 1 (Megatron's own attention, dp = 4) is the reference, run once per module; ring attention at
-cp2·dp2, tp2·cp2 and pp2·cp2 (1F1B), and at pp2·cp2 with two virtual stages (interleaved 1F1B) and
-with full recomputation, must give the same per-step losses (1e-6 relative) and final weights
+cp2·dp2, tp2·cp2 (without and with sequence parallelism) and pp2·cp2 (1F1B), and at pp2·cp2 with two
+virtual stages (interleaved 1F1B) over 4 and 8 micro-batches, pp4 with two virtual stages, and with
+full or selective recomputation, must give the same per-step losses (1e-6 relative) and final weights
 (1e-5), and so must the held-out loss of an ``eval`` section (forward-only schedules) at steps 0, 2
 and 4. Four steps suffice: with the gradient 2x off at tp2·cp2 and pp2·cp2 (``calculate_per_token_loss``
-set after DDP wrapping) their step-3 loss was 4.5e-6 off, interleaved pp2·cp2's step-4 loss 3.5e-4. The
+set after DDP wrapping) their step-3 loss was 4.5e-6 off, interleaved pp2·cp2's step-4 loss 3.5e-4
+(the interleaved cases take 3: megatron-core's batched p2p was 3e-3 off at step 1). The
 resume tests save after 2 steps at one layout and take 2 more (Adam's bias correction still far
 from 1) at another; the 4 losses and the final weights must equal the cp = 1 run that never
-stopped (one step tensor shared after the load: step-4 loss 2e-3 off). Workers:
+stopped (one step tensor shared after the load: step-4 loss 2e-3 off). The shipped YAML with
+Megatron-LM's names trains like the shipped JSON, and bad YAMLs are refused naming their keys. Workers:
 tests/integration/train_workers.py; the 4-rank pool is shared (tests/conftest.py).
 """
 from __future__ import annotations
@@ -20,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytest.importorskip("megatron.core")
 
-from megatron_ring.config import ConfigError  # noqa: E402
+from megatron_ring.config import ConfigError, load_mapping  # noqa: E402
 from megatron_ring.training.schema import parse_train_spec  # noqa: E402
 from tests.integration import train_workers  # noqa: E402
 
@@ -84,22 +88,56 @@ def constant_reference(gloo_pool: Any) -> dict[str, Any]:
     return ref
 
 
-@pytest.mark.parametrize("layout", [{"cp": 2, "dp": 2}, {"tp": 2, "cp": 2}, {"pp": 2, "cp": 2}],
-                         ids=["cp2-dp2", "tp2-cp2", "pp2-cp2"])
-def test_layouts_train_like_cp1(gloo_pool: Any, reference: dict[str, Any], layout: dict[str, int]) -> None:
-    assert_same(run(gloo_pool(4), config(layout)), reference, str(layout))
+@pytest.mark.parametrize("layout,megatron", [({"cp": 2, "dp": 2}, {}), ({"tp": 2, "cp": 2}, {}),
+                                             ({"tp": 2, "cp": 2}, {"sequence_parallel": True}),
+                                             ({"pp": 2, "cp": 2}, {})],
+                         ids=["cp2-dp2", "tp2-cp2", "tp2-cp2-sp", "pp2-cp2"])
+def test_layouts_train_like_cp1(gloo_pool: Any, reference: dict[str, Any], layout: dict[str, int],
+                                megatron: dict[str, Any]) -> None:
+    """Every layout, and tp2·cp2 with sequence parallelism (Note [Sequence parallelism and the ring]), equals cp 1."""
+    assert_same(run(gloo_pool(4), config(layout, megatron=megatron)), reference, f"{layout} {megatron}")
 
 
 def test_interleaved_pipeline_and_recompute_train_like_cp1(gloo_pool: Any) -> None:
-    """4 layers: pp2·cp2 with 2 virtual stages, and cp2·dp2 recomputing every layer, against cp 1."""
+    """4 layers, a global batch of 8, 3 steps: pp2·cp2 with 2 virtual stages over 4 and 8 micro-batches (more
+    than the stages: Note [Interleaved p2p at pp = 2]; with megatron-core's batched p2p step 1 gave 4.904 / 4.905
+    instead of 4.891), and cp2·dp2 recomputing every layer or only the core attention (selective), against cp 1."""
     pool, model = gloo_pool(4), "tiny_ring_4layers.yaml"
-    ref = run(pool, config({"cp": 1, "dp": 4}, model=model))
-    interleaved = config({"pp": 2, "cp": 2}, model=model, megatron={"virtual_pipeline": 2})
-    interleaved["gradient_accumulation_steps"] = 2  # = pp: 2 micro-batches of 2 sequences
-    assert_same(run(pool, interleaved), ref, "pp2-cp2 vp2")
+
+    def eight(layout: dict[str, int], micro_batches: int, held_out: bool = False, **megatron: Any) -> dict[str, Any]:
+        raw = config(layout, 3, model=model, megatron=megatron)
+        raw.update(train_batch_size=8, gradient_accumulation_steps=micro_batches)
+        if not held_out:  # the forward-only interleaved schedule is checked once (4 micro-batches)
+            del raw["megatron_ring"]["eval"]
+        return raw
+
+    ref = run(pool, eight({"cp": 1, "dp": 4}, 2, held_out=True))
+    for micro_batches in (4, 8):
+        assert_same(run(pool, eight({"pp": 2, "cp": 2}, micro_batches, micro_batches == 4, virtual_pipeline=2)), ref,
+                    f"pp2-cp2 vp2, {micro_batches} micro-batches")
     full = {"granularity": "full", "method": "uniform", "num_layers": 1}
-    assert_same(run(pool, config({"cp": 2, "dp": 2}, model=model, megatron={"recompute": full})), ref,
-                "cp2-dp2 full recompute")
+    for recompute in (full, {"granularity": "selective"}):
+        assert_same(run(pool, eight({"cp": 2, "dp": 2}, 2, recompute=recompute)), ref,
+                    f"cp2-dp2 {recompute['granularity']} recompute")
+
+
+def test_interleaved_pp4_trains_like_cp1(gloo_pool: Any, tmp_path: Path) -> None:
+    """8 layers, pp 4 with 2 virtual stages over 4 micro-batches (prev and next are distinct peers: Note
+    [Interleaved p2p at pp = 2]), 3 steps, against cp 1 (Megatron's attention at both)."""
+    model = load_mapping(MODELS / "tiny_ring_4layers.yaml")
+    model["model"]["num_layers"] = 8
+    path = tmp_path / "tiny_8layers.yaml"
+    path.write_text(yaml.safe_dump(model))
+
+    def eight(layout: dict[str, int], micro_batches: int, **megatron: Any) -> dict[str, Any]:
+        raw = config(layout, 3, model=str(path), megatron=megatron)
+        raw.update(train_batch_size=8, gradient_accumulation_steps=micro_batches)
+        del raw["megatron_ring"]["eval"]
+        return raw
+
+    pool = gloo_pool(4)
+    assert_same(run(pool, eight({"pp": 4}, 4, virtual_pipeline=2)), run(pool, eight({"cp": 1, "dp": 4}, 2)),
+                "pp4 vp2, 4 micro-batches")
 
 
 @pytest.mark.parametrize("first,then", [({"cp": 2, "dp": 2}, {"tp": 2, "cp": 2}),
@@ -142,8 +180,8 @@ BAD = {
                        ["recompute.granularity = 'full' needs recompute.method"]),
     "vp layers": ("megatron_ring.megatron.virtual_pipeline", 2, ["virtual_pipeline = 2", "num_layers = 2",
                                                                  "pp * virtual_pipeline = 4"]),
-    "vp micro-batches": ("megatron_ring.megatron.virtual_pipeline", 2,
-                         ["virtual_pipeline = 2 needs gradient_accumulation_steps", "= layout.pp = 2, got 4"]),
+    "sp without tp": ("megatron_ring.megatron.sequence_parallel", True,
+                      ["parallel.sequence_parallel = true needs parallel.tp > 1", "got tp = 1"]),
     "engine name": ("megatron_ring.engine", "megatorn", ["megatron_ring.engine = 'megatorn'", "'deepspeed'",
                                                          "'megatron'"]),
 }
@@ -156,6 +194,35 @@ def test_bad_megatron_config_names_the_field(case: str) -> None:
         parse_train_spec(train_workers.changed(good(), dotted, value), world_size=4, base_dir=ROOT)
     for needle in needles:
         assert needle in str(err.value), f"{needle!r} not in: {err.value}"
+
+
+def test_interleaved_micro_batches_not_a_multiple_of_pp_are_refused() -> None:
+    raw = config({"pp": 2, "cp": 2}, model="tiny_ring_4layers.yaml", megatron={"virtual_pipeline": 2})
+    raw.update(train_batch_size=3, gradient_accumulation_steps=3)
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(raw, world_size=4, base_dir=ROOT)
+    assert "virtual_pipeline = 2: the interleaved schedule" in str(err.value)
+    assert "must be a multiple of 2, got 3" in str(err.value)
+
+
+def test_sequence_parallel_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    """A model file with ``parallel.sequence_parallel`` under DeepSpeed's engine (which would not sum the norms'
+    gradients over TP), and packed documents with it, are refused naming why."""
+    model = load_mapping(MODELS / "tiny_ring_tp2_cp2.yaml")
+    model["parallel"]["sequence_parallel"] = True
+    path = tmp_path / "sp.yaml"
+    path.write_text(yaml.safe_dump(model))
+    raw = config({"tp": 2, "cp": 2}, model=str(path))
+    raw["megatron_ring"]["engine"] = "deepspeed"
+    del raw["megatron_ring"]["megatron"]
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(raw, world_size=4, base_dir=ROOT)
+    assert "sequence_parallel" in str(err.value) and "engine = 'megatron' only" in str(err.value)
+    raw = config({"tp": 2, "cp": 2}, model=str(path))
+    raw["megatron_ring"]["data"] = {"kind": "chat", "paths": [str(tmp_path)]}
+    with pytest.raises(ConfigError) as err:
+        parse_train_spec(raw, world_size=4, base_dir=ROOT)
+    assert "which sequence_parallel would have to split over the TP ranks" in str(err.value)
 
 
 def test_deepspeed_engine_refuses_pipeline_and_megatron_section() -> None:
@@ -185,3 +252,61 @@ def test_a_checkpoint_of_another_model_or_engine_is_refused_naming_the_folder(gl
     other = outcome(deepspeed_config("cp2-dp2", 0, checkpoint=ckpt))
     assert other.startswith("ConfigError") and "saved by engine 'megatron'" in other and \
         "megatron_ring.engine = 'deepspeed'" in other, other
+
+
+# --- the YAML with Megatron-LM's names (megatron_ring/training/megatron_args.py) ---------------------------
+
+SHIPPED_YAML = ROOT / "configs" / "train" / "megatron_pp2_cp2.yaml"
+SHIPPED_JSON = ROOT / "configs" / "deepspeed" / "train_megatron_pp2_cp2.json"
+
+
+def shipped_yaml(**changes: Any) -> dict[str, Any]:
+    """The shipped YAML without checkpoints or log file, with ``changes`` (None: the key removed)."""
+    raw = {key: value for key, value in load_mapping(SHIPPED_YAML).items() if key not in ("save", "load", "log_jsonl")}
+    raw.update(log_progress=False, **changes)
+    return {key: value for key, value in raw.items() if value is not None}
+
+
+def test_shipped_yaml_trains_like_the_json(gloo_pool: Any) -> None:
+    """configs/train/megatron_pp2_cp2.yaml (Megatron-LM's names: pp2 x 2 virtual stages x cp2, 2 micro-batches
+    of 4) against configs/deepspeed/train_megatron_pp2_cp2.json, 2 steps of 64 tokens: the same losses and weights."""
+    pool = gloo_pool(4)
+    raw_json = load_mapping(SHIPPED_JSON)
+    raw_json["megatron_ring"].update(steps=2, seq_len=64, checkpoint={}, log={"progress": False})
+    from_json = train_workers.run_on_pool(pool, raw_json, str(SHIPPED_JSON.parent))
+    from_yaml = train_workers.run_on_pool(pool, shipped_yaml(train_iters=2, seq_length=64), str(SHIPPED_YAML.parent))
+    train_workers.assert_same_training(from_yaml, from_json, "yaml vs json", loss_tol=1e-12, weight_tol=1e-12)
+
+
+BAD_YAML = {
+    "unknown key": ({"tensor_model_paralel_size": 2}, 4, ["'tensor_model_paralel_size'",
+                                                         "did you mean 'tensor_model_parallel_size'"]),
+    "tp heads": ({"tensor_model_parallel_size": 3, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                  "num_layers_per_virtual_pipeline_stage": None}, 3,
+                 ["tensor_model_parallel_size = 3 does not divide the model's num_attention_heads = 4"]),
+    "sp without tp": ({"sequence_parallel": True}, 4, ["sequence_parallel = true needs tensor_model_parallel_size > 1"]),
+    "vp layers": ({"num_layers_per_virtual_pipeline_stage": 3}, 4,
+                  ["num_layers_per_virtual_pipeline_stage = 3: the model's num_layers = 4 is not divisible"]),
+    "vp micro-batches": ({"global_batch_size": 12}, 4, ["global_batch_size = 12 gives 3 micro-batches per step",
+                                                        "must be a multiple of 2"]),
+    "world": ({}, 6, ["world size 6 is not divisible by tensor_model_parallel_size * pipeline_model_parallel_size"]),
+    "translated field": ({"min_lr": 1.0}, 4, ["min_lr = 1.0 is above lr = 0.003"]),
+    "load elsewhere": ({"save": "a", "load": "b"}, 4, ["load = 'b' is not save = 'a'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_YAML))
+def test_bad_megatron_yaml_names_its_key(case: str, tmp_path: Path) -> None:
+    """Refused before any rank, by ``load_train_spec`` (what every rank, ``megatron-ring check`` and
+    ``megatron-ring train`` run first), naming the YAML's own key."""
+    from megatron_ring.training.schema import load_train_spec
+
+    changes, world, needles = BAD_YAML[case]
+    path = tmp_path / "train.yaml"
+    raw = shipped_yaml(**changes)
+    raw.update(model=str(MODELS / "tiny_ring_4layers.yaml"), data_path=[str(ROOT / "data" / "corpus")])
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as err:
+        load_train_spec(path, world_size=world)
+    for needle in needles:
+        assert needle in str(err.value), f"{needle!r} not in: {err.value}"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring.training.loop import init_model_parallel, train
-from megatron_ring.training.schema import parse_train_spec
+from megatron_ring.training.schema import parse_megatron_args, parse_train_spec
 
 
 def changed(raw: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
@@ -118,7 +118,10 @@ def trained(raw: dict[str, Any], base_dir: str) -> tuple[Any, Any, Any]:
     # what a launcher would have set (DeepSpeed's engine insists on LOCAL_RANK); one host
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()))
-    spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
+    if "megatron_ring" in raw:
+        spec = parse_train_spec(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
+    else:  # a YAML with Megatron-LM's names
+        spec = parse_megatron_args(raw, world_size=dist.get_world_size(), base_dir=Path(base_dir))
     groups = init_model_parallel(spec, torch.device("cpu"))
     return spec, groups, train(spec, groups, torch.device("cpu"))
 
@@ -203,7 +206,8 @@ def once(raw: dict[str, Any], compute: Callable[[], dict[str, Any]], how: str = 
     the same result after: a reference run (cp = 1) or another run that several tests compare with is
     trained once per test run, whichever test or module asks first. Only for runs that write
     nothing (no ``checkpoint.dir``); callers must not change the result."""
-    assert (raw["megatron_ring"].get("checkpoint") or {}).get("dir") is None, "a run that saves is not shared"
+    assert (raw.get("megatron_ring", {}).get("checkpoint") or {}).get("dir") is None and raw.get("save") is None, \
+        "a run that saves is not shared"
     key = json.dumps([how, raw], sort_keys=True)
     if key not in _ONCE:
         _ONCE[key] = compute()

@@ -44,6 +44,17 @@ micro-batches that fill the pipeline, ``pp`` of them: ``2 pp - 1`` stage times o
 sequences instead of ``pp`` of ``b``. At batch 1 there is nothing to overlap. Layouts without pp run
 the batch at once.
 
+Note [Sequence parallelism in the runner]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``parallel.sequence_parallel`` (tp > 1) prefill and scoring run as Megatron trains: the
+embedding scatters a CP rank's ``s_local`` tokens over the TP ranks (``[s_local / tp, b, h]``, what
+travels between pipeline stages too), each layer gathers them before its QKV projection (the core
+attention and its cache see all ``s_local``: Note [Sequence parallelism and the ring] in
+integrations/megatron/sequence_parallel.py) and reduce-scatters after its output projection; the
+last stage gathers them before the final norm. A decode step's one token cannot split over tp, so
+it runs with sequence parallelism off (:func:`sequence_parallel_off`): the same weights, no split.
+``prompt_len`` must split evenly: a multiple of ``cp * tp``.
+
 Weights are drawn per parameter from ``(seed, global parameter name)`` in the unsharded layout, or
 come from the checkpoint, and are then cut for this rank's TP shard and PP stage, so every layout
 serves the same global model.
@@ -51,12 +62,14 @@ serves the same global model.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 import zlib
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ring.attention.decode import decode_attention
@@ -67,6 +80,8 @@ from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, is_gated_fc1, \
     load_full_state_dict, shard_of, unwrap, weights_to_be_loaded
+from megatron_ring.integrations.megatron.cuda_on_cpu import cuda_calls_on_cpu
+from megatron_ring.integrations.megatron.sequence_parallel import sequence_parallel_off
 from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.inference.runners.checkpoint import gpt_config, load_weights
 from megatron_ring.inference.runners.gpt_conversations import MegatronConversations
@@ -103,6 +118,11 @@ def check_model(model: dict[str, Any], layout: ParallelLayout, *, batch: int, pr
                      f"{total} exceeds model.seq_length = {cfg.model.seq_length}")
     if dtype is not None:
         problems.run(cfg.check_dtype, dtype, source="DeepSpeed's dtype")
+    if cfg.parallel.sequence_parallel and prompt_len % (cfg.parallel.cp * cfg.parallel.tp):
+        problems.add(f"parallel.sequence_parallel splits each CP rank's prompt_len / cp tokens over tp = "
+                     f"{cfg.parallel.tp} ranks: megatron_ring.workload.prompt_len = {prompt_len} is not divisible by "
+                     f"cp * tp = {cfg.parallel.cp * cfg.parallel.tp}; allowed: a multiple of it, or sequence_parallel "
+                     "false")
     if cfg.model.dilation is not None:
         problems.add(f"model.dilation = {cfg.model.dilation}: the runner's decode attends to every cached token, "
                      "so a dilated model would be served another attention than it was trained with; allowed: no "
@@ -293,6 +313,9 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.module = unwrap(build_gpt_model(self.cfg, **({} if weights is None else weights_to_be_loaded())))
+        self.sequence_parallel = cfg.parallel.sequence_parallel  # Note [Sequence parallelism in the runner]
+        if self.last:
+            self.module.output_layer.sequence_parallel = False  # _logits gets whole (gathered) hidden states
         self.attention_kernel = "megatron-local" if cfg.attention == "local" else \
             block_kernel_name(device, dtype, cfg.model.kv_channels)
         self.module.eval()
@@ -328,7 +351,9 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
             rows = slice(start, start + step)
             for cache in self.caches:
                 cache.rows, cache.positions = rows, positions
-            outs.append(self._stage(ids[rows], positions, every_position=every_position))
+            # Megatron's sequence-parallel collectives allocate on CUDA (Note [Megatron's CUDA calls on CPU])
+            with cuda_calls_on_cpu() if self.module.config.sequence_parallel else nullcontext():
+                outs.append(self._stage(ids[rows], positions, every_position=every_position))
         return torch.cat(outs, dim=1) if self.last else None
 
     def _stage(self, ids: torch.Tensor, positions: torch.Tensor, *, every_position: bool = False
@@ -337,10 +362,12 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
         the final hidden state of the last position ``[1, b, h]`` (``every_position``: ``[s, b, h]``)."""
         b, s = ids.shape
         model = self.module
+        split = model.config.sequence_parallel  # [s / tp, b, h] between the TP regions
         if self.first:
             hidden = model.embedding(input_ids=ids, position_ids=positions.expand(b, -1))
         else:
-            hidden = torch.empty(s, b, model.config.hidden_size, dtype=self.dtype, device=self.device)
+            hidden = torch.empty(s // self.groups.layout.tp if split else s, b, model.config.hidden_size,
+                                 dtype=self.dtype, device=self.device)
             dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
         rope = None if self._rope is None else self._rope[positions]
         for layer in model.decoder.layers:
@@ -348,6 +375,8 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
         if not self.last:
             dist.send(hidden.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
+        if split:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return model.decoder.final_layernorm(hidden if every_position else hidden[-1:])
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -411,7 +440,9 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
         for cache in self.caches:
             cache.decoding, cache.owner, cache.check = True, owner, self._step == 0
         positions = torch.tensor([self._pos], device=self.device)
-        hidden = self._pipelined(ids.to(self.device)[:, None], positions, min(self.groups.layout.pp, ids.shape[0]))
+        with sequence_parallel_off(self.module):  # one token cannot split over TP
+            hidden = self._pipelined(ids.to(self.device)[:, None], positions,
+                                     min(self.groups.layout.pp, ids.shape[0]))
         for cache in self.caches:
             cache.length += int(owner)
         self._pos += 1
@@ -424,11 +455,14 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
     def score(self, ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
               chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
         """See ``ScoringRunner.score``. Rows of different lengths come right-padded (Note [Right padding
-        for scores] in protocol.py); the sequence is right-padded here to a multiple of ``2 cp`` too."""
+        for scores] in protocol.py); the sequence is right-padded here to a multiple of ``2 cp`` too (with
+        sequence parallelism of ``cp * tp`` as well)."""
         refuse_padding("megatron", attention_mask)
         b, length = ids.shape
         ids = ids.to(self.device)
-        full = torch.cat([ids, ids[:, -1:].expand(b, -length % (2 * self.cp_size))], dim=1)
+        multiple = math.lcm(2 * self.cp_size, self.cp_size * self.groups.layout.tp) if self.sequence_parallel \
+            else 2 * self.cp_size
+        full = torch.cat([ids, ids[:, -1:].expand(b, -length % multiple)], dim=1)
         self.reset()
         positions = local_positions(full.shape[1], self.cp_rank, self.cp_size, device=self.device)
         hidden = self._pipelined(shard_sequence(full, self.cp_rank, self.cp_size), positions,

@@ -51,12 +51,14 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.integrations.megatron.hf_weights import HFWeights
+from megatron_ring.integrations.megatron.sequence_parallel import sequence_parallel_block
 from megatron_ring.integrations.megatron.specs import get_gpt_layer_ring_spec
 from megatron_ring.integrations.megatron.state import check_parallel_state
 
@@ -90,6 +92,7 @@ def transformer_config(cfg: GPTConfig, **overrides: Any) -> TransformerConfig:
         context_parallel_size=p.cp,
         cp_comm_type=p.cp_comm_type if p.cp > 1 and not isinstance(p.cp_comm_type, list) else None,
         hierarchical_context_parallel_sizes=None if p.cp_a2a is None else [p.cp_a2a, p.cp // p.cp_a2a],
+        sequence_parallel=p.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=cfg.dtype == "bf16",
@@ -112,18 +115,29 @@ def weights_to_be_loaded() -> dict[str, Any]:
     return {"init_method": _keep, "output_layer_init_method": _keep, "embedding_init_method": _keep}
 
 
-def layer_spec(cfg: GPTConfig) -> ModuleSpec | TransformerBlockSubmodules:
+def layer_spec(cfg: GPTConfig, config: Optional[TransformerConfig] = None, vp_stage: Optional[int] = None
+               ) -> ModuleSpec | TransformerBlockSubmodules:
     """Megatron's local GPT layer spec; ``core_attention`` is RingAttention unless ``cfg.attention == "local"``.
 
     A per-layer ``parallel.cp_comm_type`` list becomes one layer spec per layer of this pipeline
-    stage, each RingAttention given its layer's comm (Note [Per-layer cp_comm_type])."""
+    stage, each RingAttention given its layer's comm (Note [Per-layer cp_comm_type]). With
+    ``parallel.sequence_parallel`` the norms are :class:`SequenceParallelNorm` (``config`` and
+    ``vp_stage``: the chunk's TransformerConfig and virtual stage, which fix its number of layers)."""
     kwargs = {"normalization": cfg.model.normalization}
     if cfg.attention == "local":
-        return get_gpt_layer_local_spec(**kwargs)
-    dilation = None if cfg.model.dilation is None else tuple(tuple(pair) for pair in cfg.model.dilation)
-    spec = get_gpt_layer_ring_spec(dilation=dilation, **kwargs)
+        spec = get_gpt_layer_local_spec(**kwargs)
+    else:
+        dilation = None if cfg.model.dilation is None else tuple(tuple(pair) for pair in cfg.model.dilation)
+        spec = get_gpt_layer_ring_spec(dilation=dilation, **kwargs)
     comms = cfg.parallel.cp_comm_type
-    if not isinstance(comms, list) or cfg.parallel.cp == 1:
+    if cfg.parallel.sequence_parallel:
+        if config is None:
+            raise ValueError("parallel.sequence_parallel: layer_spec needs the TransformerConfig (its layer count)")
+        if isinstance(comms, list) and cfg.parallel.cp > 1:
+            raise ValueError("parallel.sequence_parallel with a per-layer parallel.cp_comm_type list is not "
+                             "supported; give one cp_comm_type")
+        return sequence_parallel_block(spec, get_num_layers_to_build(config, vp_stage=vp_stage))
+    if cfg.attention == "local" or not isinstance(comms, list) or cfg.parallel.cp == 1:
         return spec
     per_stage = cfg.model.num_layers // cfg.parallel.pp
     first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
@@ -154,7 +168,7 @@ def build_gpt_model(cfg: GPTConfig, *, pre_process: Optional[bool] = None, post_
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=layer_spec(cfg, config, vp_stage),
         vocab_size=cfg.model.vocab_size,
         max_sequence_length=cfg.model.seq_length,
         pre_process=first if pre_process is None else pre_process,
