@@ -70,3 +70,13 @@ def test_a_shared_prefix_is_copied_and_the_conversation_kept(gloo_pool: Any, che
     for prompt, answer in zip(first["prompts"], first["answers"]):
         assert answer == workers.alone(checkpoint, prompt)
     assert first["conversations"] == 2
+
+
+def test_megatron_runner_with_sequence_parallelism(gloo_pool: Any, checkpoint: str) -> None:
+    """tp 2 x cp 2 with sequence_parallel: first turns prefill split over TP, turns and decode run unsplit."""
+    sizes = {"tp": 2, "cp": 2}
+    model = {"checkpoint": checkpoint, "dtype": "fp32", "attention": "ring",
+             "parallel": {**sizes, "sequence_parallel": True}}
+    per_rank = gloo_pool(4).run(workers.serve_conversations, "megatron", model, sizes, "auto", 10_000,
+                                timeout_s=300)
+    check(checkpoint, per_rank, cached=True)

@@ -11,10 +11,13 @@ to the conversation in hand: :meth:`MegatronConversations._use` puts its tensors
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from megatron_ring.integrations.megatron.sequence_parallel import sequence_parallel_off
 
 
 @dataclass
@@ -29,6 +32,8 @@ class MegatronConversations:
     """The conversation methods of :class:`~megatron_ring.inference.runners.gpt.MegatronRunner`."""
 
     caches: list[Any]
+    module: Any
+    sequence_parallel: bool
     cp_size: int
     cp_rank: int
     device: torch.device
@@ -55,7 +60,10 @@ class MegatronConversations:
         for doc in documents:
             self._use(None)
             doc = doc.to(self.device)
-            whole = doc.numel() - doc.numel() % (2 * self.cp_size)
+            multiple = 2 * self.cp_size  # a ring prefill's unit; with sequence parallelism also cp * tp
+            if self.sequence_parallel:
+                multiple = math.lcm(multiple, self.cp_size * self.groups.layout.tp)
+            whole = doc.numel() - doc.numel() % multiple
             token = -1
             if whole:
                 token = int(self.prefill(doc[None, :whole])[0])
@@ -108,7 +116,8 @@ class MegatronConversations:
         for cache in self.caches:
             cache.turn, cache.decoding = (n, mode), False
         try:
-            hidden = self._pipelined(local_ids[None], local_pos, 1)
+            with sequence_parallel_off(self.module):  # a turn's few tokens per rank do not split over TP
+                hidden = self._pipelined(local_ids[None], local_pos, 1)
         finally:
             for cache in self.caches:
                 cache.turn = None
