@@ -1,4 +1,5 @@
-"""Run-time reporting shared by inference and training: peak memory, atomic JSON, progress bars."""
+"""Run-time reporting shared by inference and training: peak memory, freed memory returned, atomic JSON,
+progress bars."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,32 @@ def peak_memory(device: torch.device) -> dict[str, int | None]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     dev = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"peak_device_bytes": dev, "peak_rss_bytes": rss}
+
+
+def return_freed_memory() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``); False where there is none.
+
+    Note [Freed memory and RSS]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    A server's caches come and go in every size (each decode step grows a shard by one token; an
+    evicted conversation frees megabytes). glibc raises its mmap threshold after each large free, so
+    later blocks of those sizes come from the heap, where a freed block between live ones stays
+    resident: a serving rank's RSS grew by 1 GB over 50 requests with a bounded cache, all of it free
+    memory. ``malloc_trim`` returns those pages; it costs milliseconds, so the server calls it when a
+    request finishes.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 # --- output ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_ring.runtime.reporting import return_freed_memory
 from megatron_ring.serving.conversations import Conversation, ConversationStore
 
 
@@ -123,9 +124,10 @@ class ServeLoop:
             self._finish(self.running.pop(request.rid), finish)
 
     def _finish(self, run: Running, reason: str) -> None:
-        evicted = self.store.put(Conversation(run.fed, run.cache), self.round)
-        for conv in evicted:
-            self.log(f"cache budget: evicted a conversation of {len(conv.tokens)} tokens (least recently used)")
+        evicted = [len(conv.tokens) for conv in self.store.put(Conversation(run.fed, run.cache), self.round)]
+        for tokens in evicted:
+            self.log(f"cache budget: evicted a conversation of {tokens} tokens (least recently used)")
+        return_freed_memory()  # the evicted caches are gone now: Note [Freed memory and RSS]
         self.emit(run.request.rid, None, reason, {"evicted": len(evicted), "completion_tokens": len(run.produced)})
 
     @property
