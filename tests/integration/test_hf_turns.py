@@ -66,3 +66,21 @@ def test_decoding_conversations_together_equals_each_alone(gloo_pool, family, ov
             with torch.no_grad():
                 ref = model.generate(doc[None], max_new_tokens=count, do_sample=False, min_new_tokens=count)
             assert answer == ref[0, doc.numel():].tolist()
+
+
+def test_a_dropped_cache_is_freed_at_once():
+    """A conversation's RingCache holds no reference cycle, so dropping it frees its K/V at once, without
+    Python's cycle collector (a serving rank held every evicted conversation until that collector ran)."""
+    import gc
+    import weakref
+
+    from megatron_ring.hf import RingCache
+
+    gc.disable()
+    try:
+        cache = RingCache(2, 0, 1)
+        alive = weakref.ref(cache)
+        del cache
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -34,6 +34,7 @@ one rank]): they wait in a data collective, where a handshake row does not fit.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -51,7 +52,9 @@ class RingCacheLayer(DynamicLayer):
 
     def __init__(self, owner: "RingCache") -> None:
         super().__init__()
-        self.owner = owner
+        # A weak reference: a strong one would make every cache a reference cycle, freed only when Python's
+        # cyclic collector happens to run (a serving rank held every evicted conversation until then).
+        self.owner = weakref.proxy(owner)
         self.columns: torch.Tensor | None = None
         self.seen = 0
         self.agreed = False
