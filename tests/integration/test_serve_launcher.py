@@ -3,6 +3,7 @@ conversations, a follow-up turn from the sharded cache (equal to one process rec
 a client gone mid-stream, and SIGTERM draining every rank."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -38,11 +39,16 @@ def _url(log: Path, proc: subprocess.Popen) -> str:
     raise AssertionError(f"the server did not start (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
 
 
-def _reference(checkpoint: str, messages: list[dict], max_tokens: int) -> str:
+@functools.lru_cache(maxsize=1)
+def _model(checkpoint: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    return (AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval(),
+            AutoTokenizer.from_pretrained(checkpoint))
+
+
+def _reference(checkpoint: str, messages: list[dict], max_tokens: int) -> str:
+    model, tokenizer = _model(checkpoint)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     prompt = torch.tensor([ids["input_ids"]])
     with torch.no_grad():
