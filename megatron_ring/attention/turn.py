@@ -127,16 +127,37 @@ def _turn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_sca
 
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
             call: TurnCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, hq, q, d], lse [b, hq, q])`` of heads-first q against k/v, causal on positions;
-    no mask when every key precedes every query (a cached block, no window)."""
+    """``(out [b, hq, q, d], lse [b, hq, q])`` of heads-first q against k/v, causal on positions.
+
+    Without a window, the keys that precede every query need no mask. When the keys are in ascending
+    order (a cache appends by position), they are a prefix of the block. It runs unmasked, and only
+    the rest (this turn's own tokens) is masked; the two parts merge by log-sum-exp. Query rows at
+    position -1 (pass-Q's padding) are never read, so they do not count.
+    """
     b, hq, tq, d = q.shape
     ct = compute_dtype(q.dtype)
     if tq == 0 or k.shape[2] == 0:
         return q.new_zeros(b, hq, tq, d, dtype=ct), q.new_full((b, hq, tq), float("-inf"), dtype=ct)
-    all_seen = call.left < 0 and int(k_pos.max()) <= int(q_pos.min())
-    visible = None if all_seen else positions_visible(q_pos, k_pos, (call.left, 0))
-    out, lse = block_forward(q, k, v, causal=False, scale=call.scale, backend=call.backend, visible=visible)
-    return out.to(ct), lse.to(ct)
+    real = q_pos[q_pos >= 0]
+    first = int(real.min()) if real.numel() else -1
+    seen = 0  # keys (a prefix of the block) that every real query sees
+    if call.left < 0 and first >= 0:
+        seen = int((k_pos <= first).sum())
+        if seen < k_pos.numel() and not bool((k_pos[1:] >= k_pos[:-1]).all()):
+            seen = 0  # not in order: one masked call
+    if seen == k_pos.numel():
+        out, lse = block_forward(q, k, v, causal=False, scale=call.scale, backend=call.backend)
+        return out.to(ct), lse.to(ct)
+    rest = slice(seen, None)
+    visible = positions_visible(q_pos, k_pos[rest], (call.left, 0))
+    out, lse = block_forward(q, k[:, :, rest], v[:, :, rest], causal=False, scale=call.scale, backend=call.backend,
+                             visible=visible)
+    out, lse = out.to(ct), lse.to(ct)
+    if seen:
+        early_out, early_lse = block_forward(q, k[:, :, :seen], v[:, :, :seen], causal=False, scale=call.scale,
+                                             backend=call.backend)
+        merge_into(out, lse, early_out, early_lse)
+    return out, lse
 
 
 def _pass_kv(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, call: TurnCall, group: dist.ProcessGroup | None,

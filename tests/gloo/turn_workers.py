@@ -34,9 +34,11 @@ def turn_vs_reference(heads_q: int, heads_kv: int, head_dim: int, modes: list[st
         positions = torch.arange(total)
         cache_pos = _shard(positions[:cached], owner, rank, gen)
         new_pos = positions[cached:][positions[cached:] % size == rank]  # new tokens: round-robin
-        k_pos = torch.cat([cache_pos, new_pos])
+        shuffled = torch.cat([cache_pos, new_pos])
         ref = attention_reference(q64, k64, v64, causal=True, window_size=(left, 0))[:, new_pos]
-        for mode in modes:
+        # keys in any order (one masked call), and in ascending order as a cache holds them (the prefix that
+        # every query sees runs unmasked)
+        for k_pos, mode in [(shuffled, m) for m in modes] + [(shuffled.sort().values, m) for m in modes[:2]]:
             for dtype in (torch.float32, torch.bfloat16):
                 q, k, v = (t.to(dtype) for t in (q64, k64, v64))
                 out = turn_attention(q[:, new_pos], k[:, k_pos], v[:, k_pos], q_positions=new_pos,
