@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from megatron_ring.config import ConfigError, load_mapping, output_problem
 from megatron_ring.runtime.args import usage_error
 from megatron_ring.runtime.folder_lock import FolderBusy, owned_folder
 from megatron_ring.runtime.job import Interrupted, interruptible, run_job
+from megatron_ring.runtime.pool import free_port
 from megatron_ring.inference.metrics import format_table
 from megatron_ring.integrations.deepspeed.config import split_config
 from megatron_ring.config.layout import LayoutConfig
@@ -46,12 +46,6 @@ PAIRS: dict[str, tuple[str, str]] = {
     "smollm2-megatron-pp2": ("smollm2_megatron_sdpa_pp2.json", "smollm2_megatron_ring_cp2.json"),
 }
 """Pair name -> (baseline, ring) file names of shipped configs (:func:`~megatron_ring.config.shipped.find_config`)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def attention_family(config: Path) -> str:
@@ -91,9 +85,9 @@ def module_command(module: str, args: Sequence[str], *, nprocs: int, launcher: s
     if launcher == "deepspeed":
         bindir = Path(sys.executable).parent
         exe = shutil.which("deepspeed", path=str(bindir)) or shutil.which("deepspeed") or "deepspeed"
-        return [exe, "--num_gpus", str(nprocs), "--master_port", str(_free_port()), "--module", module, *args]
+        return [exe, "--num_gpus", str(nprocs), "--master_port", str(free_port()), "--module", module, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs),
-            "--master_port", str(_free_port()), "-m", module, *args]
+            "--master_port", str(free_port()), "-m", module, *args]
 
 
 def has_text_prompts(config: Path) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -31,10 +32,41 @@ class WorkerError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
+    """A TCP port on loopback that is free right now, below the kernel's ephemeral range when it can be.
+
+    Note [Picking a rendezvous port]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    The port is picked here and bound later by a launcher or a rank. A port from the ephemeral range
+    (what binding port 0 gives) is also what every outgoing connection of the machine takes, gloo's
+    among them, so a job starting beside another one could find its port taken in between:
+    ``EADDRINUSE``. Ports below that range are never handed out to connections. So this takes a
+    random free one there (checked by binding it), and port 0's answer only if none is found.
+    """
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(64 if low > FIRST_PORT + 1024 else 0):
+        port = draw.randrange(FIRST_PORT, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+FIRST_PORT = 10000
+"""The lowest port :func:`free_port` draws (above the well-known and most registered services' ports)."""
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: ip_local_port_range; 32768 elsewhere)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, threads: int,

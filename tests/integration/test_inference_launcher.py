@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+
+from megatron_ring.runtime.pool import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.launcher]
 
@@ -33,12 +34,6 @@ needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed launc
 
 TOY_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 128, "vocab_size": 128}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def toy_config(tmp_path: Path, name: str, *, cp: int, dp: int = 1, **workload: int) -> Path:
