@@ -10,7 +10,9 @@ Every config kind the project ships goes through the same validation its ranks r
   ``load_spec`` (runner, model, workload, prompts); with a ``serve`` section, ``megatron-ring serve``'s
   checks (serving/serve_main.py);
 * a ``configs/megatron`` YAML: the GPT config (a model naming a checkpoint: its config read and
-  converted, its weights not).
+  converted, its weights not);
+* a DeepSpeed JSON without our section, for the transformers ``Trainer`` (``--deepspeed``): DeepSpeed's
+  own parser and the ZeRO-3 rules, ``"auto"`` entries left to the Trainer.
 
 The world size is the config's own layout (tp · pp · cp · dp; a Megatron-LM-style YAML: tp · pp · cp,
 Megatron's data-parallel size being what the world leaves) unless ``--world`` says how many
@@ -31,8 +33,14 @@ from megatron_ring.runtime.args import positive_int, usage_error
 SECTION = "megatron_ring"
 
 
+DEEPSPEED_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "bf16",
+                  "fp16", "gradient_accumulation_steps")
+"""Top-level keys of which one marks a mapping without our section as a DeepSpeed training config."""
+
+
 def config_kind(raw: Any, path: Path) -> str:
-    """``"training"``, ``"inference"`` or ``"model"`` from the mapping's keys; ConfigError when none fits.
+    """``"training"``, ``"inference"``, ``"model"`` or ``"trainer"`` (a DeepSpeed config for the transformers
+    Trainer) from the mapping's keys; ConfigError when none fits.
     A YAML with Megatron-LM's training names (:mod:`megatron_ring.training.megatron_args`) is ``"training"``."""
     from megatron_ring.training.megatron_args import is_megatron_args
 
@@ -46,8 +54,11 @@ def config_kind(raw: Any, path: Path) -> str:
             return "inference"
     if isinstance(raw, dict) and ("model" in raw or "checkpoint" in raw) and path.suffix in (".yaml", ".yml"):
         return "model"
+    if isinstance(raw, dict) and SECTION not in raw and any(key in raw for key in DEEPSPEED_KEYS):
+        return "trainer"
     raise ConfigError(f"{str(path)!r}: not a config this project reads (a DeepSpeed JSON with a '{SECTION}' section "
-                      "that trains (steps) or serves (workload), or a configs/megatron model YAML)")
+                      "that trains (steps) or serves (workload), a DeepSpeed JSON for the transformers Trainer, or a "
+                      "configs/megatron model YAML)")
 
 
 def layout_world(raw: dict[str, Any]) -> int:
@@ -78,6 +89,11 @@ def check_one(path: Path, world: Optional[int]) -> str:
         m = cfg.model
         return (f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
                 f"({m.num_query_groups or m.num_attention_heads} K/V groups), attention {cfg.attention}, {cfg.dtype}")
+    if kind == "trainer":
+        from megatron_ring.integrations.deepspeed.config import check_trainer_config
+
+        stage = check_trainer_config(raw, where=f"config {str(path)!r}")
+        return f"DeepSpeed config for the transformers Trainer, ZeRO stage {stage} ('auto' entries: the Trainer's)"
     size = world or layout_world(raw)
     if kind == "training":
         from megatron_ring.training.schema import load_train_spec
@@ -103,7 +119,8 @@ def check_one(path: Path, world: Optional[int]) -> str:
 def check_main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ring check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("configs", nargs="+", type=Path, help="training or inference JSON, a training YAML with "
+    parser.add_argument("configs", nargs="+", type=Path, help="training or inference JSON, a DeepSpeed JSON for the "
+                        "transformers Trainer, a training YAML with "
                         "Megatron-LM's names, or a configs/megatron model YAML")
     parser.add_argument("--world", type=positive_int, default=None,
                         help="processes the launcher would start (default: the config's layout)")

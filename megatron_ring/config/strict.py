@@ -69,11 +69,12 @@ class Problems:
         self.found.append(problem)
 
     def run(self, check: Callable[..., T], *args: Any, **kwargs: Any) -> Optional[T]:
-        """``check(*args, **kwargs)``, or None (its problems recorded) when it raises :class:`ConfigError`."""
+        """``check(*args, **kwargs)``, or None (its problems recorded) when it raises :class:`ConfigError`
+        (prefixed with its ``where`` unless that is this collection's own)."""
         try:
             return check(*args, **kwargs)
         except ConfigError as err:
-            self.found.extend(err.located())
+            self.found.extend(err.problems if err.where == self.where else err.located())
             return None
 
     def raise_if_any(self) -> None:
@@ -137,6 +138,8 @@ def explain_validation_error(model: type[BaseModel], err: ValidationError, *, ke
             near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             lines.append(f"unknown key '{dotted}'{hint}; allowed keys here: {', '.join(sorted(known))}")
+        elif item.get("type") == "missing":  # its input is the enclosing mapping: not worth printing
+            lines.append(f"{dotted}: missing; this key is required")
         else:
             lines.append(f"{dotted} = {item.get('input')!r}: {item.get('msg')}")
     return lines

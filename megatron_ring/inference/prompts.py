@@ -92,8 +92,8 @@ def load_documents(section: TextSection, base: Optional[Path]) -> list[Document]
                               f"{sorted(entry) if isinstance(entry, dict) else entry!r}")
         wrong = [f"'{key}' is {type(value).__name__}" for key, value in entry.items() if not isinstance(value, str)]
         if wrong:
-            raise ConfigError(f"{where}: field {', '.join(wrong)}; allowed: a string (a null question would be "
-                              "asked as the text 'None')")
+            raise ConfigError(f"{where}: field {', '.join(wrong)}; allowed: a string (a null would be read "
+                              "as the text 'None')")
         text = entry.get("document")
         if text is None:
             text = read_text(find_file(entry["document_file"], path.parent, f"{where}: document_file"), where)

@@ -60,8 +60,14 @@ def serve_spec(config: str, world_size: int, flags: Optional[argparse.Namespace]
                         + ("" if "checkpoint" in summary else ", random weights"))
     if spec.layout.dp != 1:
         problems.append(f"megatron_ring.layout.dp = {spec.layout.dp}: serve runs one replica; allowed: dp = 1")
-    if window_of(summary) is None:
+    window = window_of(summary)
+    if window is None:
         problems.append("megatron_ring.model: the checkpoint does not say its window (max_position_embeddings)")
+    for key in ("max_tokens", "max_tokens_limit"):
+        value = getattr(serve, key)
+        if window is not None and key in serve.model_fields_set and value is not None and value >= window:
+            problems.append(f"megatron_ring.serve.{key} = {value}: no request could get that many tokens in the "
+                            f"model's window of {window} (its prompt needs one at least); allowed: below {window}")
     if problems:
         raise ConfigError(*problems, where=where)
     return spec, serve

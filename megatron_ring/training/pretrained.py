@@ -64,15 +64,17 @@ def pretrained_gpt_config(data: dict[str, Any], *, seq_len: Optional[int], where
     """The :class:`GPTConfig` of a model-file mapping naming a checkpoint (layout and attention already
     written into ``data``), its ``seq_length`` set to ``seq_len`` (None: the checkpoint's positions).
 
-    ConfigError naming the checkpoint and the field when its config cannot be read or converted, or
-    when ``seq_len`` exceeds the positions it was trained on (``max_position_embeddings``, times a
+    ConfigError naming the checkpoint and the field when its config cannot be read or converted, when
+    a checkpoint folder holds no weight file, or when ``seq_len`` exceeds the positions it was trained on (``max_position_embeddings``, times a
     RoPE scaling factor of the overrides).
     """
-    from megatron_ring.integrations.hf.checkpoint import load_config
+    from megatron_ring.integrations.hf.checkpoint import load_config, weights_problem
     from megatron_ring.integrations.megatron.hf_config import model_fields
 
     source = GPTCheckpointConfig.parse(data, where=where)
-    path, _, cache = _local(source, where)
+    path, gguf, cache = _local(source, where)
+    if gguf is None and (problem := weights_problem(path, "checkpoint")) is not None:
+        raise ConfigError(problem, where=where)
     try:
         hf_config = load_config(path, source.gguf_file, cache).to_dict()
     except (OSError, ValueError) as err:

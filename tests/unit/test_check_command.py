@@ -58,7 +58,7 @@ def test_a_world_other_than_the_layout_and_an_unknown_file_are_refused(tmp_path:
     assert check_main([str(ROOT / "configs/deepspeed/train_cp2.json"), "--world", "8"]) == 2
     assert "does not match the world size 8" in capsys.readouterr().err
     other = tmp_path / "other.json"
-    other.write_text('{"train_batch_size": 4}')
+    other.write_text('{"learning_rate": 4}')
     assert check_main([str(other)]) == 2
     assert "not a config this project reads" in capsys.readouterr().err
 

@@ -132,7 +132,7 @@ def test_sweep_schema_accepts_a_fresh_sweep_and_rejects_a_broken_one(fake_sweep:
     write_json_atomic(tmp_path / "broken.json", data)
     with pytest.raises(ConfigError) as err:
         load_sweep(tmp_path / "broken.json")
-    assert "points.0.ratio.tps = " in str(err.value) and "Field required" in str(err.value)
+    assert "points.0.ratio.tps: missing; this key is required" in str(err.value)
     assert "unknown key 'points.0.ring.ttft' (did you mean 'ttft_s'?)" in str(err.value)
 
 

@@ -103,9 +103,8 @@ def check_deepspeed_training(ds: dict[str, Any], *, micro_batch: int, grad_accum
     try:
         cfg = DeepSpeedConfig(copy.deepcopy(ds), mpu=_OneRank())
     except ValidationError as err:
-        for item in err.errors():
-            where = ".".join(str(p) for p in item["loc"])
-            problems.add(f"{err.title}: {where} = {item.get('input')!r}: {item['msg']}")
+        for line in _explain_section_error(err):
+            problems.add(line)
         problems.raise_if_any()
     except (AssertionError, ValueError, TypeError, KeyError, AttributeError, DeepSpeedConfigError) as err:
         problems.add(f"DeepSpeedConfig rejects them: {err}")
@@ -113,6 +112,59 @@ def check_deepspeed_training(ds: dict[str, Any], *, micro_batch: int, grad_accum
     if cfg.optimizer_name is not None:
         _check_optimizer(cfg, problems)
     problems.raise_if_any()
+
+
+SECTION_OF_MODEL = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedActivationCheckpointingConfig":
+                    "activation_checkpointing", "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+                    "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16"}
+"""The config key of each DeepSpeed section model (DeepSpeedConfig validates a section at a time)."""
+
+
+def _explain_section_error(err: Any) -> list[str]:
+    """The lines of a ValidationError of one of DeepSpeed's section models: the full key (under its section,
+    e.g. ``zero_optimization.stagee``), the value and the rule; an unknown key gets a did-you-mean."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    models, found = [DeepSpeedConfigModel], None
+    while models and found is None:  # the model named by the error's title, among DeepSpeed's section models
+        model = models.pop()
+        found = model if model.__name__ == err.title else None
+        models.extend(model.__subclasses__())
+    if found is None:
+        return [f"{err.title}: {'.'.join(str(p) for p in item['loc'])} = {item.get('input')!r}: {item['msg']}"
+                for item in err.errors()]
+    return explain_validation_error(found, err, key=SECTION_OF_MODEL.get(err.title, ""))
+
+
+TRAINER_FILLS = "auto"
+"""The value a transformers ``Trainer`` replaces by its own argument (batch sizes, learning rate, ...)."""
+
+
+def _without_auto(node: Any) -> Any:
+    """``node`` without the entries whose value is :data:`TRAINER_FILLS` (at any depth)."""
+    if isinstance(node, dict):
+        return {k: _without_auto(v) for k, v in node.items() if v != TRAINER_FILLS}
+    return node
+
+
+def check_trainer_config(ds: dict[str, Any], where: str) -> int:
+    """A DeepSpeed config for the transformers ``Trainer`` (``TrainingArguments(deepspeed=...)``, no
+    ``megatron_ring`` section): DeepSpeed's own parser and the ZeRO-3 rules of
+    :func:`~megatron_ring.integrations.deepspeed.zero3.zero3_problems`, before any rank. ``"auto"``
+    entries are the Trainer's to fill, so they are left to DeepSpeed's defaults here (a batch key
+    given as a number is checked as given). ConfigError with every problem, named ``where``; the ZeRO stage."""
+    from megatron_ring.integrations.deepspeed.zero3 import zero3_problems, zero_stage
+
+    concrete = _without_auto(ds)
+    micro = concrete.get("train_micro_batch_size_per_gpu", 1)
+    accum = concrete.get("gradient_accumulation_steps", 1)
+    problems = Problems(where=where)
+    problems.run(check_deepspeed_training, concrete, micro_batch=micro if isinstance(micro, int) else 1,
+                 grad_accum=accum if isinstance(accum, int) else 1)
+    for problem in zero3_problems(concrete, cp=1):
+        problems.add(problem)
+    problems.raise_if_any()
+    return zero_stage(concrete)
 
 
 def _check_optimizer(cfg: Any, problems: Problems) -> None:
