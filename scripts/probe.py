@@ -1,4 +1,5 @@
-"""The probe sweep of issue 27: user actions that must end cleanly (tests/probe), one line per case and a count.
+"""The probe sweep: user actions that must end cleanly (tests/probe and the cases of other folders marked
+``probe``), one line per case and a count.
 
     python scripts/probe.py           # the quick part (also run by the README's test command)
     python scripts/probe.py --slow    # with the slow cases (the deepspeed launcher, more resumes)
@@ -18,5 +19,5 @@ if __name__ == "__main__":
     if "--slow" in sys.argv[1:]:
         env["MEGATRON_RING_PROBE_SLOW"] = "1"
     rest = [a for a in sys.argv[1:] if a != "--slow"]
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rxs", "-p", "no:cacheprovider", str(ROOT / "tests" / "probe"), *rest]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rxs", "-p", "no:cacheprovider", "-m", "probe", str(ROOT / "tests"), *rest]
     sys.exit(subprocess.call(cmd, cwd=ROOT, env=env))

@@ -15,6 +15,9 @@ A command killed with SIGKILL runs no handler, so it cannot stop what it started
   parent is still the one it started with and that every pid in :data:`WATCH_ENV` (set by
   :func:`~megatron_ring.runtime.job.run_job` to the command's pid, inherited through the
   launchers) still runs; a rank already adopted by init when the watch begins is an orphan too.
+  A rank whose parent is DeepSpeed's per-node ``launch.py`` watches the ``deepspeed`` runner above it
+  too (:func:`launcher_ancestors`): SIGTERM to the runner ends the runner alone, and ``launch.py``
+  stays, waiting for its ranks, so the parent alone would never be missed.
   When one is gone the rank says so and exits at once (status
   :data:`EXIT_ORPHANED`): a checkpoint being written is left without its ``complete.json``
   (Note [Complete checkpoints]), a result file is written atomically or not at all.
@@ -73,6 +76,35 @@ def _stop(name: str, gone: int) -> None:
     os._exit(EXIT_ORPHANED)
 
 
+def _command_line(pid: int) -> str:
+    """The command line of process ``pid`` (Linux /proc; "" when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    """The parent pid of process ``pid`` (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])  # the name in parentheses may hold spaces
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def launcher_ancestors(parent: int) -> list[int]:
+    """The ``deepspeed`` runner above a rank whose ``parent`` is DeepSpeed's per-node launcher
+    (``deepspeed.launcher.launch``), when that runner runs on this host; else []."""
+    if "deepspeed.launcher.launch" not in _command_line(parent):
+        return []
+    runner = _parent_of(parent)
+    if runner is None or runner <= 1 or "deepspeed" not in _command_line(runner):
+        return []
+    return [runner]
+
+
 _WATCHING: list[threading.Thread] = []
 """The process's watchdog, once started (a pool worker runs many entry points: one thread serves them all)."""
 
@@ -82,7 +114,8 @@ def watch_parent(name: str = "rank", interval_s: float = INTERVAL_S) -> threadin
     ``name`` goes in its message."""
     if _WATCHING:
         return _WATCHING[0]
-    parent, ancestors = os.getppid(), watched_pids()
+    parent = os.getppid()
+    ancestors = watched_pids() + launcher_ancestors(parent)
     if parent == 1:  # adopted by init before the watch began: whoever started this process is already gone
         _stop(name, parent)
 

@@ -67,6 +67,7 @@ def test_checkpoints_record_digests_and_refuse_damage(gloo_pool: Any, tmp_path: 
     assert latest_checkpoint(tmp_path / "ckpt") == tag.name, "a refused resume saves nothing"
 
 
+@pytest.mark.probe
 def test_resume_refuses_another_layout_naming_both(gloo_pool: Any, tmp_path: Path) -> None:
     pool = gloo_pool(2)
     run(pool, config(tmp_path, 1))
@@ -74,6 +75,7 @@ def test_resume_refuses_another_layout_naming_both(gloo_pool: Any, tmp_path: Pat
     assert err.startswith("ConfigError") and "tp=1 x cp=2 x dp=1 x pp=1" in err and "tp=1 x cp=1 x dp=2 x pp=1" in err
 
 
+@pytest.mark.probe
 def test_overwrite_starts_a_new_lineage_alone(gloo_pool: Any, tmp_path: Path) -> None:
     """resume: false + overwrite: true into a folder of 3 steps: the old steps are deleted first, so the
     new run's single step is all the folder holds (and a resume would take it, not the old step 3)."""

@@ -217,6 +217,7 @@ def test_mpu_reports_dp_cp_for_gradients_and_dp_for_batches() -> None:
     assert not hasattr(mpu, "initialize_sequence_parallel")
 
 
+@pytest.mark.probe
 def test_resume_refuses_other_data_or_batch(tmp_path: Path) -> None:
     spec = parse(good())
     kw = dict(micro_batch=2, grad_accum=2, dp=2, dp_rank=0, cp=2, cp_rank=0, shuffle=True, seed=1)
@@ -230,6 +231,7 @@ def test_resume_refuses_other_data_or_batch(tmp_path: Path) -> None:
         check_resume(client, changed, spec, tmp_path)
 
 
+@pytest.mark.probe
 def test_resume_refuses_changed_optimizer_settings_by_name(tmp_path: Path) -> None:
     """A resumed engine keeps the checkpoint's optimizer and schedule: a changed lr is refused, never ignored."""
     spec = parse(good())
@@ -277,6 +279,7 @@ def test_outputs_must_be_writable_before_anything_runs(tmp_path: Path) -> None:
     assert not list((tmp_path / "ckpt").iterdir()) and not list((tmp_path / "logs").iterdir())
 
 
+@pytest.mark.probe
 def test_a_new_run_never_writes_into_another_runs_checkpoints(tmp_path: Path) -> None:
     """resume: false into a folder holding step folders is refused (naming them) unless overwrite: true."""
     (tmp_path / "ckpt" / "step00000002").mkdir(parents=True)

@@ -234,6 +234,7 @@ def test_deepspeed_engine_refuses_pipeline_and_megatron_section() -> None:
     assert "megatron_ring.megatron configures engine 'megatron' only" in str(err.value)
 
 
+@pytest.mark.probe
 def test_a_checkpoint_of_another_model_or_engine_is_refused_naming_the_folder(gloo_pool: Any, tmp_path: Path) -> None:
     """A Megatron-engine checkpoint resumed with a model of another size (Megatron's CheckpointingException) or
     by DeepSpeed's engine: one refusal on every rank naming the folder, not a library traceback."""

@@ -233,3 +233,56 @@ def test_sigkill_of_calibrate_leaves_no_pool_worker(tmp_path: Path) -> None:
     gone = killed_leaves_nothing(["calibrate", "--quick", "--out", str(out)], workers_started,
                                  prints("calibrate: compute and memory"))
     assert gone <= KILL_BOUND_S, f"pool workers of the killed calibrate ran {gone:.1f} s on"
+
+
+def _saving(ckpt: Path) -> list[Path]:
+    """The step folders of ``ckpt`` being written: there, but without their complete marker yet."""
+    from megatron_ring.training.checkpoint import COMPLETE
+
+    return [d for d in ckpt.glob("step*") if d.is_dir() and not (d / COMPLETE).exists()]
+
+
+@needs_deepspeed
+@pytest.mark.timeout(240)
+def test_sigterm_to_the_deepspeed_launcher_mid_save_leaves_no_rank_and_no_false_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM to the deepspeed launcher alone while the Megatron engine writes a checkpoint. DeepSpeed's
+    runner exits without forwarding it; the ranks once ran 30 s more and wrote another step. Now they see
+    their parent gone (Note [Orphaned ranks]) and stop within seconds, and the step being written keeps no
+    complete marker: every step marked complete has every file it records, byte for byte."""
+    pytest.importorskip("megatron.core")
+    from megatron_ring.training.checkpoint import COMPLETE, file_digest
+    from tests.integration.test_hung_rank import launcher_command
+
+    ckpt = tmp_path / "ckpt"
+    cfg = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+           "megatron_ring": {"engine": "megatron", "model": str(ROOT / "configs" / "megatron" / "tiny_ring_cp2.yaml"),
+                             "layout": {"cp": 2}, "seq_len": 64, "steps": 100000,
+                             "data": {"kind": "text", "paths": [str(ROOT / "docs")]},
+                             "megatron": {"optimizer": {"type": "adam", "lr": 1e-3}},
+                             "checkpoint": {"dir": str(ckpt), "save_interval": 1}, "log": {"progress": False}}}
+    config = write_json_atomic(tmp_path / "mid_save.json", cfg)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    with open(tmp_path / "out.txt", "wb") as out:
+        proc = subprocess.Popen(launcher_command("deepspeed", 2, "train.py", config), cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not _saving(ckpt) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert proc.poll() is None and _saving(ckpt), (tmp_path / "out.txt").read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as a job scheduler would
+        signalled = time.monotonic()
+        proc.wait(timeout=30)
+        assert_no_leftover(proc.pid, grace_s=10.0 - (time.monotonic() - signalled))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    out_text = (tmp_path / "out.txt").read_text()
+    assert "is gone; stopping" in out_text, out_text[-3000:]
+    complete = [d for d in ckpt.glob("step*") if (d / COMPLETE).exists()]
+    for tag_dir in complete:
+        for name, want in json.loads((tag_dir / COMPLETE).read_text())["files"].items():
+            got = file_digest(tag_dir / name)
+            assert (got["bytes"], got["sha256"]) == (want["bytes"], want["sha256"]), (tag_dir, name)
+    latest = (ckpt / "latest").read_text() if (ckpt / "latest").exists() else None
+    assert latest is None or (ckpt / latest / COMPLETE).exists(), latest

@@ -14,6 +14,7 @@ from megatron_ring.inference.compare import compare_main
 from megatron_ring.runtime.folder_lock import LOCK_FILE, FolderBusy, owned_folder
 
 
+@pytest.mark.probe
 def test_a_live_owner_refuses_a_second_run_and_the_lock_goes_with_the_block(tmp_path: Path) -> None:
     with owned_folder(tmp_path / "out", field="--out-dir") as folder:
         owner = json.loads((folder / LOCK_FILE).read_text())
@@ -23,6 +24,7 @@ def test_a_live_owner_refuses_a_second_run_and_the_lock_goes_with_the_block(tmp_
     assert not (tmp_path / "out" / LOCK_FILE).exists()
 
 
+@pytest.mark.probe
 def test_a_dead_owner_is_taken_over_but_another_host_is_not(tmp_path: Path) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -36,6 +38,7 @@ def test_a_dead_owner_is_taken_over_but_another_host_is_not(tmp_path: Path) -> N
             pass
 
 
+@pytest.mark.probe
 def test_compare_refuses_two_configs_of_one_name_and_a_busy_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     root = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
     for side in ("a", "b"):

@@ -47,6 +47,7 @@ def wait_for(path: Path, timeout_s: float = 60) -> str:
     return path.read_text()
 
 
+@pytest.mark.probe
 def test_a_watched_ancestor_killed_ends_the_rank(tmp_path: Path) -> None:
     ancestor = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     ready = tmp_path / "ready"
@@ -63,6 +64,7 @@ def test_a_watched_ancestor_killed_ends_the_rank(tmp_path: Path) -> None:
     assert f"rank 3 (pid {rank.pid}): the process that started it (pid {ancestor.pid}) is gone" in log.read_text()
 
 
+@pytest.mark.probe
 def test_a_parent_killed_ends_its_rank(tmp_path: Path) -> None:
     """The launcher (parent) SIGKILLed: the rank, reparented, stops within a second."""
     pid_file = tmp_path / "rank.pid"
@@ -80,6 +82,7 @@ def test_a_parent_killed_ends_its_rank(tmp_path: Path) -> None:
     assert wait_gone(rank, 10), "the rank outlived its killed parent"
 
 
+@pytest.mark.probe
 @pytest.mark.timeout(120)
 def test_pool_ranks_end_with_the_process_that_made_them(tmp_path: Path) -> None:
     pid_file = tmp_path / "ranks"
