@@ -235,6 +235,21 @@ def test_sigkill_of_calibrate_leaves_no_pool_worker(tmp_path: Path) -> None:
     assert gone <= KILL_BOUND_S, f"pool workers of the killed calibrate ran {gone:.1f} s on"
 
 
+def test_sigkill_of_bench_attention_leaves_no_pool_worker(tmp_path: Path) -> None:
+    """The issue's case: the gloo pool's ranks of a killed ``bench attention`` were alive 150 s later."""
+    import psutil
+
+    out = tmp_path / "bench.json"
+
+    def workers_started() -> bool:
+        return any(len(psutil.Process(pid).children()) >= 2 for pid in job_processes(str(out)))
+    gone = killed_leaves_nothing(["bench", "attention", "--L", "32768", "--P", "2", "--impl", "ring_p2p", "--mode",
+                                  "fwd", "--repeats", "1000", "--no-plots", "--out", str(out)], workers_started,
+                                 lambda _: True)
+    assert gone <= KILL_BOUND_S, f"pool workers of the killed bench ran {gone:.1f} s on"
+    assert not out.exists()
+
+
 def _saving(ckpt: Path) -> list[Path]:
     """The step folders of ``ckpt`` being written: there, but without their complete marker yet."""
     from megatron_ring.training.checkpoint import COMPLETE
