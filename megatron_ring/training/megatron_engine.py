@@ -29,8 +29,8 @@ What a Megatron-LM user's training runs, built from megatron-core's public piece
   transformers checkpoint.
 
 On a CPU-only process these calls run inside
-:func:`~megatron_ring.integrations.megatron.cuda_on_cpu.cuda_calls_on_cpu` (Note [Megatron's CUDA
-calls on CPU]); on a GPU nothing is changed. :class:`MegatronTrainer` offers what the loop uses of
+:func:`~megatron_ring.integrations.megatron.on_cpu.cuda_calls_on_cpu` (Note [Megatron-core on
+CPU]); on a GPU nothing is changed. :class:`MegatronTrainer` offers what the loop uses of
 DeepSpeed's engine (``train_step``, ``get_lr``, ``save_checkpoint``, ``load_checkpoint``,
 ``module``, ``destroy``), so checkpoints, markers and digests are shared with it.
 """
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.integrations.megatron.cuda_on_cpu import cuda_calls_on_cpu
+from megatron_ring.integrations.megatron.on_cpu import cuda_calls_on_cpu
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.data import Batch, masked_loss
 

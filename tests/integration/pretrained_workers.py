@@ -20,7 +20,7 @@ def engine_logits(engine: Any, groups: Any, tokens: torch.Tensor) -> Optional[to
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_ring.attention.sharding import shard_sequence, unshard_sequence
-    from megatron_ring.integrations.megatron.cuda_on_cpu import cuda_calls_on_cpu
+    from megatron_ring.integrations.megatron.on_cpu import cuda_calls_on_cpu
 
     cp, cp_rank = groups.layout.cp, groups.cp_rank
     b, s = tokens.shape

@@ -80,7 +80,7 @@ from megatron_ring.config.gpt import GPTConfig, parse_model_file
 from megatron_ring.integrations.megatron.attention import RingAttention
 from megatron_ring.integrations.megatron.model import build_gpt_model, global_name, is_gated_fc1, \
     load_full_state_dict, shard_of, unwrap, weights_to_be_loaded
-from megatron_ring.integrations.megatron.cuda_on_cpu import cuda_calls_on_cpu
+from megatron_ring.integrations.megatron.on_cpu import cuda_calls_on_cpu
 from megatron_ring.integrations.megatron.sequence_parallel import sequence_parallel_off
 from megatron_ring.integrations.megatron.state import init_megatron
 from megatron_ring.inference.runners.checkpoint import gpt_config, load_weights
@@ -351,7 +351,7 @@ class MegatronRunner(DeepSpeedPassThrough, MegatronConversations):
             rows = slice(start, start + step)
             for cache in self.caches:
                 cache.rows, cache.positions = rows, positions
-            # Megatron's sequence-parallel collectives allocate on CUDA (Note [Megatron's CUDA calls on CPU])
+            # Megatron's sequence-parallel collectives allocate on CUDA (Note [Megatron-core on CPU])
             with cuda_calls_on_cpu() if self.module.config.sequence_parallel else nullcontext():
                 outs.append(self._stage(ids[rows], positions, every_position=every_position))
         return torch.cat(outs, dim=1) if self.last else None

@@ -12,7 +12,7 @@ Files:
 * ``hf_weights.py``  their tensors as Megatron's unsharded state dict (fused Q/K/V per group, [gate; up]);
 * ``tensor_source.py`` a state dict, or safetensors files read a slice at a time;
 * ``hf_checkpoint.py`` a checkpoint folder as that state dict, each rank reading only its stage and TP slices;
-* ``cpu_shims.py``   the CUDA-only calls of megatron-core replaced on CPU;
+* ``on_cpu.py``      megatron-core on CPU: every patched internal in one table, guarded by the checked versions;
 * ``pipeline.py``    one pipeline stage's forward and backward with send/recv;
 * ``equivalence.py`` a config (or a packed batch) against the same model at cp = 1 (``python -m megatron_ring.megatron``).
 

@@ -12,7 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.strict import ConfigError
-from megatron_ring.integrations.megatron.cpu_shims import apply_cpu_shims
+from megatron_ring.integrations.megatron.on_cpu import enable_megatron_on_cpu
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.parallel.layout import ParallelLayout
 
@@ -27,7 +27,8 @@ def init_megatron(layout: ParallelLayout, *, device: torch.device = torch.device
     """Megatron's ``parallel_state`` for ``layout`` on the running process group; returns its groups.
 
     The one initialisation behind inference, training, the config check and the tests. On CPU it
-    first applies :func:`~megatron_ring.integrations.megatron.cpu_shims.apply_cpu_shims`; it seeds
+    first applies :func:`~megatron_ring.integrations.megatron.on_cpu.enable_megatron_on_cpu` (which refuses
+    a megatron-core outside the checked range, Note [Megatron-core on CPU]); it seeds
     torch (and Megatron's CUDA RNG tracker on a GPU) with ``seed``. ``timeout_s`` bounds every
     collective of the groups Megatron creates (rounded up to whole minutes, Megatron's unit; default
     Megatron's 30 minutes); ``virtual_pipeline``: model chunks per pipeline stage (interleaved 1F1B).
@@ -35,7 +36,7 @@ def init_megatron(layout: ParallelLayout, *, device: torch.device = torch.device
     """
     layout.check_world_size(dist.get_world_size())
     if device.type == "cpu":
-        apply_cpu_shims()
+        enable_megatron_on_cpu()
     ensure_parallel_state(layout, timeout_s=timeout_s, virtual_pipeline=virtual_pipeline)
     torch.manual_seed(seed)
     if device.type == "cuda":
