@@ -2,7 +2,7 @@
 
 Note [Complete checkpoints]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``engine.save_checkpoint`` writes each rank's files into ``<dir>/<tag>/`` and ends with a
+``engine.save`` writes each rank's files into ``<dir>/<tag>/`` and ends with a
 barrier. Then every rank hashes its share of the tag's files (file ``i`` of the sorted list on
 rank ``i mod world``; SHA-256 and size), the shares are gathered, and only then does rank 0 write
 ``<tag>/complete.json`` (atomically: the step, the data position, the layout and every file's
@@ -117,9 +117,9 @@ def save_checkpoint(engine: Any, ckpt_dir: Path, step: int, client_state: dict[s
     tag = checkpoint_tag(step)
     tag_dir = ckpt_dir / tag
     try:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        engine.save(ckpt_dir, tag, client_state)
         files = tag_digests(tag_dir)
-        if dist.get_rank() == 0:  # save_checkpoint ended with a barrier: every rank's files exist
+        if dist.get_rank() == 0:  # engine.save ended with a barrier: every rank's files exist
             write_json_atomic(tag_dir / COMPLETE, {"tag": tag, **client_state, "files": files})
             tmp = ckpt_dir / ".latest.tmp"
             tmp.write_text(tag)
@@ -193,13 +193,13 @@ def checkpoint_engine(marker: dict[str, Any], tag_dir: Path) -> str:
 
 
 def load_checkpoint(engine: Any, ckpt_dir: Path, tag: str) -> dict[str, Any]:
-    """``engine.load_checkpoint`` of ``tag``; any failure (a file the loader cannot read or unpickle, a model of
+    """``engine.load`` of ``tag``; any failure (a file the loader cannot read or unpickle, a model of
     another size: Megatron's CheckpointingException, DeepSpeed's assertions) is a CheckpointError naming the
     directory and the cause."""
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
-        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        client = engine.load(ckpt_dir, tag)
     except (Exception, CheckpointException) as err:  # the loaders raise many types; each becomes one named refusal
         raise CheckpointError(f"checkpoint {str(ckpt_dir / tag)!r} cannot be loaded: {type(err).__name__}: "
                               f"{str(err)[:300]}") from err

@@ -10,27 +10,16 @@ One rank's run (:func:`train_main`, started by ``launch/train.py``):
 2. start the peer monitor (:class:`megatron_ring.runtime.faults.PeerMonitor`) and
    torch.distributed from the launcher's environment, then Megatron's ``parallel_state`` for the
    layout (its groups equal :class:`~megatron_ring.parallel.layout.ParallelLayout`'s);
-3. build the engine (:func:`build_engine`): the GPT model from the ``configs/megatron`` YAML (or the
-   transformers model) handed to ``deepspeed.initialize`` with our
-   :class:`~megatron_ring.integrations.deepspeed.mpu.DeepSpeedMPU`, or with ``engine: megatron``
-   a :class:`~megatron_ring.training.megatron_engine.MegatronTrainer`;
+3. build the engine (:func:`~megatron_ring.training.engine.build_engine`, Note [One engine protocol]):
+   with ``engine: deepspeed`` the GPT model from the ``configs/megatron`` YAML (or the transformers
+   model) inside DeepSpeed's engine (:class:`~megatron_ring.training.deepspeed_engine.DeepSpeedTrainer`),
+   with ``engine: megatron`` a :class:`~megatron_ring.training.megatron_engine.MegatronTrainer`;
 4. resume from the latest *complete* checkpoint if there is one; then per step: this rank's
-   micro-batches (zigzag over CP, split over DP), forward + backward + ``engine.step()``, one
-   metrics line, and a checkpoint every ``save_interval`` steps and at the end; with an ``eval``
-   section, the held-out loss (:func:`evaluate`) at the start, every ``eval.interval`` steps and at the end.
-
-Note [The loss of a context-parallel rank]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The step loss is the mean over every valid token of the global batch: ``L = sum_tokens / N``.
-A rank sees only its CP share of its DP share, and DeepSpeed (see the Note in
-:mod:`megatron_ring.integrations.deepspeed.mpu`) sums gradients over CP, averages them over DP and divides each
-micro-batch's loss by the gradient accumulation steps. So each micro-batch backpropagates
-``local_sum * dp * grad_accum / N``, with ``N`` all-reduced over dp x cp once per step before the
-first forward (times cp under ZeRO-3, whose reduce-scatter divides by dp x cp: Note [ZeRO-3 over
-dp x cp] in :mod:`megatron_ring.integrations.deepspeed.zero3`). The gradient is then exactly that
-of ``L`` whatever the layout, which is what makes cp = 2 (or tp = 2 x cp = 2) train to the same
-weights as cp = 1 on the same global batch. A transformers model (:mod:`megatron_ring.training.hf_model`)
-takes the same path: only its per-token losses are computed differently.
+   micro-batches (zigzag over CP, split over DP) through ``engine.step`` (forward, backward, optimizer
+   step; the global mean token loss: Note [The loss of a context-parallel rank] in
+   :mod:`megatron_ring.training.global_loss`), one metrics line, and a checkpoint every
+   ``save_interval`` steps and at the end; with an ``eval`` section, the held-out loss
+   (:func:`evaluate`) at the start, every ``eval.interval`` steps and at the end.
 
 Checkpoints, their checksums and the resume checks: Note [Complete checkpoints] in
 :mod:`megatron_ring.training.checkpoint`. A step whose global loss is not finite stops every rank
@@ -41,7 +30,6 @@ never saved as a complete checkpoint.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -51,21 +39,20 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Any, Optional, Sequence, TextIO
 
 import torch
 import torch.distributed as dist
 
 from megatron_ring.config import ConfigError
-from megatron_ring.integrations.deepspeed.mpu import DeepSpeedMPU
-from megatron_ring.integrations.deepspeed.process_group import init_deepspeed_comm
-from megatron_ring.integrations.deepspeed.zero3 import gradient_divisor_excess, partition_over_dp_cp
 from megatron_ring.parallel.groups import ParallelGroups, leave_distributed
 from megatron_ring.training.checkpoint import (TrainingStopped, check_layout, check_resume, checkpoint_engine,
                                                 latest_checkpoint, load_checkpoint, optimizer_settings, read_marker,
                                                 save_checkpoint, verify_checkpoint)
 from megatron_ring.datasets.files import corpus_files
-from megatron_ring.training.data import Batch, DocumentRows, TrainData, build_samples, masked_loss
+from megatron_ring.training.data import Batch, DocumentRows, TrainData, build_samples
+from megatron_ring.training.engine import Engine, build_engine
+from megatron_ring.training.global_loss import global_sums
 from megatron_ring.training.schema import DOCUMENT_KINDS, SECTION, TrainSpec, load_train_spec
 
 EXIT_CONFIG = 2
@@ -88,37 +75,6 @@ def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups
     section = spec.train.megatron
     return init_megatron(spec.layout, device=device, seed=spec.train.seed, timeout_s=spec.train.collective_timeout_s,
                          virtual_pipeline=section.virtual_pipeline if section is not None else None)
-
-
-def build_engine(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Any:
-    """The training engine of ``spec.train.engine``: :class:`~megatron_ring.training.megatron_engine.MegatronTrainer`,
-    or the GPT model of ``spec.model`` (or the transformers model) inside a DeepSpeed engine reducing over dp x cp."""
-    if spec.train.engine == "megatron":
-        from megatron_ring.training.megatron_engine import MegatronTrainer
-
-        return MegatronTrainer(spec, groups, device)
-    return build_deepspeed_engine(spec, groups)
-
-
-def build_deepspeed_engine(spec: TrainSpec, groups: ParallelGroups) -> Any:
-    """The GPT model of ``spec.model`` (or the transformers model) inside a DeepSpeed engine reducing over dp x cp."""
-    import deepspeed
-
-    mpu = DeepSpeedMPU(groups)
-    init_deepspeed_comm()
-    if spec.transformers is not None:
-        from megatron_ring.training.hf_model import build_causal_lm
-
-        model = build_causal_lm(spec)
-    else:
-        from megatron_ring.integrations.megatron.model import build_gpt_model
-
-        model = build_gpt_model(spec.model)
-    partition_over_dp_cp(model, mpu, copy.deepcopy(spec.deepspeed))
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params,
-                                           config=copy.deepcopy(spec.deepspeed), mpu=mpu)
-    return engine
 
 
 def build_data(spec: TrainSpec, groups: ParallelGroups, *, held_out: bool = False) -> TrainData:
@@ -146,73 +102,23 @@ def build_data(spec: TrainSpec, groups: ParallelGroups, *, held_out: bool = Fals
 
 # --- one step ----------------------------------------------------------------------------------
 
-def gpt_token_loss(engine: Any, batch: Batch, groups: ParallelGroups) -> torch.Tensor:
-    """Per-token losses ``[micro, seq_local]`` of the Megatron GPT on this rank's shard of ``batch`` (a packed
-    row of documents as THD: Note [Packed training rows] in :mod:`megatron_ring.training.data`)."""
-    from megatron_ring.integrations.megatron.packed import packed_seq_params
-
-    return engine(batch.tokens, batch.position_ids, None, labels=batch.labels,
-                  packed_seq_params=packed_seq_params(batch.cu_seqlens))
+def train_step(engine: Engine, batches: Sequence[Batch]) -> float:
+    """One optimizer step over this rank's micro-batches; the global mean token loss (``engine.step``)."""
+    return engine.step(batches)
 
 
-TokenLoss = Callable[[Any, Batch, ParallelGroups], torch.Tensor]
-"""``(engine, batch on the device, groups) -> [micro, seq_local]`` per-token losses of the model."""
-
-
-def train_step(engine: Any, batches: Sequence[Batch], groups: ParallelGroups, device: torch.device,
-               token_loss: TokenLoss = gpt_token_loss) -> float:
-    """One optimizer step over this rank's micro-batches; returns the global mean token loss.
-
-    The Megatron engine runs its own schedule; under DeepSpeed's, see Note [The loss of a
-    context-parallel rank] for the scaling of each backward.
-    """
-    from megatron_ring.training.megatron_engine import MegatronTrainer
-
-    if isinstance(engine, MegatronTrainer):
-        return engine.train_step(batches)
-    count = torch.stack([b.loss_mask.sum() for b in batches]).sum().to(device)
-    dist.all_reduce(count, group=groups.dp_cp)
-    if count.item() == 0:
-        raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
-    scale = groups.layout.dp * len(batches) * gradient_divisor_excess(engine, groups.layout.cp) / count
-    total = torch.zeros((), device=device)
-    for batch in batches:
-        b = batch.to(device)
-        per_token = token_loss(engine, b, groups)
-        local = masked_loss(per_token, b.loss_mask)
-        engine.backward(local * scale)
-        engine.step()
-        total += local.detach()
-    dist.all_reduce(total, group=groups.dp_cp)
-    return float(total / count)
-
-
-def evaluate(engine: Any, held_out: TrainData, groups: ParallelGroups, device: torch.device,
-             token_loss: TokenLoss = gpt_token_loss) -> tuple[float, int]:
+def evaluate(engine: Engine, held_out: TrainData, groups: ParallelGroups, device: torch.device) -> tuple[float, int]:
     """``(mean token loss, tokens)`` over every held-out row once, forward only, the same on every rank.
 
     Rows go out as training batches do (``global_batch`` rows per round, zigzag over CP, split over DP);
     the last round's slots past the end repeat earlier rows with a zero loss mask, so that every rank
     runs the same forwards (ZeRO-3 gathers parameters in each) and no row counts twice.
     """
-    from megatron_ring.training.megatron_engine import MegatronTrainer
-
     rows = len(held_out.samples)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for round_ in range(-(-rows // held_out.global_batch)):
-        batches = held_out.step_batches(round_, limit=rows)
-        if isinstance(engine, MegatronTrainer):
-            total += engine.eval_sums(batches)
-            continue
-        engine.eval()
-        with torch.no_grad():
-            for batch in batches:
-                b = batch.to(device)
-                total += torch.stack([masked_loss(token_loss(engine, b, groups), b.loss_mask),
-                                      b.loss_mask.sum()]).double()
-        engine.train()
-    if not isinstance(engine, MegatronTrainer):  # the Megatron engine's sums are global already
-        dist.all_reduce(total, group=groups.dp_cp)
+        total += engine.eval_sums(held_out.step_batches(round_, limit=rows))
+    global_sums(total, groups)
     if total[1] == 0:
         raise ValueError("the held-out data has no token with a loss (loss_mask is all zero)")
     return float(total[0] / total[1]), int(total[1])
@@ -240,7 +146,7 @@ def gather_ints(value: int, device: torch.device) -> list[int]:
 class TrainRun:
     """What :func:`train` leaves: the engine, the step it resumed from, one record per step and the held-out losses."""
 
-    engine: Any
+    engine: Engine
     start_step: int
     records: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
@@ -283,11 +189,6 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     data = build_data(spec, groups)
     held_out = build_data(spec, groups, held_out=True) if spec.train.eval is not None else None
     engine = build_engine(spec, groups, device)
-    token_loss = gpt_token_loss
-    if spec.transformers is not None:
-        from megatron_ring.training.hf_model import causal_lm_token_loss
-
-        token_loss = causal_lm_token_loss
     ck = spec.train.checkpoint
     ckpt_dir = spec.path(ck.dir) if ck.dir else None
     if ckpt_dir is not None and not ck.resume and ck.overwrite:  # a new lineage: the old one goes first
@@ -313,7 +214,7 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
 
     def log_eval(step: int) -> None:
         t0 = time.perf_counter()
-        loss, tokens = evaluate(engine, held_out, groups, device, token_loss)
+        loss, tokens = evaluate(engine, held_out, groups, device)
         record = {"event": "eval", "step": step, "eval_loss": loss, "eval_tokens": tokens,
                   "eval_s": time.perf_counter() - t0}
         run.evals.append(record)
@@ -324,14 +225,14 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
             log_eval(start)
         for step in range(start, spec.train.steps):
             t0 = time.perf_counter()
-            loss = train_step(engine, data.step_batches(step), groups, device, token_loss)
+            loss = train_step(engine, data.step_batches(step))
             seconds = time.perf_counter() - t0
             finite = math.isfinite(loss)
             if not finite and spec.train.stop_on_nonfinite_loss:
                 raise TrainingStopped(nonfinite_message(loss, step + 1, ckpt_dir))
             tokens = data.tokens_per_step(step)
             record = {
-                "step": step + 1, "loss": loss, "lr": float(engine.get_lr()[0]),
+                "step": step + 1, "loss": loss, "lr": engine.lr(),
                 "tokens": tokens, "step_s": seconds, "tokens_per_s": tokens / seconds,
                 "consumed_samples": (step + 1) * spec.global_batch,
                 "memory_bytes_per_rank": gather_ints(memory_bytes(device), device),
@@ -355,17 +256,17 @@ def train(spec: TrainSpec, groups: ParallelGroups, device: torch.device) -> Trai
     return run
 
 
-def resume(engine: Any, spec: TrainSpec, data: TrainData, ckpt_dir: Optional[Path]) -> tuple[int, Optional[dict]]:
+def resume(engine: Engine, spec: TrainSpec, data: TrainData, ckpt_dir: Optional[Path]) -> tuple[int, Optional[dict]]:
     """Load the latest complete checkpoint of ``ckpt_dir`` into ``engine`` after every check (engine, layout,
     digests, data, optimizer settings); ``(its step, its layout)``, or ``(0, None)`` when there is none."""
     if ckpt_dir is None or (tag := latest_checkpoint(ckpt_dir)) is None:
         return 0, None
     marker = read_marker(ckpt_dir / tag)
-    if (saved := checkpoint_engine(marker, ckpt_dir / tag)) != spec.train.engine:
+    if (saved := checkpoint_engine(marker, ckpt_dir / tag)) != engine.name:
         raise ConfigError(f"checkpoint {str(ckpt_dir / tag)!r} was saved by engine {saved!r} but "
                           f"{SECTION}.engine = {spec.train.engine!r}; each engine loads its own checkpoints "
                           "(megatron-ring export turns either into a transformers checkpoint to start from)")
-    if spec.train.engine == "deepspeed":
+    if not engine.reshards:
         check_layout(marker, spec.layout.sizes(), ckpt_dir / tag)
     verify_checkpoint(marker, ckpt_dir / tag)
     client = load_checkpoint(engine, ckpt_dir, tag)

@@ -20,7 +20,7 @@ What a Megatron-LM user's training runs, built from megatron-core's public piece
   its valid-token count, and ``finalize_model_grads`` divides the reduced gradients by the global
   count, so the gradient is that of the global mean token loss at every layout (the DeepSpeed
   engine gets the same by scaling, Note [The loss of a context-parallel rank] in
-  :mod:`megatron_ring.training.loop`);
+  :mod:`megatron_ring.training.global_loss`);
 * ``dist_checkpointing``: every rank writes its shards of the model and of the optimizer state
   (``fully_sharded_model_space``: each shard a piece of the unsharded parameter's state), so a
   checkpoint loads at any other tp / pp / cp / dp layout. Rank 0 adds the model's config and, for a
@@ -30,9 +30,9 @@ What a Megatron-LM user's training runs, built from megatron-core's public piece
 
 On a CPU-only process these calls run inside
 :func:`~megatron_ring.integrations.megatron.on_cpu.cuda_calls_on_cpu` (Note [Megatron-core on
-CPU]); on a GPU nothing is changed. :class:`MegatronTrainer` offers what the loop uses of
-DeepSpeed's engine (``train_step``, ``get_lr``, ``save_checkpoint``, ``load_checkpoint``,
-``module``, ``destroy``), so checkpoints, markers and digests are shared with it.
+CPU]); on a GPU nothing is changed. :class:`MegatronTrainer` is an
+:class:`~megatron_ring.training.engine.Engine`, so checkpoints, markers and digests are shared with
+the DeepSpeed engine.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ import torch.distributed as dist
 from megatron_ring.integrations.megatron.on_cpu import cuda_calls_on_cpu
 from megatron_ring.parallel.groups import ParallelGroups
 from megatron_ring.training.data import Batch, masked_loss
+from megatron_ring.training.global_loss import global_mean, global_sums
 
 if TYPE_CHECKING:
     from megatron_ring.training.schema import TrainSpec
@@ -58,10 +59,14 @@ TOKENIZER_DIR = "tokenizer"
 
 
 class MegatronTrainer:
-    """One rank's Megatron-core training: model chunks in DDP, optimizer, scheduler, schedule.
+    """One rank's Megatron-core training (:class:`~megatron_ring.training.engine.Engine`): model chunks in DDP,
+    optimizer, scheduler, schedule.
 
     Batches are this rank's micro-batches ``[micro, seq_len / cp]`` (:class:`~megatron_ring.training.data.Batch`).
     """
+
+    name = "megatron"
+    reshards = True  # dist_checkpointing: a checkpoint loads at any layout
 
     def __init__(self, spec: "TrainSpec", groups: ParallelGroups, device: torch.device) -> None:
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -112,10 +117,10 @@ class MegatronTrainer:
         """Every model chunk of this rank, unwrapped from DDP."""
         return [m.module for m in self.model]
 
-    def get_lr(self) -> list[float]:
-        return [float(group["lr"]) for group in self.optimizer.param_groups]
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
-    def train_step(self, batches: Sequence[Batch]) -> float:
+    def step(self, batches: Sequence[Batch]) -> float:
         """Forward, backward and optimizer step over this rank's micro-batches; the global mean token loss."""
         with cuda_calls_on_cpu():
             for chunk in self.model:
@@ -125,11 +130,12 @@ class MegatronTrainer:
             updated, _, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
-        return self._global_loss(sums)
+        total = global_sums(self._local_sums(sums), self.groups)
+        return global_mean(total[0], total[1])
 
     def eval_sums(self, batches: Sequence[Batch]) -> torch.Tensor:
-        """Forward only over this rank's micro-batches (eval mode): the global ``[loss sum, token count]``
-        (float64, the same on every rank)."""
+        """Forward only over this rank's micro-batches (eval mode): this rank's ``[loss sum, token count]``
+        (float64; zeros but on the last pipeline stage)."""
         with cuda_calls_on_cpu():
             for chunk in self.model:
                 chunk.eval()
@@ -137,14 +143,13 @@ class MegatronTrainer:
                 sums = self._schedule(batches, forward_only=True)
             for chunk in self.model:
                 chunk.train()
-        return self._reduced_sums(sums)
+        return self._local_sums(sums)
 
-    def save_checkpoint(self, save_dir: str, *, tag: str, client_state: dict[str, Any], save_latest: bool) -> None:
-        """Every rank's shards into ``save_dir/tag`` (``dist_checkpointing``) plus :data:`TRAIN_STATE`;
-        ``save_latest`` is the loop's business (the marker), as with DeepSpeed's engine."""
+    def save(self, ckpt_dir: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """Every rank's shards into ``ckpt_dir/tag`` (``dist_checkpointing``) plus :data:`TRAIN_STATE`."""
         from megatron.core import dist_checkpointing
 
-        folder = Path(save_dir) / tag
+        folder = Path(ckpt_dir) / tag
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -156,12 +161,11 @@ class MegatronTrainer:
             self._save_model_description(folder)
         dist.barrier()
 
-    def load_checkpoint(self, load_dir: str, *, tag: str) -> tuple[str, dict[str, Any]]:
-        """Load ``load_dir/tag`` (saved at any layout) into this rank's chunks and optimizer;
-        ``(folder, client state)``."""
+    def load(self, ckpt_dir: Path, tag: str) -> dict[str, Any]:
+        """Load ``ckpt_dir/tag`` (saved at any layout) into this rank's chunks and optimizer; the client state."""
         from megatron.core import dist_checkpointing
 
-        folder = Path(load_dir) / tag
+        folder = Path(ckpt_dir) / tag
         state = json.loads((folder / TRAIN_STATE).read_text())
         with cuda_calls_on_cpu():
             self._create_optimizer_states()
@@ -174,7 +178,7 @@ class MegatronTrainer:
             for optimizer in self._distributed_optimizers():
                 _own_step_tensors(optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
-        return str(folder), state["client"]
+        return state["client"]
 
     def _save_model_description(self, folder: Path) -> None:
         """Rank 0: :data:`~megatron_ring.training.pretrained.MODEL_FILE` (the model's config, the checkpoint it
@@ -228,23 +232,12 @@ class MegatronTrainer:
                        packed_seq_params=packed_seq_params(batch.cu_seqlens))  # Note [Packed training rows]
         return output, partial(_summed_loss, batch.loss_mask)
 
-    def _reduced_sums(self, sums: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The last stage's ``[sum, count]`` of the micro-batches summed over dp x cp, then over the pipeline
-        (other stages add zeros): float64, the same on every rank."""
+    def _local_sums(self, sums: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """This rank's ``[sum, count]`` of the micro-batches (float64): the last stage's, zeros elsewhere."""
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for item in sums:
             total += item["lm loss"].double()
-        dist.all_reduce(total, group=self.groups.dp_cp)
-        if self.groups.layout.pp > 1:
-            dist.all_reduce(total, group=self.groups.groups["pp"])
         return total
-
-    def _global_loss(self, sums: list[dict[str, torch.Tensor]]) -> float:
-        """The step's mean token loss over the global batch, on every rank (:meth:`_reduced_sums`)."""
-        total = self._reduced_sums(sums)
-        if total[1] == 0:
-            raise ValueError("the global batch of this step has no valid token (loss_mask is all zero)")
-        return float(total[0] / total[1])
 
     def _create_optimizer_states(self) -> None:
         """Give a fresh distributed optimizer its states (and step count) before a load fills them.

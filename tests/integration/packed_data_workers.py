@@ -70,10 +70,12 @@ def _data(samples: Any, micro: int) -> TrainData:
 def held_out_loss(docs: Sequence[Document], seq_len: int, micro: int, *, packing: bool) -> dict[str, Any]:
     """The loop's :func:`~megatron_ring.training.loop.evaluate` of ``docs`` (rows of :class:`DocumentRows`,
     ``micro`` rows a round) on the tiny ``"ring"`` model; and whether it left the model in training mode."""
+    from megatron_ring.training.deepspeed_engine import DeepSpeedTrainer
     from megatron_ring.training.loop import evaluate
 
     model = tiny_model("llama", attn_implementation="ring")
-    groups = SimpleNamespace(cp=dist.group.WORLD, dp_cp=dist.group.WORLD)
-    loss, tokens = evaluate(model, _data(DocumentRows(docs, seq_len, packing=packing, source="test"), micro), groups,
-                            torch.device("cpu"), causal_lm_token_loss)
+    groups = SimpleNamespace(cp=dist.group.WORLD, dp_cp=dist.group.WORLD, layout=SimpleNamespace(pp=1))
+    engine = DeepSpeedTrainer(None, groups, torch.device("cpu"), model=model, token_loss=causal_lm_token_loss)
+    loss, tokens = evaluate(engine, _data(DocumentRows(docs, seq_len, packing=packing, source="test"), micro), groups,
+                            torch.device("cpu"))
     return {"loss": loss, "tokens": tokens, "training": model.training}

@@ -102,7 +102,7 @@ def test_nonfinite_loss_may_train_on_but_is_never_saved(gloo_pool: Any, tmp_path
 
 
 class RefusingEngine:
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+    def save(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0; iostream error")
 
 
