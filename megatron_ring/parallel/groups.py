@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -124,6 +124,25 @@ def init_parallel(layout: ParallelLayout, *, timeout: timedelta = DEFAULT_TIMEOU
     groups = ParallelGroups(layout=layout, rank=rank, groups=mine, ranks=ranks, timeout=timeout)
     _CREATED[key] = (world, groups)
     return groups
+
+
+def destroy_groups(which: Optional[Callable[[dist.ProcessGroup], bool]] = None) -> None:
+    """Destroy every live process group but the world (those ``which`` selects, if given), then join their
+    threads: the one teardown of groups (Megatron's re-initialisation, a test's scope, a pool worker's reset).
+
+    A gloo group's threads end when its last reference goes (Note [Leaving torch.distributed]), so the
+    caller must not hold the groups itself; the collection runs after the frame that listed them ended.
+    """
+    _destroy_listed(which)
+    gc.collect()
+
+
+def _destroy_listed(which: Optional[Callable[[dist.ProcessGroup], bool]]) -> None:
+    if dist.is_initialized():
+        world = dist.GroupMember.WORLD
+        for group in [g for g in dist.distributed_c10d._world.pg_map
+                      if g is not world and (which is None or which(g))]:
+            dist.destroy_process_group(group)
 
 
 def leave_distributed() -> None:

@@ -31,6 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_ring.integrations.deepspeed.process_group import forget_deepspeed_groups
+from megatron_ring.parallel.groups import destroy_groups
+
 _FUNCTIONAL: dict[str, Any] = {}
 """``torch.nn.functional``'s public attributes as the worker started."""
 GLOO_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
@@ -73,7 +76,7 @@ def reset() -> dict[str, float]:
     """Tear down what tests left in this worker (see the module's docstring) and return :func:`probe`."""
     _forget_framework_state()
     _forget_own_groups()
-    _destroy_groups_but_the_world()
+    destroy_groups()
     _stop_children()
     functional = torch.nn.functional
     for name, value in _FUNCTIONAL.items():
@@ -87,14 +90,6 @@ def reset() -> dict[str, float]:
         found = probe()
     gc.freeze()
     return found
-
-
-def _destroy_groups_but_the_world() -> None:
-    """Every process group but the world, destroyed (a function of its own: no local keeps the last one)."""
-    if dist.is_initialized():
-        world = dist.GroupMember.WORLD
-        for group in [g for g in dist.distributed_c10d._world.pg_map if g is not world]:
-            dist.destroy_process_group(group)
 
 
 def _stop_children() -> None:
@@ -128,23 +123,16 @@ def _forget_own_groups() -> None:
 
 def _forget_framework_state() -> None:
     """Megatron's and DeepSpeed's module globals that hold process groups or models, where those are loaded."""
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is not None:
-        parallel_state.destroy_model_parallel()
-        for name, value in vars(parallel_state).items():  # globals destroy_model_parallel forgets (0.16.1)
-            if _holds_groups(value):
-                setattr(parallel_state, name, None)
+    if sys.modules.get("megatron.core.parallel_state") is not None:
+        from megatron_ring.integrations.megatron.state import forget_parallel_state
+
+        forget_parallel_state()
     writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
     if writer is not None:  # the checkpoint writer's queue lives in a manager process, stopped below
         writer._results_queue = None
     for cached in _framework_lru_caches():  # a method's lru_cache is keyed on its object and keeps it alive
         cached.cache_clear()
-    ds_groups = sys.modules.get("deepspeed.utils.groups")
-    if ds_groups is not None:
-        ds_groups.mpu = None
-        for name, value in vars(ds_groups).items():
-            if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
-                setattr(ds_groups, name, {} if isinstance(value, dict) else None)
+    forget_deepspeed_groups()
     offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if offload is not None:  # ZeRO-3's stack of modules in forward keeps the last model (and its groups)
         offload.FWD_MODULE_STACK.clear()
@@ -159,13 +147,6 @@ def _forget_compiled_functions() -> None:
         if isinstance(namespace, dict):
             for name in [n for n in namespace if n.startswith(("__compiled_fn", "__resume_at"))]:
                 del namespace[name]
-
-
-def _holds_groups(value: Any) -> bool:
-    """A process group, or a list or tuple with one (Megatron's ``_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``)."""
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(item, dist.ProcessGroup) for item in value)
-    return isinstance(value, dist.ProcessGroup)
 
 
 def _framework_lru_caches() -> list[Any]:

@@ -7,7 +7,6 @@ compare: per-step losses, and the full (TP-gathered) fp32 weights on rank 0.
 from __future__ import annotations
 
 import copy
-import gc
 import json
 import multiprocessing
 import os
@@ -72,22 +71,17 @@ def scoped_groups() -> Iterator[None]:
     ours) when it ends, so that a pool worker running many configs does not accumulate gloo
     groups and their threads; DeepSpeed's references to them are cleared. Groups that existed
     before are left alone."""
-    from deepspeed.utils import groups as ds_groups
-    from megatron.core import parallel_state
+    from megatron_ring.integrations.deepspeed.process_group import forget_deepspeed_groups
+    from megatron_ring.integrations.megatron.state import forget_parallel_state
+    from megatron_ring.parallel.groups import destroy_groups
 
-    world = dist.distributed_c10d._world
-    before = set(world.pg_map)
+    before = set(dist.distributed_c10d._world.pg_map)
     try:
         yield
     finally:
-        parallel_state.destroy_model_parallel()
-        created = [g for g in world.pg_map if g not in before and g is not dist.GroupMember.WORLD]
-        for group in created:
-            dist.destroy_process_group(group)
-        if ds_groups._WORLD_GROUP in created:  # DeepSpeed's cached clone of the world group
-            ds_groups._WORLD_GROUP = None
-        ds_groups.mpu = None
-        gc.collect()  # a group's threads end when its last reference (often in a cycle) is gone
+        forget_parallel_state()
+        forget_deepspeed_groups()
+        destroy_groups(lambda group: group not in before)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -92,3 +93,16 @@ def init_deepspeed_comm() -> None:
         ds_comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     finally:
         ds_torch.build_shm_op = build_shm_op
+
+
+def forget_deepspeed_groups() -> None:
+    """Drop the process groups DeepSpeed's ``groups`` module keeps (its ``mpu`` and every ``_..._GROUP``
+    global), where DeepSpeed is loaded; the groups themselves live on until
+    :func:`~megatron_ring.parallel.groups.destroy_groups`."""
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    if ds_groups is None:
+        return
+    ds_groups.mpu = None
+    for name, value in vars(ds_groups).items():
+        if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
+            setattr(ds_groups, name, {} if isinstance(value, dict) else None)

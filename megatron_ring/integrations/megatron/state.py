@@ -1,7 +1,6 @@
 """Megatron's ``parallel_state``: the one initialisation (inference, training, tests) and our view of it."""
 from __future__ import annotations
 
-import gc
 import math
 from typing import Any, Optional
 
@@ -13,7 +12,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_ring.config.gpt import GPTConfig
 from megatron_ring.config.strict import ConfigError
 from megatron_ring.integrations.megatron.on_cpu import enable_megatron_on_cpu
-from megatron_ring.parallel.groups import ParallelGroups
+from megatron_ring.parallel.groups import ParallelGroups, destroy_groups
 from megatron_ring.parallel.layout import ParallelLayout
 
 _OWN_GROUPS: list[dist.ProcessGroup] = []
@@ -64,13 +63,10 @@ def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] 
             ps.get_virtual_pipeline_model_parallel_world_size()
     ) == (layout.tp, layout.pp, layout.cp, layout.dp, hierarchical, virtual_pipeline):
         return
-    ps.destroy_model_parallel()
-    alive = dist.distributed_c10d._world.pg_map
-    for group in _OWN_GROUPS:
-        if group in alive:  # the caller may have destroyed some already
-            dist.destroy_process_group(group)
+    forget_parallel_state()
+    own = {id(group) for group in _OWN_GROUPS}
     _OWN_GROUPS.clear()
-    gc.collect()  # a gloo group's threads end with its last reference
+    destroy_groups(lambda group: id(group) in own)  # the caller may have destroyed some already
     existing = set(dist.distributed_c10d._world.pg_map)
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                  context_parallel_size=layout.cp, distributed_timeout_minutes=minutes,
@@ -79,6 +75,23 @@ def ensure_parallel_state(layout: ParallelLayout, *, timeout_s: Optional[float] 
                                  create_gloo_process_groups=False)
     _OWN_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map if g not in existing)
     _own_minutes = minutes
+
+
+def forget_parallel_state() -> None:
+    """Megatron's ``destroy_model_parallel``, and ``None`` for the module globals holding groups that it
+    forgets (``_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS`` in 0.16); the groups themselves live on until
+    :func:`~megatron_ring.parallel.groups.destroy_groups`."""
+    parallel_state.destroy_model_parallel()
+    for name, value in vars(parallel_state).items():
+        if _holds_groups(value):
+            setattr(parallel_state, name, None)
+
+
+def _holds_groups(value: Any) -> bool:
+    """A process group, or a list or tuple with one (Megatron's ``_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``)."""
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(item, dist.ProcessGroup) for item in value)
+    return isinstance(value, dist.ProcessGroup)
 
 
 def hierarchical_cp_groups() -> Optional[list[dist.ProcessGroup]]:
