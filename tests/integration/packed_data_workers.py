@@ -18,7 +18,7 @@ from megatron_ring.training.hf_model import causal_lm_token_loss
 def step_loss_and_grads(model: torch.nn.Module, data: TrainData, *, scramble_unlearned_labels: bool = False
                         ) -> dict[str, Any]:
     """Global mean token loss of step 0 and the gradients of it (summed over the CP ranks), as the loop's
-    Note [The loss of a context-parallel rank] computes them. ``scramble_unlearned_labels``: labels of
+    Note [The loss of a context-parallel rank] (training/global_loss.py) computes them. ``scramble_unlearned_labels``: labels of
     every token with loss mask 0 are replaced by random ids first."""
     batches = data.step_batches(0)
     if scramble_unlearned_labels:

@@ -19,7 +19,7 @@ were measured on the 4-rank tiny GPT (cp 2 x dp 2, one step's full gradients aga
    all-reduce path (``reduce_scatter: false``, only for buckets within ``reduce_bucket_size``) and
    stages 0-2 divide by dp. With ``reduce_scatter: true`` every bucket takes the reduce-scatter
    path, so the divisor is known: :func:`gradient_divisor_excess` is cp, and the loss of a rank is
-   scaled up by it (Note [The loss of a context-parallel rank] in training/loop.py). With
+   scaled up by it (Note [The loss of a context-parallel rank] in training/global_loss.py). With
    ``reduce_scatter: false`` a bucket's path depends on parameter sizes, so that combination is
    refused (:func:`zero3_problems`).
 

@@ -3,7 +3,7 @@
 Every rank of a gloo pool of ``cp`` processes (tp = pp = dp = 1) runs :func:`train_step_peak`: it
 builds the model of the config with ``parallel.cp = cp``, an AdamW optimizer whose states already
 exist (as from the second step of a run on), and runs forward, backward, the gradient all-reduce
-over CP (a sum, Note [The loss of a context-parallel rank] in training/loop.py) and the optimizer
+over CP (a sum, Note [The loss of a context-parallel rank] in training/global_loss.py) and the optimizer
 step on its zigzag share of one synthetic sequence. The bytes the whole trial adds to the process
 are measured by :func:`~megatron_ring.perf.bench.harness.measure_peak` (Note [Peak memory on CPU]);
 the model and optimizer are built inside the measured window, so weights, gradients and optimizer
