@@ -46,6 +46,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_ring.attention.schedule import Piece, split_heads
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
 _KV_TAG, _GRAD_TAG = 0, 1
@@ -55,26 +56,27 @@ PIECES = 2
 
 
 class RelayRing:
-    """K/V rotation over ``group`` (rank ``rank`` of ``size``) with batched send/recv."""
+    """K/V rotation over ``group`` (rank ``rank`` of ``size``) with batched send/recv, of a whole
+    ``piece`` (schedule.py)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, piece: Piece) -> None:
+        self.group, self.rank, self.size, self.piece = group, rank, size, piece
         self.next, self.prev = (rank + 1) % size, (rank - 1) % size
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, heads, k_src, v_src)``: one ring per head group, each yielding t = 0..P-1 with
-        ``src = (rank - t) mod P`` (Note [Forward memory])."""
-        pieces = math.gcd(PIECES, k.shape[1])
-        width = k.shape[1] // pieces
+        """``(src, piece, k_src, v_src)``: one ring per head group (a piece of the whole one), each
+        yielding t = 0..P-1 with ``src = (rank - t) mod P`` (Note [Forward memory])."""
         free: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for j in range(pieces):
-            yield from self._rotate(k, v, slice(j * width, (j + 1) * width), free)
+        for piece in split_heads(self.piece, math.gcd(PIECES, k.shape[1])):
+            yield from self._rotate(k, v, piece, free)
 
-    def _rotate(self, k: torch.Tensor, v: torch.Tensor, heads: slice,
+    def _rotate(self, k: torch.Tensor, v: torch.Tensor, piece: Piece,
                 free: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[Block]:
-        """Heads ``heads`` of every block, the next one in flight while the caller computes on the
-        current. The own block is ``k``/``v`` sliced when contiguous (no copy), else a heads-first
+        """The K/V heads of ``piece`` of every block, the next one in flight while the caller computes
+        on the current. The own block is ``k``/``v`` sliced when contiguous (no copy), else a heads-first
         copy; copies and receive buffers are taken from ``free`` and go back to it once sent and used."""
+        heads = piece.kv
+
         def buffer() -> tuple[torch.Tensor, torch.Tensor]:
             width = heads.stop - heads.start
             return free.pop() if free else (k.new_empty((k.shape[0], width, *k.shape[2:])),
@@ -89,7 +91,7 @@ class RelayRing:
             nxt = buffer() if step < self.size - 1 else None
             works = [] if nxt is None else post(self.group, [(self.next, t) for t in cur],
                                                 [(self.prev, t) for t in nxt], _KV_TAG)
-            yield (self.rank - step) % self.size, heads, cur[0], cur[1]
+            yield (self.rank - step) % self.size, piece, cur[0], cur[1]
             wait_all(works, k.device)
             if pooled:
                 free.append(cur)
@@ -106,9 +108,9 @@ class RelayRing:
         else:
             accs = [dkv, torch.empty_like(dkv)] if self.size % 2 == 0 else [torch.zeros_like(dkv), dkv]
         works: list[dist.Work] = []
-        for step, (src, _, k_src, v_src) in enumerate(self._rotate(k, v, slice(0, k.shape[1]), [])):
+        for step, (src, piece, k_src, v_src) in enumerate(self._rotate(k, v, self.piece, [])):
             outbox: GradPieces = []
-            yield src, k_src, v_src, outbox
+            yield src, piece, k_src, v_src, outbox
             wait_all(works, k.device)
             acc = accs[step % len(accs)]
             add_pieces(acc, outbox)

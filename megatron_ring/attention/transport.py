@@ -22,20 +22,26 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-Block = tuple[int, slice, torch.Tensor, torch.Tensor]
-"""``(src, heads, k_src, v_src)``: K/V heads ``heads`` of the block of CP rank ``src``, each
-``[batch, heads.stop - heads.start, seq_local, head_dim]`` (all ``heads_kv`` heads, or a group of them
-when the relay moves a block in pieces: Note [Forward memory] in relay.py)."""
-GradPieces = list[tuple[slice, torch.Tensor, torch.Tensor]]
-"""``(rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads_kv, rows, head_dim]``
-belong to key rows ``rows`` of the block."""
-BlockAndGrads = tuple[int, torch.Tensor, torch.Tensor, GradPieces]
-"""``(src, k_src, v_src, outbox)``: a block and the list the caller appends its gradient pieces to."""
+if TYPE_CHECKING:
+    from megatron_ring.attention.schedule import Piece
+
+T = TypeVar("T")
+
+Block = tuple[int, "Piece", torch.Tensor, torch.Tensor]
+"""``(src, piece, k_src, v_src)``: the K/V of ``piece`` (schedule.py's unit of work) in the block of
+CP rank ``src``, each ``[batch, piece's K/V heads, rows, head_dim]``: every head and row of the
+block for a whole piece, a head group for the relay's forward (Note [Forward memory] in relay.py),
+compact rows for a dilated piece; the rows are those the piece's plans index."""
+GradPieces = list[tuple[slice, slice, torch.Tensor, torch.Tensor]]
+"""``(heads, rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads, rows,
+head_dim]`` belong to K/V heads ``heads`` (relative to the piece's) and key rows ``rows``."""
+BlockAndGrads = tuple[int, "Piece", torch.Tensor, torch.Tensor, GradPieces]
+"""``(src, piece, k_src, v_src, outbox)``: a block and the list the caller appends its gradient pieces to."""
 
 
 class KVTransport(Protocol):
@@ -68,10 +74,10 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 def add_pieces(acc: torch.Tensor, pieces: GradPieces, first_row: int = 0) -> None:
     """Add gradient pieces into ``acc`` ``[2, batch, heads_kv, rows, head_dim]``, whose row 0 is key
     row ``first_row`` of the block."""
-    for rows, dk, dv in pieces:
+    for heads, rows, dk, dv in pieces:
         at = slice(rows.start - first_row, rows.stop - first_row)
-        acc[0][:, :, at] += dk
-        acc[1][:, :, at] += dv
+        acc[0][:, heads, at] += dk
+        acc[1][:, heads, at] += dv
 
 
 def post(group: dist.ProcessGroup | None, sends: Sequence[tuple[int, torch.Tensor]],
@@ -141,6 +147,24 @@ def ring_stats() -> Iterator[RingStats]:
 
 def active_stats() -> RingStats | None:
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def timed(blocks: Iterator[T], device: torch.device, *, forward: bool = False) -> Iterator[T]:
+    """``blocks`` (a transport's iteration), timed into the active :class:`RingStats` when there is
+    one: the time the caller spends on each yielded block is ``compute_s``, the whole iteration
+    ``total_s``, a forward one more ``calls``. Without stats, ``blocks`` itself: nothing is added."""
+    stats = active_stats()
+    return blocks if stats is None else _timed(blocks, device, stats, forward)
+
+
+def _timed(blocks: Iterator[T], device: torch.device, stats: RingStats, forward: bool) -> Iterator[T]:
+    start = now(device)
+    for block in blocks:
+        computing = now(device)
+        yield block
+        stats.compute_s += now(device) - computing
+    stats.calls += forward
+    stats.total_s += now(device) - start
 
 
 def count_sent(steps: int, nbytes: int) -> None:
