@@ -37,22 +37,27 @@ held 9X with whole copies of q, k and v and two whole receive blocks (docs/perfo
 P = 1, 3X). Costs: the transfers are PIECES x (P - 1) messages of 1 / PIECES of a block each, and
 each kernel call takes 1 / PIECES of the heads (on a GPU, fewer thread blocks per call). Backward
 rotates whole blocks (one group), its dK/dV accumulators with them.
+
+The groups are schedule pieces (``schedule.split_heads``, Note [Pieces] in ring.py), so the loop
+does not know them. How many is a trade of buffer memory against per-message latency:
+``traffic.PIECES`` (2; ``traffic.relay_pieces`` takes its gcd with ``heads_kv``) is read at every
+call, so assigning it overrides the choice (1: whole blocks, P - 1 messages). comm="auto" and the
+planner count the messages it sends (``traffic.p2p_forward_messages``: one more step latency per
+extra message in auto_comm.py's ``T_p2p``). On NCCL a message costs about 25 us (profiles/h100-sxm.json),
+small against a step at L/P >= 4k; on gloo 200 us.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.schedule import Piece, split_heads
+from megatron_ring.attention.traffic import PIECES, relay_pieces  # noqa: F401  (PIECES: Note [Forward memory])
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
 _KV_TAG, _GRAD_TAG = 0, 1
-PIECES = 2
-"""Head groups a forward block travels and is computed in (Note [Forward memory]); fewer when
-``heads_kv`` does not split so many ways (one for MQA)."""
 
 
 class RelayRing:
@@ -67,7 +72,7 @@ class RelayRing:
         """``(src, piece, k_src, v_src)``: one ring per head group (a piece of the whole one), each
         yielding t = 0..P-1 with ``src = (rank - t) mod P`` (Note [Forward memory])."""
         free: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for piece in split_heads(self.piece, math.gcd(PIECES, k.shape[1])):
+        for piece in split_heads(self.piece, relay_pieces(k.shape[1])):
             yield from self._rotate(k, v, piece, free)
 
     def _rotate(self, k: torch.Tensor, v: torch.Tensor, piece: Piece,
