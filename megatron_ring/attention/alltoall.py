@@ -13,7 +13,7 @@ output back to the rank that holds it::
 
 * ``comm="a2a"`` (DeepSpeed-Ulysses): A = P, the attention is local on the full sequence, whose
   tokens are put in global order (undoing the caller's zigzag), so any block kernel runs it as
-  one causal or full block.
+  one causal or full block: the ring of ring.py over one rank (one block, no transfer).
 * ``comm="a2a+p2p"`` (Megatron's hierarchical CP, USP): P = A x R. Rank c is member ``c % A`` of
   a2a group ``c // A`` (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``.
   After the all-to-all, the A shards of an a2a group are exactly the shard of ring rank
@@ -68,10 +68,10 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.call import RingCall
+from megatron_ring.attention.call import RingCall, whole_piece
 from megatron_ring.attention.comms import CPPlace
 from megatron_ring.attention.ring import run_ring
-from megatron_ring.attention.schedule import schedule_for, whole_piece
+from megatron_ring.attention.schedule import schedule_for
 from megatron_ring.attention.sharding import local_positions
 from megatron_ring.attention.traffic import kv_heads_sent
 from megatron_ring.attention.transport import active_stats, count_sent, gather_stacked, now
@@ -225,7 +225,7 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingC
         masks = gather_stacked(key_padding_mask.to(torch.uint8), ga, a).transpose(0, 1)  # [b, A, s]
         ring_mask = torch.cat([masks[:, span.member, span.offset:span.offset + span.length] for span in exchange.runs],
                               dim=1).bool()
-    # a ring over the ring group; after "a2a" (r = 1) a ring of one block: the sequence in global order
+    # the ring over the ring group; after "a2a" (r = 1) a ring of one block, the sequence in global order
     schedule = schedule_for(rr, r, a * s, None, causal=call.causal, sharding=call.sharding, window=(-1, -1))
     ring = replace(call, comm="p2p", place=CPPlace(rr, r, gr, True, None),
                    pieces=(whole_piece(schedule, qh.shape[2], kh.shape[2]),))

@@ -4,7 +4,7 @@ Reading path of one call (``comm="p2p"``)::
 
     api.ring_attention          checks and handshake (call.prepare_ring -> ring_call -> RingCall)
       ring.run_ring             the autograd Function over ring_forward / ring_backward
-        relay.RelayRing.blocks  the K/V blocks as they travel (transport.py: the protocol)
+        relay.RelayRing.blocks  the K/V of each piece of work as it travels (transport.py: the protocol)
           block.block_forward   one block's attention and lse; block.merge_into merges it
 
 ``comm="a2a"`` / ``"a2a+p2p"`` go through alltoall.py, which runs the same ring over its ring group.

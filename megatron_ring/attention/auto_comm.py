@@ -22,7 +22,7 @@ latency, kernel launch, merge) and ``o_ag`` that of one all-gather::
     T_p2p = t_comp + (P - 1) * max(t_comp, t_comm) + (P + (g - 1) * (P - 1)) * o
     T_ag  = o_ag + (P - 1) * t_comm * W / W_ag + P * t_comp + o
 
-(``g``: the relay's head groups per block, ``traffic.relay_pieces``: each extra group is one more
+(``g``: the relay's head groups per block, ``comms.relay_pieces``: each extra group is one more
 message per step, Note [Forward memory] in relay.py.) Both move the same bytes; the ring hides them behind compute, all-gather pays them up front but
 pays the fixed costs once instead of P times. Without fixed costs ``T_p2p <= T_ag`` always, so
 the ring wins whenever ``c >= c*`` (all communication hidden) and all-gather only wins when the

@@ -25,7 +25,7 @@ from megatron_ring.attention.dilated_schedule import dilated_schedule_for
 from megatron_ring.attention.handshake import (
     DTYPES, Field, agree_place, choice_field, field, flag_field, scale_field, tensor_fields,
 )
-from megatron_ring.attention.schedule import Piece, Schedule, schedule_for, whole_piece
+from megatron_ring.attention.schedule import Piece, Schedule, schedule_for
 from megatron_ring.attention.sharding import SHARDINGS, doc_lengths
 
 Record = TypeVar("Record")
@@ -181,6 +181,11 @@ class RingCall:
         """The schedule of a call of one whole piece (every call but a dilated one)."""
         assert self.dilation is None, "a dilated call has one schedule per piece"
         return self.pieces[0].schedule
+
+
+def whole_piece(schedule: Schedule, heads_q: int, heads_kv: int) -> Piece:
+    """The one piece of a plain call: every head, every row."""
+    return Piece(slice(0, heads_q), slice(0, heads_kv), ((slice(0, heads_q), slice(0, heads_kv)),), schedule)
 
 
 def _docs_code(cu_seqlens: torch.Tensor | None) -> int:

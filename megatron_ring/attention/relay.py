@@ -38,9 +38,9 @@ P = 1, 3X). Costs: the transfers are PIECES x (P - 1) messages of 1 / PIECES of 
 each kernel call takes 1 / PIECES of the heads (on a GPU, fewer thread blocks per call). Backward
 rotates whole blocks (one group), its dK/dV accumulators with them.
 
-The groups are schedule pieces (``schedule.split_heads``, Note [Pieces] in ring.py), so the loop
+The groups are schedule pieces (``split_heads``, Note [Pieces] in ring.py), so the loop
 does not know them. How many is a trade of buffer memory against per-message latency:
-``traffic.PIECES`` (2; ``traffic.relay_pieces`` takes its gcd with ``heads_kv``) is read at every
+``comms.PIECES`` (2; ``comms.relay_pieces`` takes its gcd with ``heads_kv``) is read at every
 call, so assigning it overrides the choice (1: whole blocks, P - 1 messages). comm="auto" and the
 planner count the messages it sends (``traffic.p2p_forward_messages``: one more step latency per
 extra message in auto_comm.py's ``T_p2p``). On NCCL a message costs about 25 us (profiles/h100-sxm.json),
@@ -53,11 +53,22 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.schedule import Piece, split_heads
-from megatron_ring.attention.traffic import PIECES, relay_pieces  # noqa: F401  (PIECES: Note [Forward memory])
+from megatron_ring.attention.comms import PIECES, relay_pieces  # noqa: F401  (PIECES: Note [Forward memory])
+from megatron_ring.attention.schedule import Piece
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
 _KV_TAG, _GRAD_TAG = 0, 1
+
+
+def split_heads(piece: Piece, n: int) -> tuple[Piece, ...]:
+    """A whole ``piece`` cut into ``n`` groups of its K/V heads (``n`` divides them), each with its
+    query heads and the same schedule."""
+    if n == 1:
+        return (piece,)
+    kv, q = (piece.kv.stop - piece.kv.start) // n, (piece.q.stop - piece.q.start) // n
+    return tuple(Piece(slice(piece.q.start + j * q, piece.q.start + (j + 1) * q),
+                       slice(piece.kv.start + j * kv, piece.kv.start + (j + 1) * kv),
+                       ((slice(0, q), slice(0, kv)),), piece.schedule) for j in range(n))
 
 
 class RelayRing:

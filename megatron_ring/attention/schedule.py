@@ -172,22 +172,6 @@ class Piece:
     runs: tuple[tuple[Run, ...], ...] | None = None
 
 
-def whole_piece(schedule: Schedule, heads_q: int, heads_kv: int) -> Piece:
-    """The one piece of a plain call: every head, every row."""
-    return Piece(slice(0, heads_q), slice(0, heads_kv), ((slice(0, heads_q), slice(0, heads_kv)),), schedule)
-
-
-def split_heads(piece: Piece, n: int) -> tuple[Piece, ...]:
-    """A whole ``piece`` cut into ``n`` groups of its K/V heads (``n`` divides them), each with its
-    query heads and the same schedule."""
-    if n == 1:
-        return (piece,)
-    kv, q = (piece.kv.stop - piece.kv.start) // n, (piece.q.stop - piece.q.start) // n
-    return tuple(Piece(slice(piece.q.start + j * q, piece.q.start + (j + 1) * q),
-                       slice(piece.kv.start + j * kv, piece.kv.start + (j + 1) * kv),
-                       ((slice(0, q), slice(0, kv)),), piece.schedule) for j in range(n))
-
-
 def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], lo: int, hi: int, *,
                   windowed: bool = False, sparse: bool = False) -> Schedule:
     """The schedule of ``rank`` given every rank's runs ``segments[r]`` and the band ``lo..hi``.

@@ -18,23 +18,10 @@ from __future__ import annotations
 
 import math
 
-from megatron_ring.attention.comms import A2A_COMMS, COMMS
+from megatron_ring.attention.comms import A2A_COMMS, COMMS, relay_pieces
 
 GRAD_ELEMENT_SIZE = 4
 """Bytes per element of the dK/dV the backward passes send (fp32 accumulators)."""
-
-
-PIECES = 2
-"""The relay's head groups per forward block (Note [Forward memory] in relay.py): one message each per
-hop, half the K/V buffers per group. Assign another int >= 1 to trade memory for messages (1: whole
-blocks, the fewest messages; more: smaller buffers, one message per group); :func:`relay_pieces`
-reads it at every call."""
-
-
-def relay_pieces(heads_kv: int) -> int:
-    """The head groups the relay's forward moves a block in: ``gcd(PIECES, heads_kv)`` (one for MQA, or
-    when ``heads_kv`` does not split ``PIECES`` ways)."""
-    return math.gcd(PIECES, heads_kv)
 
 
 def p2p_forward_messages(cp_size: int, heads_kv: int) -> int:

@@ -1,12 +1,16 @@
 """How K/V blocks travel between the ranks of a CP group, and what that costs.
 
-A transport serves the ring loops of ring.py (:class:`KVTransport`); one implementation per file:
+A transport serves the ring loops of ring.py (:class:`KVTransport`): it yields the K/V of a
+piece of work (schedule.py's ``Piece``, Note [Pieces] in ring.py) block by block. One
+implementation per file:
 
 * ``relay.py``   :class:`~megatron_ring.attention.relay.RelayRing`, ``comm="p2p"``: every block
-  relayed around the ring, the next transfer in flight while the current block computes;
+  relayed around the ring, the next transfer in flight while the current block computes (in
+  forward one ring per head group, each a piece);
 * ``direct.py``  :class:`~megatron_ring.attention.direct.DirectTransfers`, ``comm="p2p"`` under a
   window or packed documents: each block straight from its owner, only the rows a plan reads;
-* ``gather.py``  :class:`~megatron_ring.attention.gather.GatheredBlocks`, ``comm="all_gather"``.
+* ``gather.py``  :class:`~megatron_ring.attention.gather.GatheredBlocks`, ``comm="all_gather"``;
+* ``dilated_transport.py`` no transport of its own: a dilated call's pieces through the two above.
 
 What they share lives here: :func:`post` (point-to-point transfers addressed by group rank, their
 bytes counted), :func:`wait_all` (timed waits), :func:`gather_stacked` (one small all-gather) and
@@ -15,7 +19,7 @@ the counters of :func:`ring_stats`.
 ``RingStats.wait_s`` is the time the ring spends blocked on communication after its compute for a
 step is done: the *exposed* communication. On CUDA the ring synchronises the device while stats
 are active (to time kernels from the host), which removes some overlap; use it to measure, not to
-run.
+run. The statistics wrap a transport's iteration (:func:`timed`), so the loops hold no timing code.
 """
 from __future__ import annotations
 
@@ -51,10 +55,11 @@ class KVTransport(Protocol):
     """
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """Forward: every block this rank's plans read, once each, whole or head group by head group
-        (the relay: every block's first group, then every block's next); the next transfer is in
-        flight while the caller computes on the one yielded. ``k``/``v`` may be views of any
-        strides (the transport copies them heads-first)."""
+        """Forward: every block this rank's plans read, once per piece, piece after piece (the relay:
+        every block's first head group, then every block's next; the all-gather of a dilated call:
+        every piece of a block, block after block); the next transfer is in flight while the caller
+        computes on the one yielded. ``k``/``v`` may be views of any strides (the transport copies
+        them heads-first)."""
         ...
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
@@ -112,7 +117,7 @@ class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
 
     ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring
-    per group of ``relay.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
+    per group of ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
     and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
     it is the equivalent ring volume. With a window or packed documents (direct transfers,
     direct.py) both count only the steps in which this rank sends, and what it sends.

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
-from megatron_ring.attention.call import RingCall
+from megatron_ring.attention.call import RingCall, whole_piece
 from megatron_ring.attention.comms import CPPlace
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.reference import attention_reference, rel_err
 from megatron_ring.attention.ring import ring_backward, ring_forward
-from megatron_ring.attention.schedule import Piece, schedule_for, whole_piece
+from megatron_ring.attention.schedule import Piece, schedule_for
 from megatron_ring.attention.sdpa_backend import kernel_for, sdpa_backward, sdpa_forward
 from megatron_ring.attention.sharding import shard_sequence
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces
