@@ -13,9 +13,9 @@ Files (the reading path of one call is in api.py):
 * ``window.py``             ``window_size``: the band of allowed distances, masks (pure);
 * ``dilated.py``            ``dilation``: LongNet's dilated attention, its pieces in compact
                             coordinates (pure); ``dilated_schedule.py`` their schedules,
-                            ``dilated_transport.py`` how their rows travel, ``dilated_ring.py``
-                            the loops (one ring call, every piece merged);
-* ``ring.py``               the ring's forward and backward loops and their autograd Function;
+                            ``dilated_transport.py`` their rows through the plain transports;
+* ``ring.py``               the one forward and backward loop of every variant (over pieces of
+                            work, Note [Pieces]) and their autograd Function;
 * ``transport.py``          the K/V transport protocol, posting, timed waits, ``ring_stats``;
 * ``relay.py``              the relay ring (``comm="p2p"``);
 * ``direct.py``             window / packed-document transfers: owner to user, only the rows read;

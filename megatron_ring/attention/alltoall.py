@@ -13,7 +13,7 @@ output back to the rank that holds it::
 
 * ``comm="a2a"`` (DeepSpeed-Ulysses): A = P, the attention is local on the full sequence, whose
   tokens are put in global order (undoing the caller's zigzag), so any block kernel runs it as
-  one causal or full block.
+  one causal or full block: the ring of ring.py over one rank (one block, no transfer).
 * ``comm="a2a+p2p"`` (Megatron's hierarchical CP, USP): P = A x R. Rank c is member ``c % A`` of
   a2a group ``c // A`` (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``.
   After the all-to-all, the A shards of an a2a group are exactly the shard of ring rank
@@ -68,8 +68,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.block import block_backward, block_forward
-from megatron_ring.attention.call import RingCall
+from megatron_ring.attention.call import RingCall, whole_piece
 from megatron_ring.attention.comms import CPPlace
 from megatron_ring.attention.ring import run_ring
 from megatron_ring.attention.schedule import schedule_for
@@ -209,33 +208,6 @@ def _out_shape(ctx: Any, i: int) -> torch.Size:
     return torch.Size((b, s * a, h // a, d) if ctx.to_heads else (b, s // a, h * a, d))
 
 
-class _LocalAttention(torch.autograd.Function):
-    """``a2a`` after its all-to-all: the whole sequence as one block, BHSD views; no ring buffers or merge."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,  # type: ignore[override]
-                key_mask: torch.Tensor | None) -> torch.Tensor:
-        stats = active_stats()
-        start = now(q.device) if stats else 0.0
-        out, lse = block_forward(q, k, v, causal=call.causal, scale=call.scale, backend=call.backend, key_mask=key_mask)
-        out = out.to(q.dtype)
-        if stats:
-            stats.calls += 1
-            stats.compute_s += now(q.device) - start
-            stats.total_s += now(q.device) - start
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call, ctx.key_mask = call, key_mask
-        return out
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        call: RingCall = ctx.call
-        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=call.causal, scale=call.scale,
-                                    backend=call.backend, key_mask=ctx.key_mask)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
-
-
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
                   key_padding_mask: torch.Tensor | None) -> torch.Tensor:
     """``comm="a2a"`` or ``"a2a+p2p"`` on checked inputs: q ``[b, s, heads_q, d]``, k/v ``[b, s, heads_kv, d]``
@@ -253,13 +225,10 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingC
         masks = gather_stacked(key_padding_mask.to(torch.uint8), ga, a).transpose(0, 1)  # [b, A, s]
         ring_mask = torch.cat([masks[:, span.member, span.offset:span.offset + span.length] for span in exchange.runs],
                               dim=1).bool()
-    if r == 1:  # global order: one causal (or full) block
-        out = _LocalAttention.apply(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), call,
-                                    ring_mask).transpose(1, 2)
-    else:
-        ring = replace(call, comm="p2p", place=CPPlace(rr, r, gr, True, None),
-                       schedule=schedule_for(rr, r, a * s, None, causal=call.causal, sharding=call.sharding,
-                                             window=(-1, -1)))
-        out = run_ring(qh, kh, vh, ring, ring_mask)
+    # the ring over the ring group; after "a2a" (r = 1) a ring of one block, the sequence in global order
+    schedule = schedule_for(rr, r, a * s, None, causal=call.causal, sharding=call.sharding, window=(-1, -1))
+    ring = replace(call, comm="p2p", place=CPPlace(rr, r, gr, True, None),
+                   pieces=(whole_piece(schedule, qh.shape[2], kh.shape[2]),))
+    out = run_ring(qh, kh, vh, ring, ring_mask)
     (result,) = _AllToAll.apply(exchange, False, out)
     return result

@@ -4,7 +4,7 @@ Reading path of one call (``comm="p2p"``)::
 
     api.ring_attention          checks and handshake (call.prepare_ring -> ring_call -> RingCall)
       ring.run_ring             the autograd Function over ring_forward / ring_backward
-        relay.RelayRing.blocks  the K/V blocks as they travel (transport.py: the protocol)
+        relay.RelayRing.blocks  the K/V of each piece of work as it travels (transport.py: the protocol)
           block.block_forward   one block's attention and lse; block.merge_into merges it
 
 ``comm="a2a"`` / ``"a2a+p2p"`` go through alltoall.py, which runs the same ring over its ring group.
@@ -17,7 +17,6 @@ import torch.distributed as dist
 from megatron_ring.attention.alltoall import a2a_attention
 from megatron_ring.attention.call import prepare_ring
 from megatron_ring.attention.comms import A2A_COMMS, RING_COMMS, CPGroups
-from megatron_ring.attention.dilated_ring import run_dilated
 from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.ring import run_ring
 
@@ -96,8 +95,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                             dilation=dilation, **options)  # type: ignore[arg-type]
     if qb.shape[0] == 0:
         return _empty_batch(q, k, v)
-    if call.dilation is not None:
-        return run_dilated(qb, kb, vb, call)
     if call.comm in A2A_COMMS:
         return a2a_attention(qb, kb, vb, call, mask)
     out = run_ring(qb, kb, vb, call, mask)

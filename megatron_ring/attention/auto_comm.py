@@ -19,10 +19,11 @@ They are equal at the crossover ``c* = (s/2) * (F/W) * (H_kv/H) / alpha`` — fo
 elements ``c* = (F/W) * (H_kv/H) / alpha``. With ``o`` the fixed cost of one ring step (p2p
 latency, kernel launch, merge) and ``o_ag`` that of one all-gather::
 
-    T_p2p = t_comp + (P - 1) * max(t_comp, t_comm) + P * o
+    T_p2p = t_comp + (P - 1) * max(t_comp, t_comm) + (P + (g - 1) * (P - 1)) * o
     T_ag  = o_ag + (P - 1) * t_comm * W / W_ag + P * t_comp + o
 
-Both move the same bytes; the ring hides them behind compute, all-gather pays them up front but
+(``g``: the relay's head groups per block, ``comms.relay_pieces``: each extra group is one more
+message per step, Note [Forward memory] in relay.py.) Both move the same bytes; the ring hides them behind compute, all-gather pays them up front but
 pays the fixed costs once instead of P times. Without fixed costs ``T_p2p <= T_ag`` always, so
 the ring wins whenever ``c >= c*`` (all communication hidden) and all-gather only wins when the
 local chunk is so short that per-step latency dominates. The rule is therefore:
@@ -277,7 +278,8 @@ def predict_times(*, seq_local: int, cp_size: int, batch: int, heads_q: int, hea
     t_comp, t_comm = ring_step_s(costs, seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q,
                                  heads_kv=heads_kv, head_dim=head_dim, causal=causal, element_size=element_size)
     steps = cp_size - 1
-    p2p = t_comp + steps * max(t_comp, t_comm) + cp_size * costs.step_latency_s
+    messages = traffic.p2p_forward_messages(cp_size, heads_kv)  # P - 1 per head group of the relay
+    p2p = t_comp + steps * max(t_comp, t_comm) + (1 + messages) * costs.step_latency_s
     gathered = traffic.all_gather_bytes(batch=batch, seq_local=seq_local, heads_kv=heads_kv, head_dim=head_dim,
                                         element_size=element_size, cp_size=cp_size)
     all_gather = (0.0 if steps == 0 else costs.collective_latency_s + gathered / costs.links(cp_size)[1]) \
@@ -300,7 +302,8 @@ def _a2a_time(t_comp: float, a2a: int, ring: int, shape: dict[str, int], heads_q
     moved = 2 * costs.alltoall_s(traffic.alltoall_payload(**shape, heads_q=heads_q, heads_kv=h_kv), a2a)
     step_comp = a2a * t_comp
     step_comm = traffic.kv_block_bytes(**shape, heads_kv=h_kv) / costs.links(a2a * ring)[0]
-    return moved + step_comp + (ring - 1) * max(step_comp, step_comm) + ring * costs.step_latency_s
+    messages = traffic.p2p_forward_messages(ring, h_kv // a2a)  # the ring's K/V heads: H' / A
+    return moved + step_comp + (ring - 1) * max(step_comp, step_comm) + (1 + messages) * costs.step_latency_s
 
 
 def choose_comm(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,

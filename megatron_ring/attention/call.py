@@ -5,7 +5,8 @@ frozen record of a ring call, and the one prepare step both entry points share.
 and what is allowed), then the cross-rank handshake (Note [Cross-rank handshake] in handshake.py),
 and raises on every rank alike, before any data moves. For ``ring_attention`` the checks build a
 :class:`RingCall`: where the call runs (:class:`~megatron_ring.attention.comms.CPPlace`), the comm
-(``"auto"`` resolved), the block kernel, and its :class:`~megatron_ring.attention.schedule.Schedule`.
+(``"auto"`` resolved), the block kernel, and its pieces of work
+(:class:`~megatron_ring.attention.schedule.Piece`, Note [Pieces] in ring.py).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from megatron_ring.attention.auto_comm import choose_comm_for_shapes
 from megatron_ring.attention.block import resolve_backend
 from megatron_ring.attention.comms import A2A_COMMS, COMM_CHOICES, Comm, CPPlace, cp_place
 from megatron_ring.attention.dilated import Pairs, check_dilation, dilation_code, show_dilation
+from megatron_ring.attention.dilated_schedule import dilated_schedule_for
 from megatron_ring.attention.handshake import (
     DTYPES, Field, agree_place, choice_field, field, flag_field, scale_field, tensor_fields,
 )
-from megatron_ring.attention.schedule import Schedule, schedule_for
+from megatron_ring.attention.schedule import Piece, Schedule, schedule_for
 from megatron_ring.attention.sharding import SHARDINGS, doc_lengths
 
 Record = TypeVar("Record")
@@ -169,9 +171,21 @@ class RingCall:
     """The block kernel (resolved)."""
     masked: bool
     """Whether a key padding mask was given."""
-    schedule: Schedule
+    pieces: tuple[Piece, ...]
+    """The call's work: one whole piece, or a dilated call's pieces (Note [Pieces] in ring.py)."""
     dilation: Pairs | None = None
     """Dilated attention's ``(segment_length, dilation)`` pairs (dilated.py), or None."""
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule of a call of one whole piece (every call but a dilated one)."""
+        assert self.dilation is None, "a dilated call has one schedule per piece"
+        return self.pieces[0].schedule
+
+
+def whole_piece(schedule: Schedule, heads_q: int, heads_kv: int) -> Piece:
+    """The one piece of a plain call: every head, every row."""
+    return Piece(slice(0, heads_q), slice(0, heads_kv), ((slice(0, heads_q), slice(0, heads_kv)),), schedule)
 
 
 def _docs_code(cu_seqlens: torch.Tensor | None) -> int:
@@ -224,7 +238,9 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
             device_type=q.device.type, candidates=place.comms(), a2a_size=place.hier[0][2] if place.hier else None)
     masked = key_padding_mask is not None
     kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked or schedule.windowed)
-    call = RingCall(place, run, causal, sharding, scale, kernel, masked, schedule, pairs)  # type: ignore[arg-type]
+    pieces = (whole_piece(schedule, q.shape[2], k.shape[2]),) if pairs is None else dilated_schedule_for(
+        rank, size, seq_local, q.shape[2], k.shape[2], pairs, causal=causal, sharding=sharding)
+    call = RingCall(place, run, causal, sharding, scale, kernel, masked, pieces, pairs)  # type: ignore[arg-type]
     docs_code = _docs_code(cu_seqlens)
     fields = [*tensor_fields(q, k, "seq_local"), flag_field("causal", causal),
               choice_field("sharding", sharding, SHARDINGS), choice_field("comm", comm, COMM_CHOICES),

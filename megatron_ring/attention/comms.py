@@ -14,6 +14,7 @@ configs) imports it from here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -66,6 +67,19 @@ class CPGroups(NamedTuple):
     a2a: dist.ProcessGroup | None
     ring: dist.ProcessGroup | None
     cp: dist.ProcessGroup | None = None
+
+
+PIECES = 2
+"""The relay's head groups per forward block (Note [Forward memory] in relay.py): one message each per
+hop, half the K/V buffers per group. Assign another int >= 1 to trade memory for messages (1: whole
+blocks, the fewest messages; more: smaller buffers, one message per group); :func:`relay_pieces`
+reads it at every call."""
+
+
+def relay_pieces(heads_kv: int) -> int:
+    """The head groups the relay's forward moves a block in: ``gcd(PIECES, heads_kv)`` (one for MQA, or
+    when ``heads_kv`` does not split ``PIECES`` ways)."""
+    return math.gcd(PIECES, heads_kv)
 
 
 @dataclass(frozen=True)

@@ -1,42 +1,18 @@
-"""The schedule of a dilated call: one :class:`Piece` per (pair, phase), each planned like packed
-documents in compact coordinates (Note [Dilated attention as one ring call] in dilated.py). Pure,
-cached per shape; the row indices are cached per device.
+"""The schedule of a dilated call: one :class:`~megatron_ring.attention.schedule.Piece` per (pair,
+phase), its rows compact (``runs``), each planned like packed documents in compact coordinates
+(Note [Dilated attention as one ring call] in dilated.py). Pure, cached per shape; the row indices
+are cached per device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from megatron_ring.attention.dilated import HeadGroup, Pairs, Run, compact_runs, phase_heads
-from megatron_ring.attention.schedule import Schedule, rank_schedule
+from megatron_ring.attention.dilated import Pairs, Run, compact_runs, phase_heads
+from megatron_ring.attention.schedule import Piece, rank_schedule
 from megatron_ring.attention.sharding import rank_segments
 from megatron_ring.attention.window import UNBOUNDED
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One (pair, phase): its query heads ``q`` and K/V heads ``kv`` (slices of all heads), their GQA
-    ``groups``, every rank's compact ``runs[rank]``, and this rank's :class:`Schedule` over compact
-    rows (``plans[src]`` slices index compact rows of this rank and of ``src``)."""
-
-    pair: tuple[int, int]
-    phase: int
-    q: slice
-    kv: slice
-    groups: tuple[HeadGroup, ...]
-    runs: tuple[tuple[Run, ...], ...]
-    schedule: Schedule
-
-    def rows(self, rank: int) -> int:
-        """How many compact rows rank ``rank`` holds."""
-        return sum(run.segment.length for run in self.runs[rank])
-
-    def within(self, group: HeadGroup) -> tuple[slice, slice]:
-        """``group``'s query and K/V heads relative to this piece's."""
-        return (slice(group.q.start - self.q.start, group.q.stop - self.q.start),
-                slice(group.kv.start - self.kv.start, group.kv.stop - self.kv.start))
 
 
 @lru_cache(maxsize=64)
@@ -53,7 +29,9 @@ def dilated_schedule_for(rank: int, size: int, seq_local: int, heads_q: int, hea
             runs = tuple(compact_runs(plain[x], w, r, phase) for x in range(size))
             schedule = rank_schedule(rank, size, [[run.segment for run in rs] for rs in runs], lo, UNBOUNDED,
                                      sparse=True)
-            pieces.append(Piece((w, r), phase, q, kv, groups, runs, schedule))
+            within = tuple((slice(g.q.start - q.start, g.q.stop - q.start),
+                            slice(g.kv.start - kv.start, g.kv.stop - kv.start)) for g in groups)
+            pieces.append(Piece(q, kv, within, schedule, runs))
     return tuple(pieces)
 
 

@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.schedule import Schedule
+from megatron_ring.attention.schedule import Piece
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
 _KV_TAG, _GRAD_TAG = 2, 3
@@ -44,10 +44,11 @@ _Whole = tuple[int, torch.Tensor, torch.Tensor]
 
 
 class DirectTransfers:
-    """Point-to-point transfers of exactly the rows a :class:`Schedule` reads (Note above)."""
+    """Point-to-point transfers of exactly the rows a piece's :class:`~megatron_ring.attention.schedule.Schedule`
+    reads (Note above); ``k``/``v`` hold the piece's heads and rows."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, schedule: Schedule) -> None:
-        self.group, self.rank, self.size, self.schedule = group, rank, size, schedule
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, piece: Piece) -> None:
+        self.group, self.rank, self.size, self.piece, self.schedule = group, rank, size, piece, piece.schedule
 
     def _walk(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, _Whole | None]]:
         """``(t, block)`` for every step t = 0..P-1 in order (see the Note on ordering), ``block``
@@ -57,6 +58,7 @@ class DirectTransfers:
         own = (k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3))  # [seq, batch, heads, dim] views
         buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # two slots, allocated on first use
         recv_rows, send_rows = self.schedule.recv_rows, self.schedule.send_rows
+        shape = (max([own[0].shape[0]] + [r.stop for r in recv_rows if r is not None]), *own[0].shape[1:])
 
         def start(t: int) -> list[dist.Work]:
             sends = [] if send_rows[t] is None else [((self.rank + t) % self.size, x[send_rows[t]].contiguous())
@@ -64,8 +66,7 @@ class DirectTransfers:
             recvs = []
             if recv_rows[t] is not None:
                 if t % 2 not in buffers:
-                    buffers[t % 2] = (torch.empty_like(own[0], memory_format=torch.contiguous_format),
-                                      torch.empty_like(own[1], memory_format=torch.contiguous_format))
+                    buffers[t % 2] = (own[0].new_empty(shape), own[1].new_empty(shape))  # rows: the longest block
                 recvs = [((self.rank - t) % self.size, x[recv_rows[t]]) for x in buffers[t % 2]]
             return post(self.group, sends, recvs, _KV_TAG)
 
@@ -82,11 +83,11 @@ class DirectTransfers:
         wait_all(works, k.device)
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, heads, k_src, v_src)`` (all heads, ``[batch, heads_kv, seq_local, head_dim]``) of
+        """``(src, piece, k_src, v_src)`` (the piece's heads, ``[batch, heads, rows, head_dim]``) of
         the blocks this rank's plans read, its own first."""
         for _, block in self._walk(k, v):
             if block is not None:
-                yield block[0], slice(0, k.shape[1]), block[1], block[2]
+                yield block[0], self.piece, block[1], block[2]
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
         """The blocks of :meth:`blocks`, each with an outbox. After step t, the rows of dK/dV computed
@@ -97,7 +98,7 @@ class DirectTransfers:
         for t, block in self._walk(k, v):
             outbox: GradPieces = []
             if block is not None:
-                yield (*block, outbox)
+                yield block[0], self.piece, block[1], block[2], outbox
             if t == 0:
                 add_pieces(dkv, outbox)
                 continue

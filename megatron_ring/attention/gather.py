@@ -35,6 +35,7 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron_ring.attention.schedule import Piece
 from megatron_ring.attention.transport import (
     Block, BlockAndGrads, GradPieces, add_pieces, count_sent, global_rank, start_all_gather, wait_all,
 )
@@ -89,22 +90,21 @@ class GatheredBlocks:
     """K/V blocks from one gather; the gradient of block j reduced to rank j as soon as it is
     complete here (Note [All-gather overlap])."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, piece: Piece | None) -> None:
+        self.group, self.rank, self.size, self.piece = group, rank, size, piece
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, heads, k_src, v_src)`` (all heads), each ``[batch, heads_kv, seq_local, head_dim]``
+        """``(src, piece, k_src, v_src)`` (a whole piece; None when a caller cuts pieces out), each ``[batch, heads_kv, seq_local, head_dim]``
         heads-first: this rank's own block while the gather is in flight, then the others in rank
         order, each once it has arrived. Counted as the equivalent ring volume: P-1 steps of K/V."""
         k, v = k.contiguous(), v.contiguous()  # heads-first (Note [Heads-first blocks] in ring.py)
         gather = start_gather_blocks((k, v), self.group, self.rank, self.size)
         count_sent(self.size - 1, 2 * k.numel() * k.element_size() * (self.size - 1))
-        heads = slice(0, k.shape[1])
-        yield self.rank, heads, k, v
+        yield self.rank, self.piece, k, v
         for src in range(self.size):
             if src != self.rank:
                 wait_all(gather.arrivals[src], k.device)
-                yield src, heads, *gather.blocks[src]
+                yield src, self.piece, *gather.blocks[src]
         wait_all(gather.sends, k.device)
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
@@ -113,9 +113,9 @@ class GatheredBlocks:
         owner in rank order as soon as blocks 0..j are done (Note [All-gather overlap])."""
         done: dict[int, torch.Tensor] = {}
         reduces: list[dist.Work] = []
-        for src, _, k_src, v_src in self.blocks(k, v):
+        for src, piece, k_src, v_src in self.blocks(k, v):
             outbox: GradPieces = []
-            yield src, k_src, v_src, outbox
+            yield src, piece, k_src, v_src, outbox
             done[src] = dkv if src == self.rank else torch.zeros_like(dkv)
             add_pieces(done[src], outbox)
             del outbox

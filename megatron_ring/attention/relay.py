@@ -37,44 +37,62 @@ held 9X with whole copies of q, k and v and two whole receive blocks (docs/perfo
 P = 1, 3X). Costs: the transfers are PIECES x (P - 1) messages of 1 / PIECES of a block each, and
 each kernel call takes 1 / PIECES of the heads (on a GPU, fewer thread blocks per call). Backward
 rotates whole blocks (one group), its dK/dV accumulators with them.
+
+The groups are schedule pieces (``split_heads``, Note [Pieces] in ring.py), so the loop
+does not know them. How many is a trade of buffer memory against per-message latency:
+``comms.PIECES`` (2; ``comms.relay_pieces`` takes its gcd with ``heads_kv``) is read at every
+call, so assigning it overrides the choice (1: whole blocks, P - 1 messages). comm="auto" and the
+planner count the messages it sends (``traffic.p2p_forward_messages``: one more step latency per
+extra message in auto_comm.py's ``T_p2p``). On NCCL a message costs about 25 us (profiles/h100-sxm.json),
+small against a step at L/P >= 4k; on gloo 200 us.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
+from megatron_ring.attention.comms import PIECES, relay_pieces  # noqa: F401  (PIECES: Note [Forward memory])
+from megatron_ring.attention.schedule import Piece
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
 _KV_TAG, _GRAD_TAG = 0, 1
-PIECES = 2
-"""Head groups a forward block travels and is computed in (Note [Forward memory]); fewer when
-``heads_kv`` does not split so many ways (one for MQA)."""
+
+
+def split_heads(piece: Piece, n: int) -> tuple[Piece, ...]:
+    """A whole ``piece`` cut into ``n`` groups of its K/V heads (``n`` divides them), each with its
+    query heads and the same schedule."""
+    if n == 1:
+        return (piece,)
+    kv, q = (piece.kv.stop - piece.kv.start) // n, (piece.q.stop - piece.q.start) // n
+    return tuple(Piece(slice(piece.q.start + j * q, piece.q.start + (j + 1) * q),
+                       slice(piece.kv.start + j * kv, piece.kv.start + (j + 1) * kv),
+                       ((slice(0, q), slice(0, kv)),), piece.schedule) for j in range(n))
 
 
 class RelayRing:
-    """K/V rotation over ``group`` (rank ``rank`` of ``size``) with batched send/recv."""
+    """K/V rotation over ``group`` (rank ``rank`` of ``size``) with batched send/recv, of a whole
+    ``piece`` (schedule.py)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int) -> None:
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, piece: Piece) -> None:
+        self.group, self.rank, self.size, self.piece = group, rank, size, piece
         self.next, self.prev = (rank + 1) % size, (rank - 1) % size
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, heads, k_src, v_src)``: one ring per head group, each yielding t = 0..P-1 with
-        ``src = (rank - t) mod P`` (Note [Forward memory])."""
-        pieces = math.gcd(PIECES, k.shape[1])
-        width = k.shape[1] // pieces
+        """``(src, piece, k_src, v_src)``: one ring per head group (a piece of the whole one), each
+        yielding t = 0..P-1 with ``src = (rank - t) mod P`` (Note [Forward memory])."""
         free: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for j in range(pieces):
-            yield from self._rotate(k, v, slice(j * width, (j + 1) * width), free)
+        for piece in split_heads(self.piece, relay_pieces(k.shape[1])):
+            yield from self._rotate(k, v, piece, free)
 
-    def _rotate(self, k: torch.Tensor, v: torch.Tensor, heads: slice,
+    def _rotate(self, k: torch.Tensor, v: torch.Tensor, piece: Piece,
                 free: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[Block]:
-        """Heads ``heads`` of every block, the next one in flight while the caller computes on the
-        current. The own block is ``k``/``v`` sliced when contiguous (no copy), else a heads-first
+        """The K/V heads of ``piece`` of every block, the next one in flight while the caller computes
+        on the current. The own block is ``k``/``v`` sliced when contiguous (no copy), else a heads-first
         copy; copies and receive buffers are taken from ``free`` and go back to it once sent and used."""
+        heads = piece.kv
+
         def buffer() -> tuple[torch.Tensor, torch.Tensor]:
             width = heads.stop - heads.start
             return free.pop() if free else (k.new_empty((k.shape[0], width, *k.shape[2:])),
@@ -89,7 +107,7 @@ class RelayRing:
             nxt = buffer() if step < self.size - 1 else None
             works = [] if nxt is None else post(self.group, [(self.next, t) for t in cur],
                                                 [(self.prev, t) for t in nxt], _KV_TAG)
-            yield (self.rank - step) % self.size, heads, cur[0], cur[1]
+            yield (self.rank - step) % self.size, piece, cur[0], cur[1]
             wait_all(works, k.device)
             if pooled:
                 free.append(cur)
@@ -106,9 +124,9 @@ class RelayRing:
         else:
             accs = [dkv, torch.empty_like(dkv)] if self.size % 2 == 0 else [torch.zeros_like(dkv), dkv]
         works: list[dist.Work] = []
-        for step, (src, _, k_src, v_src) in enumerate(self._rotate(k, v, slice(0, k.shape[1]), [])):
+        for step, (src, piece, k_src, v_src) in enumerate(self._rotate(k, v, self.piece, [])):
             outbox: GradPieces = []
-            yield src, k_src, v_src, outbox
+            yield src, piece, k_src, v_src, outbox
             wait_all(works, k.device)
             acc = accs[step % len(accs)]
             add_pieces(acc, outbox)

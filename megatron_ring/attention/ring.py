@@ -8,7 +8,23 @@ ring no rank ever holds the whole sequence's K/V.
 :func:`ring_forward` and :func:`ring_backward` are the two loops, plain functions over a checked
 :class:`~megatron_ring.attention.call.RingCall`; :class:`_RingFunction` is their autograd
 Function and :func:`run_ring` the call of it on ``[batch, seq_local, heads, head_dim]`` tensors.
-The custom ops of torch.compile (ops.py) and the all-to-all comms (alltoall.py) call them too.
+Every variant runs through them: plain, windowed, packed, the relay's head groups, dilated
+attention, and the all-to-all comms (alltoall.py: the ring over the ring group, a ring of one
+after ``a2a``); the custom ops of torch.compile (ops.py) call them too.
+
+Note [Pieces]
+~~~~~~~~~~~~~
+The loops know one unit of work, the :class:`~megatron_ring.attention.schedule.Piece`: some query
+heads with their K/V heads, some rows, and a :class:`~megatron_ring.attention.schedule.Schedule`
+over those rows. A transport yields ``(src, piece, k_src, v_src)``: the piece's K/V of block
+``src``, in the piece's heads and rows; the loop runs the piece's plans for ``src`` on it. A
+plain, windowed or packed call is one whole piece (every head, every row, in place); the relay's
+forward cuts it into head groups (Note [Forward memory] in relay.py), one ring each; a dilated call
+has one piece per (pair, phase) with compact rows (Note [Dilated attention as one ring call] in
+dilated.py), whose queries are gathered into compact storage, merged into the output at the end
+of forward and scattered back by ``index_add_`` in backward. So the dilated plan and the relay's
+head groups are schedules, not loops, and each transport moves pieces without knowing why.
+Statistics wrap the transport's iteration (``transport.timed``); the loops hold no timing code.
 
 Note [Heads-first blocks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -29,22 +45,28 @@ import torch
 
 from megatron_ring.attention.block import block_backward, block_forward, compute_dtype, merge_into
 from megatron_ring.attention.call import RingCall
+from megatron_ring.attention.dilated_schedule import row_index
+from megatron_ring.attention.dilated_transport import DilatedPieces
 from megatron_ring.attention.direct import DirectTransfers
 from megatron_ring.attention.gather import GatheredBlocks
 from megatron_ring.attention.relay import RelayRing
-from megatron_ring.attention.schedule import StepPlan
-from megatron_ring.attention.transport import KVTransport, active_stats, gather_stacked, now
+from megatron_ring.attention.schedule import Piece, StepPlan
+from megatron_ring.attention.transport import KVTransport, gather_stacked, timed
 
 
 def transport_for(call: RingCall) -> KVTransport:
     """The transport of a ``p2p`` / ``all_gather`` call: the relay ring, direct transfers of the rows
-    a window or documents read (Note [Direct transfers] in direct.py), or the gather."""
+    a window or documents read (Note [Direct transfers] in direct.py), the gather, or a dilated call's
+    pieces through them (dilated_transport.py)."""
     group, rank, size = call.place.flat, call.place.rank, call.place.size
+    if call.dilation is not None:
+        return DilatedPieces(group, rank, size, call.pieces, call.comm)
+    piece = call.pieces[0]
     if call.comm == "all_gather":
-        return GatheredBlocks(group, rank, size)
-    if call.schedule.sparse:
-        return DirectTransfers(group, rank, size, call.schedule)
-    return RelayRing(group, rank, size)
+        return GatheredBlocks(group, rank, size, piece)
+    if piece.schedule.sparse:
+        return DirectTransfers(group, rank, size, piece)
+    return RelayRing(group, rank, size, piece)
 
 
 def key_masks_of(call: RingCall, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -69,35 +91,52 @@ def _masks(key_masks: torch.Tensor | None, src: int, plan: StepPlan,
     return key_mask, visible
 
 
+def _rows(piece: Piece, rank: int, xs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """``x[:, piece.q]`` of each ``x`` ``[batch, heads, seq_local, ...]`` at the piece's rows: views
+    for a whole-row piece, compact copies for a dilated one (Note [Pieces])."""
+    if piece.runs is None:
+        return [x[:, piece.q] for x in xs]
+    index = row_index(piece.runs[rank], xs[0].device)
+    return [x[:, piece.q].index_select(2, index) for x in xs]
+
+
 def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: out ``[batch, heads_q, seq_local, head_dim]`` (a view of ``[b, s, h, d]``
     memory) in the compute dtype, lse ``[batch, heads_q, seq_local]``; q/k/v ``[batch, heads,
-    seq_local, head_dim]`` of any strides, copied heads-first here and by the transport (Note
-    [Heads-first blocks])."""
-    stats = active_stats()
-    t0 = now(q.device) if stats else 0.0
+    seq_local, head_dim]`` of any strides, copied heads-first here (one piece at a time) and by the
+    transport (Note [Heads-first blocks])."""
     b, hq, s, d = q.shape
-    group = hq // k.shape[1]
-    out = _alloc_bshd(b, hq, s, d, compute_dtype(q.dtype), q.device)
-    lse = torch.full((b, hq, s), float("-inf"), dtype=out.dtype, device=q.device)
-    at, qg = None, q
-    for src, heads, k_src, v_src in transport.blocks(k, v):
-        qh = slice(heads.start * group, heads.stop * group)  # the query heads of these K/V heads
-        if qh != at:  # a new head group (Note [Forward memory] in relay.py): its queries, heads-first
-            at, qg = qh, q[:, qh].contiguous()
-        for plan in call.schedule.plans[src]:
-            c0 = now(q.device) if stats else 0.0
+    rank, ct = call.place.rank, compute_dtype(q.dtype)
+    out = _alloc_bshd(b, hq, s, d, ct, q.device)
+    lse = torch.full((b, hq, s), float("-inf"), dtype=ct, device=q.device)
+    at, compact = None, {}  # compact: a dilated piece's (q, out, lse), merged into out at the end
+    for src, piece, k_src, v_src in timed(transport.blocks(k, v), q.device, forward=True):
+        if piece is not at:  # a new piece: its queries, heads-first (Note [Forward memory] in relay.py)
+            at = piece
+            if piece.runs is None:
+                qp, op, lp = q[:, piece.q].contiguous(), out[:, piece.q], lse[:, piece.q]
+            else:
+                if id(piece) not in compact:
+                    (qc,) = _rows(piece, rank, (q,))
+                    compact[id(piece)] = (qc, torch.zeros(qc.shape, dtype=ct, device=q.device),
+                                          torch.full(qc.shape[:3], float("-inf"), dtype=ct, device=q.device))
+                qp, op, lp = compact[id(piece)]
+        for plan in piece.schedule.plans[src]:
             key_mask, visible = _masks(key_masks, src, plan, q.device)
-            o, l = block_forward(qg[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], causal=plan.causal,
-                                 scale=call.scale, backend=call.backend, key_mask=key_mask, visible=visible)
-            merge_into(out[:, qh, plan.q], lse[:, qh, plan.q], o, l)
-            del o, l  # free this block's output before the next kernel allocates its own
-            if stats:
-                stats.compute_s += now(q.device) - c0
-    if stats:
-        stats.calls += 1
-        stats.total_s += now(q.device) - t0
+            for qh, kh in piece.groups:
+                o, l = block_forward(qp[:, qh, plan.q], k_src[:, kh, plan.k], v_src[:, kh, plan.k],
+                                     causal=plan.causal, scale=call.scale, backend=call.backend, key_mask=key_mask,
+                                     visible=visible)
+                merge_into(op[:, qh, plan.q], lp[:, qh, plan.q], o, l)
+                del o, l  # free this block's output before the next kernel allocates its own
+    for piece in call.pieces:  # the dilated merge of LongNet, in piece order
+        if id(piece) in compact:
+            index = row_index(piece.runs[rank], q.device)  # type: ignore[index]
+            sub_out, sub_lse = _rows(piece, rank, (out, lse))
+            merge_into(sub_out, sub_lse, *compact[id(piece)][1:])
+            out[:, piece.q].index_copy_(2, index, sub_out)
+            lse[:, piece.q].index_copy_(2, index, sub_lse)
     return out, lse
 
 
@@ -107,27 +146,34 @@ def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: to
     """``(dq, dk, dv)`` in the inputs' dtypes, ``[batch, heads, seq_local, head_dim]`` (dq a view of
     ``[b, s, h, d]`` memory); q, out and dout heads-first and contiguous, k and v of any strides (the
     transport copies them), ``lse`` from :func:`ring_forward`."""
-    stats = active_stats()
-    t0 = now(q.device) if stats else 0.0
     b, hq, s, d = q.shape
-    ct = compute_dtype(q.dtype)
+    rank, ct = call.place.rank, compute_dtype(q.dtype)
     dq = _alloc_bshd(b, hq, s, d, ct, q.device)
     dkv = torch.zeros((2, *k.shape), dtype=ct, device=q.device)
-    for src, k_src, v_src, outbox in transport.blocks_and_grads(k, v, dkv):
-        for plan in call.schedule.plans[src]:
-            c0 = now(q.device) if stats else 0.0
+    at, compact = None, {}  # compact: a dilated piece's (q, out, lse, dout, dq), dq added back at the end
+    for src, piece, k_src, v_src, outbox in timed(transport.blocks_and_grads(k, v, dkv), q.device):
+        if piece is not at:
+            at = piece
+            if piece.runs is None:
+                qp, op, lp, gp, dqp = _rows(piece, rank, (q, out, lse, dout, dq))
+            else:
+                if id(piece) not in compact:
+                    parts = _rows(piece, rank, (q, out, lse, dout))
+                    compact[id(piece)] = (*parts, torch.zeros(parts[0].shape, dtype=ct, device=q.device))
+                qp, op, lp, gp, dqp = compact[id(piece)]
+        for plan in piece.schedule.plans[src]:
             key_mask, visible = _masks(key_masks, src, plan, q.device)
-            dq_b, dk_b, dv_b = block_backward(
-                dout[:, :, plan.q], q[:, :, plan.q], k_src[:, :, plan.k], v_src[:, :, plan.k], out[:, :, plan.q],
-                lse[:, :, plan.q], causal=plan.causal, scale=call.scale, backend=call.backend, key_mask=key_mask,
-                visible=visible)
-            dq[:, :, plan.q] += dq_b
-            del dq_b  # as in forward: not alive during the next block's kernel
-            outbox.append((plan.k, dk_b, dv_b))
-            if stats:
-                stats.compute_s += now(q.device) - c0
-    if stats:
-        stats.total_s += now(q.device) - t0
+            for qh, kh in piece.groups:
+                dq_b, dk_b, dv_b = block_backward(
+                    gp[:, qh, plan.q], qp[:, qh, plan.q], k_src[:, kh, plan.k], v_src[:, kh, plan.k],
+                    op[:, qh, plan.q], lp[:, qh, plan.q], causal=plan.causal, scale=call.scale, backend=call.backend,
+                    key_mask=key_mask, visible=visible)
+                dqp[:, qh, plan.q] += dq_b
+                del dq_b  # as in forward: not alive during the next block's kernel
+                outbox.append((kh, plan.k, dk_b, dv_b))
+    for piece in call.pieces:
+        if id(piece) in compact:
+            dq[:, piece.q].index_add_(2, row_index(piece.runs[rank], q.device), compact[id(piece)][4])  # type: ignore[index]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

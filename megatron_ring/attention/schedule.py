@@ -46,10 +46,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from megatron_ring.attention.sharding import Segment, check_divisible, rank_segments
 from megatron_ring.attention.window import NO_WINDOW, UNBOUNDED, Band, band_limits, is_windowed
+
+if TYPE_CHECKING:
+    from megatron_ring.attention.dilated import Run
 
 BAND_TILE = 512
 """Tile length of banded pairs (Note [Windows and documents: which blocks meet])."""
@@ -152,6 +155,21 @@ class Schedule:
     send_rows: tuple[slice | None, ...]
     windowed: bool = False
     sparse: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """The unit of a ring call's work (Note [Pieces]): query heads ``q`` and K/V heads ``kv`` (slices
+    of all heads), their GQA ``groups`` (``(query heads, K/V heads)`` relative to the piece's), the
+    rows, and the :class:`Schedule` over them. ``runs`` None: every local row, in place (a view of the
+    caller's tensors); else ``runs[rank]`` the local rows of each rank's compact rows (dilated.py's
+    ``Run``), which the schedule's slices index. Compared by identity."""
+
+    q: slice
+    kv: slice
+    groups: tuple[tuple[slice, slice], ...]
+    schedule: Schedule
+    runs: tuple[tuple[Run, ...], ...] | None = None
 
 
 def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], lo: int, hi: int, *,

@@ -9,7 +9,8 @@ head dim ``d``, ``e`` bytes per element); one K/V block is ``kv = 2*b*c*H_kv*d*e
     a2a         (A-1)/A * b*c*d*e * (2*H + 2*H')    each way, A = P, H' = lcm(H_kv, A)
     a2a+p2p     the same all-to-all over A, plus the ring over R = P/A on H' heads
 
-p2p's backward rotates K/V again and an fp32 dK/dV accumulator P times (Note [The ring] in
+p2p's forward sends its K/V in ``relay_pieces(H_kv)`` messages per step (the relay's head groups,
+Note [Forward memory] in relay.py): the same bytes in more messages. p2p's backward rotates K/V again and an fp32 dK/dV accumulator P times (Note [The ring] in
 docs/design.md); all_gather's gathers K/V again and reduces fp32 dK/dV to each owner. The
 all-to-all comms: Note [All-to-all between sequence and heads] in alltoall.py.
 """
@@ -17,10 +18,15 @@ from __future__ import annotations
 
 import math
 
-from megatron_ring.attention.comms import A2A_COMMS, COMMS
+from megatron_ring.attention.comms import A2A_COMMS, COMMS, relay_pieces
 
 GRAD_ELEMENT_SIZE = 4
 """Bytes per element of the dK/dV the backward passes send (fp32 accumulators)."""
+
+
+def p2p_forward_messages(cp_size: int, heads_kv: int) -> int:
+    """Messages (batched sends) one rank posts in a plain p2p forward: ``relay_pieces * (P - 1)``."""
+    return relay_pieces(heads_kv) * (cp_size - 1)
 
 
 def kv_heads_sent(heads_kv: int, a2a_size: int) -> int:

@@ -1,12 +1,16 @@
 """How K/V blocks travel between the ranks of a CP group, and what that costs.
 
-A transport serves the ring loops of ring.py (:class:`KVTransport`); one implementation per file:
+A transport serves the ring loops of ring.py (:class:`KVTransport`): it yields the K/V of a
+piece of work (schedule.py's ``Piece``, Note [Pieces] in ring.py) block by block. One
+implementation per file:
 
 * ``relay.py``   :class:`~megatron_ring.attention.relay.RelayRing`, ``comm="p2p"``: every block
-  relayed around the ring, the next transfer in flight while the current block computes;
+  relayed around the ring, the next transfer in flight while the current block computes (in
+  forward one ring per head group, each a piece);
 * ``direct.py``  :class:`~megatron_ring.attention.direct.DirectTransfers`, ``comm="p2p"`` under a
   window or packed documents: each block straight from its owner, only the rows a plan reads;
-* ``gather.py``  :class:`~megatron_ring.attention.gather.GatheredBlocks`, ``comm="all_gather"``.
+* ``gather.py``  :class:`~megatron_ring.attention.gather.GatheredBlocks`, ``comm="all_gather"``;
+* ``dilated_transport.py`` no transport of its own: a dilated call's pieces through the two above.
 
 What they share lives here: :func:`post` (point-to-point transfers addressed by group rank, their
 bytes counted), :func:`wait_all` (timed waits), :func:`gather_stacked` (one small all-gather) and
@@ -15,27 +19,33 @@ the counters of :func:`ring_stats`.
 ``RingStats.wait_s`` is the time the ring spends blocked on communication after its compute for a
 step is done: the *exposed* communication. On CUDA the ring synchronises the device while stats
 are active (to time kernels from the host), which removes some overlap; use it to measure, not to
-run.
+run. The statistics wrap a transport's iteration (:func:`timed`), so the loops hold no timing code.
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-Block = tuple[int, slice, torch.Tensor, torch.Tensor]
-"""``(src, heads, k_src, v_src)``: K/V heads ``heads`` of the block of CP rank ``src``, each
-``[batch, heads.stop - heads.start, seq_local, head_dim]`` (all ``heads_kv`` heads, or a group of them
-when the relay moves a block in pieces: Note [Forward memory] in relay.py)."""
-GradPieces = list[tuple[slice, torch.Tensor, torch.Tensor]]
-"""``(rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads_kv, rows, head_dim]``
-belong to key rows ``rows`` of the block."""
-BlockAndGrads = tuple[int, torch.Tensor, torch.Tensor, GradPieces]
-"""``(src, k_src, v_src, outbox)``: a block and the list the caller appends its gradient pieces to."""
+if TYPE_CHECKING:
+    from megatron_ring.attention.schedule import Piece
+
+T = TypeVar("T")
+
+Block = tuple[int, "Piece", torch.Tensor, torch.Tensor]
+"""``(src, piece, k_src, v_src)``: the K/V of ``piece`` (schedule.py's unit of work) in the block of
+CP rank ``src``, each ``[batch, piece's K/V heads, rows, head_dim]``: every head and row of the
+block for a whole piece, a head group for the relay's forward (Note [Forward memory] in relay.py),
+compact rows for a dilated piece; the rows are those the piece's plans index."""
+GradPieces = list[tuple[slice, slice, torch.Tensor, torch.Tensor]]
+"""``(heads, rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads, rows,
+head_dim]`` belong to K/V heads ``heads`` (relative to the piece's) and key rows ``rows``."""
+BlockAndGrads = tuple[int, "Piece", torch.Tensor, torch.Tensor, GradPieces]
+"""``(src, piece, k_src, v_src, outbox)``: a block and the list the caller appends its gradient pieces to."""
 
 
 class KVTransport(Protocol):
@@ -45,10 +55,11 @@ class KVTransport(Protocol):
     """
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """Forward: every block this rank's plans read, once each, whole or head group by head group
-        (the relay: every block's first group, then every block's next); the next transfer is in
-        flight while the caller computes on the one yielded. ``k``/``v`` may be views of any
-        strides (the transport copies them heads-first)."""
+        """Forward: every block this rank's plans read, once per piece, piece after piece (the relay:
+        every block's first head group, then every block's next; the all-gather of a dilated call:
+        every piece of a block, block after block); the next transfer is in flight while the caller
+        computes on the one yielded. ``k``/``v`` may be views of any strides (the transport copies
+        them heads-first)."""
         ...
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
@@ -68,10 +79,10 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 def add_pieces(acc: torch.Tensor, pieces: GradPieces, first_row: int = 0) -> None:
     """Add gradient pieces into ``acc`` ``[2, batch, heads_kv, rows, head_dim]``, whose row 0 is key
     row ``first_row`` of the block."""
-    for rows, dk, dv in pieces:
+    for heads, rows, dk, dv in pieces:
         at = slice(rows.start - first_row, rows.stop - first_row)
-        acc[0][:, :, at] += dk
-        acc[1][:, :, at] += dv
+        acc[0][:, heads, at] += dk
+        acc[1][:, heads, at] += dv
 
 
 def post(group: dist.ProcessGroup | None, sends: Sequence[tuple[int, torch.Tensor]],
@@ -106,7 +117,7 @@ class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
 
     ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring
-    per group of ``relay.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
+    per group of ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
     and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
     it is the equivalent ring volume. With a window or packed documents (direct transfers,
     direct.py) both count only the steps in which this rank sends, and what it sends.
@@ -141,6 +152,24 @@ def ring_stats() -> Iterator[RingStats]:
 
 def active_stats() -> RingStats | None:
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+def timed(blocks: Iterator[T], device: torch.device, *, forward: bool = False) -> Iterator[T]:
+    """``blocks`` (a transport's iteration), timed into the active :class:`RingStats` when there is
+    one: the time the caller spends on each yielded block is ``compute_s``, the whole iteration
+    ``total_s``, a forward one more ``calls``. Without stats, ``blocks`` itself: nothing is added."""
+    stats = active_stats()
+    return blocks if stats is None else _timed(blocks, device, stats, forward)
+
+
+def _timed(blocks: Iterator[T], device: torch.device, stats: RingStats, forward: bool) -> Iterator[T]:
+    start = now(device)
+    for block in blocks:
+        computing = now(device)
+        yield block
+        stats.compute_s += now(device) - computing
+    stats.calls += forward
+    stats.total_s += now(device) - start
 
 
 def count_sent(steps: int, nbytes: int) -> None:

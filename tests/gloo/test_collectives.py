@@ -3,8 +3,12 @@
 With ``check_consistency=True`` (the default) each call adds one all-gather of ``WIDTH`` = 24
 int64s (192 bytes) per rank before any data moves (Note [Cross-rank handshake]); backward adds
 nothing."""
+import math
+
 import pytest
 import torch
+
+from megatron_ring.attention.traffic import p2p_forward_messages
 
 from megatron_ring.testing.gloo import GlooPool, WorkerError
 from tests.gloo import workers
@@ -19,6 +23,16 @@ def test_p2p_forward_issues_p_minus_1_rotations_and_no_all_gather(gloo_pool, siz
         assert forward == {"p2p_batches": size - 1, "all_gather": int(check)}  # the handshake's all-gather
         # backward: P-1 K/V rotations + P gradient transfers (the last one carries dK/dV home)
         assert backward == {"p2p_batches": 2 * size - 1, "all_gather": 0}
+
+
+@pytest.mark.parametrize("heads_kv", [1, 2, 3])
+def test_p2p_forward_sends_one_message_per_head_group_and_hop(gloo_pool, heads_kv):
+    """The relay's forward moves a block in ``relay_pieces(heads_kv)`` head groups (Note [Forward memory]):
+    2 (P-1) messages for heads_kv = 2, P-1 for 1 and 3; what auto_comm's latency term counts."""
+    size = 3
+    for forward, backward in gloo_pool(size).run(workers.count_collectives, "p2p", True, heads_kv):
+        assert forward["p2p_batches"] == p2p_forward_messages(size, heads_kv) == math.gcd(2, heads_kv) * (size - 1)
+        assert backward == {"p2p_batches": 2 * size - 1, "all_gather": 0}  # whole blocks
 
 
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])

@@ -133,8 +133,9 @@ def decode_refuses_a_masked_flash_attn():
     return "no error"
 
 
-def count_collectives(comm, causal):
-    """Number of batch_isend_irecv and all-gather calls made by one ring forward (then backward)."""
+def count_collectives(comm, causal, heads_kv=1):
+    """Number of batch_isend_irecv and all-gather calls made by one ring forward (then backward), with
+    ``heads_kv`` K/V heads (and twice as many query heads)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     counts = {"p2p_batches": 0, "all_gather": 0}
     names = ["all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object"]
@@ -150,7 +151,7 @@ def count_collectives(comm, causal):
     for n in names:
         setattr(dist, n, counting(n, "all_gather"))
     try:
-        q, k, v, dout = _inputs(1, 4 * size, 2, 1, 4, torch.float32)
+        q, k, v, dout = _inputs(1, 4 * size, 2 * heads_kv, heads_kv, 4, torch.float32)
         ql, kl, vl = (shard_sequence(t, rank, size).requires_grad_() for t in (q, k, v))
         out = ring_attention(ql, kl, vl, causal=causal, comm=comm)
         forward = dict(counts)

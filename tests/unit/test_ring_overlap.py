@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_ring.attention import direct, relay, ring
-from megatron_ring.attention.call import RingCall
+from megatron_ring.attention.call import RingCall, whole_piece
 from megatron_ring.attention.comms import CPPlace
 from megatron_ring.attention.schedule import schedule_for
 
@@ -66,7 +66,8 @@ def simulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _call(window: tuple[int, int]) -> RingCall:
     schedule = schedule_for(0, P, 16, None, causal=False, sharding="contiguous", window=window)
-    return RingCall(CPPlace(0, P, None, True, None), "p2p", False, "contiguous", 0.25, "math", False, schedule)
+    return RingCall(CPPlace(0, P, None, True, None), "p2p", False, "contiguous", 0.25, "math", False,
+                    (whole_piece(schedule, 2, 2),))
 
 
 def _inputs() -> list[torch.Tensor]:

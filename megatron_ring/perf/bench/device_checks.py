@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
-from megatron_ring.attention.call import RingCall
+from megatron_ring.attention.call import RingCall, whole_piece
 from megatron_ring.attention.comms import CPPlace
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.reference import attention_reference, rel_err
 from megatron_ring.attention.ring import ring_backward, ring_forward
-from megatron_ring.attention.schedule import schedule_for
+from megatron_ring.attention.schedule import Piece, schedule_for
 from megatron_ring.attention.sdpa_backend import kernel_for, sdpa_backward, sdpa_forward
 from megatron_ring.attention.sharding import shard_sequence
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces
@@ -100,21 +100,21 @@ class LocalBlocks:
     """A transport that hands out shards already in memory: one rank's ring schedule with the
     transfers taken out (Note [Overlap and double buffering] has nothing to hide)."""
 
-    def __init__(self, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], rank: int) -> None:
-        self.ks, self.vs, self.rank = ks, vs, rank
+    def __init__(self, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], rank: int, piece: Piece) -> None:
+        self.ks, self.vs, self.rank, self.piece = ks, vs, rank, piece
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
         size = len(self.ks)
         for step in range(size):
             src = (self.rank - step) % size
-            yield src, slice(0, k.shape[1]), self.ks[src], self.vs[src]
+            yield src, self.piece, self.ks[src], self.vs[src]
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
         """The same blocks in backward; the own block's gradient pieces are added into ``dkv``, the
         others' dropped (their owners are not here)."""
-        for src, _, k_src, v_src in self.blocks(k, v):
+        for src, piece, k_src, v_src in self.blocks(k, v):
             pieces: GradPieces = []
-            yield src, k_src, v_src, pieces
+            yield src, piece, k_src, v_src, pieces
             if src == self.rank:
                 add_pieces(dkv, pieces)
 
@@ -129,9 +129,10 @@ def decomposition(device: torch.device, dtype: torch.dtype, seq: int, sizes: Seq
     for size in sizes:
         shards = [[shard_sequence(t, r, size, dim=2).contiguous() for r in range(size)] for t in (q, k, v)]
         schedule = schedule_for(0, size, seq // size, None, causal=True, sharding="zigzag", window=(-1, -1))
+        piece = whole_piece(schedule, q.shape[1], k.shape[1])
         call = RingCall(CPPlace(0, size, None, True, None), "p2p", True, "zigzag", dim ** -0.5, backend, False,
-                        schedule)
-        transport = LocalBlocks(shards[1], shards[2], 0)
+                        (piece,))
+        transport = LocalBlocks(shards[1], shards[2], 0, piece)
         mine = median_time(lambda: ring_forward(call, transport, shards[0][0], shards[1][0], shards[2][0], None),
                      device, repeats)
         efficiency = base / (size * mine)
@@ -165,10 +166,11 @@ def _masked_kernels(device: torch.device) -> list[str]:
 def _ring_pass(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None
                ) -> list[torch.Tensor]:
     """One rank's ring (P = 1, this call's schedule and kernel): out, and dq, dk, dv with ``dout``."""
-    out, lse = ring_forward(call, LocalBlocks([k], [v], 0), q, k, v, None)
+    out, lse = ring_forward(call, LocalBlocks([k], [v], 0, call.pieces[0]), q, k, v, None)
     if dout is None:
         return [out]
-    return [out, *ring_backward(call, LocalBlocks([k], [v], 0), q, k, v, out.to(q.dtype), lse, dout, None)]
+    return [out, *ring_backward(call, LocalBlocks([k], [v], 0, call.pieces[0]), q, k, v, out.to(q.dtype), lse, dout,
+                                None)]
 
 
 def _sdpa_pass(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None,
@@ -201,7 +203,8 @@ def _masked_cases(device: torch.device, dtype: torch.dtype, seq: int, heads: tup
 
     def ring(window: tuple[int, int], docs: tuple[int, ...] | None) -> RingCall:
         schedule = schedule_for(0, 1, seq, docs, causal=True, sharding="zigzag", window=window)
-        return RingCall(CPPlace(0, 1, None, True, None), "p2p", True, "zigzag", dim ** -0.5, backend, False, schedule)
+        return RingCall(CPPlace(0, 1, None, True, None), "p2p", True, "zigzag", dim ** -0.5, backend, False,
+                        (whole_piece(schedule, heads[0], heads[1]),))
 
     windowed, packed = ring((width, 0), None), ring((width, 0), (seq // 2, seq // 2))
     padded_pairs = sum(min(i, real - 1) + 1 for i in range(seq))
