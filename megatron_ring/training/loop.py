@@ -64,8 +64,8 @@ EXIT_STOPPED = 4
 # --- process groups, model, engine -------------------------------------------------------------
 
 def init_model_parallel(spec: TrainSpec, device: torch.device) -> ParallelGroups:
-    """Megatron's ``parallel_state`` for the layout (CPU shims on CPU) -> our view of its groups; for a
-    transformers model our own groups of the layout."""
+    """Megatron's ``parallel_state`` for the layout (on CPU, integrations/megatron/on_cpu.py) -> our view
+    of its groups; for a transformers model our own groups of the layout."""
     if spec.transformers is not None:
         from megatron_ring.parallel.groups import init_parallel
 
