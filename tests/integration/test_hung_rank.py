@@ -31,7 +31,9 @@ needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is No
                                      reason="deepspeed launcher not installed")
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core not installed")
 probe_slow = pytest.mark.skipif(os.environ.get("MEGATRON_RING_PROBE_SLOW") != "1", reason=(
-    "slow probe case: the same lost-rank path as a case the suite runs (python scripts/probe.py --slow)"))
+    "slow probe case: the same lost-rank path as a case the suite runs (python scripts/probe.py --slow): a "
+    "non-zero rank found by its heartbeat under the deepspeed launcher is training's rank1; rank 0 hosting the "
+    "store is inference's rank0_store_host"))
 
 PEER_TIMEOUT_S = 2.0
 """Peer timeout of the mid-run cases: the monitors beat every 0.25 s, so 2 s of silence is 8 missed
@@ -150,7 +152,8 @@ def check_survivors(out: str, survivors: list[int], victim: int, victim_pid: int
 
 @needs_deepspeed
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("launcher, victim", [("deepspeed", 2), ("deepspeed", 0),
+@pytest.mark.parametrize("launcher, victim", [pytest.param("deepspeed", 2, marks=[pytest.mark.probe, probe_slow]),
+                                              ("deepspeed", 0),
                                               pytest.param("torchrun", 2, marks=[pytest.mark.probe, probe_slow]),
                                               ("torchrun", 0)],
                          ids=["rank2", "rank0_store_host", "torchrun-rank2", "torchrun-rank0"])
