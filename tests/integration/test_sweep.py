@@ -45,16 +45,17 @@ def fake_predict(config: Path, prompt_len: int, batch: int, new_tokens: int) -> 
 @needs_launcher
 @pytest.mark.timeout(900)
 def test_sweep_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four launches (torchrun): every result kept, the workload overridden, sweep.json valid with provenance,
-    three PNGs."""
+    """Two launches (torchrun) at one length: every result kept, the workload overridden, sweep.json valid with
+    provenance, three PNGs (several lengths, their order and the crossover: tests/unit/test_sweep.py's fake
+    launches)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     baseline, ring = tiny_pair(tmp_path)
     out = tmp_path / "sweep"
-    run_sweep(baseline, ring, lengths=[32, 16], repeats=1, new_tokens=4, out_dir=out, predict=fake_predict,
+    run_sweep(baseline, ring, lengths=[32], repeats=1, new_tokens=4, out_dir=out, predict=fake_predict,
               command="test sweep", launcher="torchrun")  # the lighter launcher; compare's tests use DeepSpeed's
     summary = load_sweep(out / "sweep.json")
-    assert [(p.prompt_len, p.batch, p.new_tokens) for p in summary.points] == [(16, 2, 4), (32, 2, 4)]
+    assert [(p.prompt_len, p.batch, p.new_tokens) for p in summary.points] == [(32, 2, 4)]
     for point in summary.points:
         base, ring_run = (json.loads((out / side.runs[0]).read_text()) for side in (point.baseline, point.ring))
         assert base["workload"] == ring_run["workload"] == {
@@ -66,7 +67,7 @@ def test_sweep_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         assert point.predicted["ring"].ttft_s == pytest.approx(1e-4 * point.prompt_len)
         assert point.relative_error["baseline"].tpot_s == pytest.approx(2e-3 / point.baseline.tpot_s.median - 1)
     assert sorted(p.name for p in (out / "runs").glob("*.json")) == [
-        f"{name}_L{length}_b2_r0.json" for name in ("tiny_local", "tiny_ring_cp2") for length in (16, 32)]
+        f"{name}_L32_b2_r0.json" for name in ("tiny_local", "tiny_ring_cp2")]
     prov = summary.provenance
     assert prov.command == "test sweep" and prov.git_commit and len(prov.git_commit) == 40
     assert prov.machine.hostname and prov.machine.cpu_count and prov.machine.platform
