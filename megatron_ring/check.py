@@ -120,8 +120,8 @@ def check_main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ring check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", type=Path, help="training or inference JSON, a DeepSpeed JSON for the "
-                        "transformers Trainer, a training YAML with "
-                        "Megatron-LM's names, or a configs/megatron model YAML")
+                        "transformers Trainer, a training YAML with Megatron-LM's names, or a configs/megatron "
+                        "model YAML")
     parser.add_argument("--world", type=positive_int, default=None,
                         help="processes the launcher would start (default: the config's layout)")
     args = parser.parse_args(argv)

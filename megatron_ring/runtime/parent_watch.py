@@ -32,6 +32,8 @@ import threading
 import time
 from typing import Optional
 
+from megatron_ring.runtime.startup import process_stat
+
 WATCH_ENV = "MEGATRON_RING_WATCH_PIDS"
 """Comma-separated pids whose end ends this process (the command that launched the job)."""
 INTERVAL_S = 0.5
@@ -85,24 +87,15 @@ def _command_line(pid: int) -> str:
         return ""
 
 
-def _parent_of(pid: int) -> Optional[int]:
-    """The parent pid of process ``pid`` (Linux /proc), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[1])  # the name in parentheses may hold spaces
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def launcher_ancestors(parent: int) -> list[int]:
     """The ``deepspeed`` runner above a rank whose ``parent`` is DeepSpeed's per-node launcher
     (``deepspeed.launcher.launch``), when that runner runs on this host; else []."""
     if "deepspeed.launcher.launch" not in _command_line(parent):
         return []
-    runner = _parent_of(parent)
-    if runner is None or runner <= 1 or "deepspeed" not in _command_line(runner):
+    stat = process_stat(parent)
+    if stat is None or stat[1] <= 1 or "deepspeed" not in _command_line(stat[1]):
         return []
-    return [runner]
+    return [stat[1]]
 
 
 _WATCHING: list[threading.Thread] = []

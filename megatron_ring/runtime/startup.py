@@ -26,7 +26,7 @@ _JOB_KEYS = (b"MASTER_ADDR", b"MASTER_PORT")
 _RESCAN_S = 1.0
 
 
-def _stat(pid: int) -> Optional[tuple[str, int]]:
+def process_stat(pid: int) -> Optional[tuple[str, int]]:
     """``(state, parent pid)`` of ``pid`` from /proc, None when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -54,7 +54,7 @@ def launcher_siblings() -> dict[int, int]:
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         pid = int(entry.name)
-        stat = _stat(pid)
+        stat = process_stat(pid)
         if stat is None or stat[1] != parent:
             continue
         env = _environment(pid)
@@ -84,7 +84,7 @@ class StartupWatch:
         self._checked = now
         gone = []
         for rank, pid in sorted(self._peers.items()):
-            stat = _stat(pid)
+            stat = process_stat(pid)
             if stat is None or stat[0] in ("Z", "X"):
                 gone.append(rank)
                 continue

@@ -65,8 +65,8 @@ def pretrained_gpt_config(data: dict[str, Any], *, seq_len: Optional[int], where
     written into ``data``), its ``seq_length`` set to ``seq_len`` (None: the checkpoint's positions).
 
     ConfigError naming the checkpoint and the field when its config cannot be read or converted, when
-    a checkpoint folder holds no weight file, or when ``seq_len`` exceeds the positions it was trained on (``max_position_embeddings``, times a
-    RoPE scaling factor of the overrides).
+    a checkpoint folder holds no weight file, or when ``seq_len`` exceeds the positions it was trained
+    on (``max_position_embeddings``, times a RoPE scaling factor of the overrides).
     """
     from megatron_ring.integrations.hf.checkpoint import load_config, weights_problem
     from megatron_ring.integrations.megatron.hf_config import model_fields
