@@ -43,6 +43,24 @@ def run_cli(*args: str, timeout_s: float = 60, env: Optional[dict[str, str]] = N
     return Outcome(proc.returncode, out, err)
 
 
+def run_in_process(argv: list[str], capsys: pytest.CaptureFixture) -> Outcome:
+    """``megatron-ring ARGV`` as ``cli.main(ARGV)`` in this process, from the repository root (an
+    argparse error's SystemExit is its exit status), with what it printed."""
+    from megatron_ring.cli import main
+
+    capsys.readouterr()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        os.chdir(cwd)
+    out, err = capsys.readouterr()
+    return Outcome(code, out, err)
+
+
 def assert_no_leftover(session: int, grace_s: float = 3.0) -> None:
     """No process of the session ``session`` still runs ``grace_s`` after the command ended (one being
     torn down, e.g. multiprocessing's resource tracker after its parent, gets that long); a leftover
