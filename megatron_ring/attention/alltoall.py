@@ -2,24 +2,22 @@
 
 Note [All-to-all between sequence and heads]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Rank c of a CP group of P holds the tokens of its shard (zigzag or contiguous, exactly as for
-``comm="p2p"``) for every head. One all-to-all over an *a2a group* of A ranks trades that for
-A times the tokens on 1/A of the heads: rank i sends head group j of q, k, v to rank j and
-receives head group i of every member's tokens. The received tokens are put in the order the
-attention after it needs, the attention runs, and the inverse all-to-all sends every token's
-output back to the rank that holds it::
+Rank c of a CP group of P holds the tokens of its shard (zigzag or contiguous, exactly as for ``comm="p2p"``) for every
+head. One all-to-all over an *a2a group* of A ranks trades that for A times the tokens on 1/A of the heads: rank i sends
+head group j of q, k, v to rank j and receives head group i of every member's tokens. The received tokens are put in the
+order the attention after it needs, the attention runs, and the inverse all-to-all sends every token's output back to
+the rank that holds it::
 
     [b, L/P, H, d] --a2a--> [b, A*L/P, H/A, d] --attention--> [b, A*L/P, H/A, d] --a2a--> [b, L/P, H, d]
 
 * ``comm="a2a"`` (DeepSpeed-Ulysses): A = P, the attention is local on the full sequence, whose
   tokens are put in global order (undoing the caller's zigzag), so any block kernel runs it as
   one causal or full block: the ring of ring.py over one rank (one block, no transfer).
-* ``comm="a2a+p2p"`` (Megatron's hierarchical CP, USP): P = A x R. Rank c is member ``c % A`` of
-  a2a group ``c // A`` (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``.
-  After the all-to-all, the A shards of an a2a group are exactly the shard of ring rank
-  ``c // A`` in the same sharding over R ranks (zigzag: the first chunks in member order, then the
-  second chunks in reverse order), and the p2p ring (ring.py's :func:`run_ring`) runs over the ring
-  group on H/A heads, unchanged.
+* ``comm="a2a+p2p"`` (Megatron's hierarchical CP, USP): P = A x R. Rank c is member ``c % A`` of a2a group ``c // A``
+  (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``. After the all-to-all, the A shards of an a2a
+  group are exactly the shard of ring rank ``c // A`` in the same sharding over R ranks (zigzag: the first chunks in
+  member order, then the second chunks in reverse order), and the p2p ring (ring.py's :func:`run_ring`) runs over the
+  ring group on H/A heads, unchanged.
 
 The whole thing is differentiable: the backward of an all-to-all is the inverse all-to-all of the
 gradients. q, k and v travel in one all-to-all (their head groups packed side by side), and so do
@@ -32,21 +30,18 @@ heads-first; back toward the sequence, one to pack (none with contiguous shardin
 
 Note [Heads-first after the all-to-all]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-DeepSpeed-Ulysses hands its kernel ``[b, L, h/A, d]`` tensors as received (with contiguous shards
-and ``b == 1`` that costs no copy after the all-to-all). Here q, k, v and dout are copied once
-after it anyway, to put zigzag tokens in order, and that copy writes them heads-first
-(``[b, h/A, L, d]`` storage): the CPU flash kernel then reads each head's rows at unit stride and
-took 0.90-1.00x the time of the ``[b, L, h/A, d]`` storage it is given otherwise (L = 16k, 2 or
-4 heads, ``python -m megatron_ring.perf.bench.block --layouts``). So the copy is kept for
-contiguous shards too. The ring of ``a2a+p2p`` runs heads-first as well (Note [Heads-first
-blocks] in ring.py), so it takes them as they are.
+DeepSpeed-Ulysses hands its kernel ``[b, L, h/A, d]`` tensors as received (with contiguous shards and ``b == 1`` that
+costs no copy after the all-to-all). Here q, k, v and dout are copied once after it anyway, to put zigzag tokens in
+order, and that copy writes them heads-first (``[b, h/A, L, d]`` storage): the CPU flash kernel then reads each head's
+rows at unit stride and took 0.90-1.00x the time of the ``[b, L, h/A, d]`` storage it is given otherwise (L = 16k, 2 or
+4 heads, ``python -m megatron_ring.perf.bench.block --layouts``). So the copy is kept for contiguous shards too. The
+ring of ``a2a+p2p`` runs heads-first as well (Note [Heads-first blocks] in ring.py), so it takes them as they are.
 
-GQA: the a2a group needs ``heads_q % A == 0``. K/V heads are split A ways too; with
-``heads_kv % A != 0`` each K/V head is repeated, before the all-to-all, to ``h' = lcm(heads_kv, A)``
-heads, the fewest that split A ways and keep every query head's K/V head on its rank. When
-``A % heads_kv == 0`` (MQA, or fewer K/V heads than ranks) every rank receives exactly the one K/V
-head its queries use; when ``heads_kv % A == 0`` nothing is repeated. Bytes sent per rank per
-layer, with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`~megatron_ring.attention.traffic.a2a_bytes`)::
+GQA: the a2a group needs ``heads_q % A == 0``. K/V heads are split A ways too; with ``heads_kv % A != 0`` each K/V head
+is repeated, before the all-to-all, to ``h' = lcm(heads_kv, A)`` heads, the fewest that split A ways and keep every
+query head's K/V head on its rank. When ``A % heads_kv == 0`` (MQA, or fewer K/V heads than ranks) every rank receives
+exactly the one K/V head its queries use; when ``heads_kv % A == 0`` nothing is repeated. Bytes sent per rank per layer,
+with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`~megatron_ring.attention.traffic.a2a_bytes`)::
 
     forward   (A-1)/A * b*s*d*e * (2*heads_q + 2*h')      q, k, v out; the output back
               + (R-1) * 2*b*s*h'*d*e                        the ring over R (K/V on h'/A heads, A*s tokens)

@@ -1,57 +1,49 @@
 """Attention of one local query block against one key/value block, returning the log-sum-exp,
 and the fp32 log-sum-exp merge of such partial results.
 
-Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q``
-heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in
-memory (Note [GQA without repeats]).
+Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q`` heads, keys/values
+``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in memory (Note [GQA without repeats]).
 
 Backends:
 
 * ``"math"``: pure torch, always available, scores and softmax in fp32 (fp64 for fp64 inputs).
-* ``"sdpa"``: torch's fused attention kernels, which return the log-sum-exp the ring needs, with
-  their fused backward (sdpa_backend.py): ``_scaled_dot_product_flash_attention_for_cpu`` on CPU
-  (any float dtype); on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256) cuDNN's kernel on
-  Hopper and newer (about 1.9x faster than flash there, measured on an H200), before Hopper the
-  flash kernel, and the memory-efficient kernel for masked blocks.
-* ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16,
-  head_dim a multiple of 8 up to 256, sm_8x and sm_90; native GQA, so K/V are never repeated
-  (flash_attn_backend.py).
-* ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the
-  inputs (unmasked calls only); otherwise ``"sdpa"`` where its kernels take them (cuDNN on
-  Hopper), ``"math"`` elsewhere.
+* ``"sdpa"``: torch's fused attention kernels, which return the log-sum-exp the ring needs, with their fused backward
+  (sdpa_backend.py): ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype); on CUDA (fp16/bf16,
+  head_dim a multiple of 8, <= 256) cuDNN's kernel on Hopper and newer (about 1.9x faster than flash there, measured on
+  an H200), before Hopper the flash kernel, and the memory-efficient kernel for masked blocks.
+* ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16, head_dim a multiple of 8 up to
+  256, sm_8x and sm_90; native GQA, so K/V are never repeated (flash_attn_backend.py).
+* ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the inputs (unmasked calls
+  only); otherwise ``"sdpa"`` where its kernels take them (cuDNN on Hopper), ``"math"`` elsewhere.
 
-The CUDA kernel paths follow the op schemas of torch's CUDA build and flash-attn's interface;
-this project's CI has no GPU, so they run only where one is present
-(``tests/gloo/test_ring_numerics.py`` covers CPU; ``tests/unit/test_flash_attn_backend.py`` checks the
-flash-attn adapter against a CPU stand-in of the package's interface, and against float64 on a GPU
-with flash-attn installed; ``tests/unit/test_sdpa_backend.py`` does the same for the masked CUDA
-kernel calls of ``sdpa``).
+The CUDA kernel paths follow the op schemas of torch's CUDA build and flash-attn's interface; this project's CI has no
+GPU, so they run only where one is present (``tests/gloo/test_ring_numerics.py`` covers CPU;
+``tests/unit/test_flash_attn_backend.py`` checks the flash-attn adapter against a CPU stand-in of the package's
+interface, and against float64 on a GPU with flash-attn installed; ``tests/unit/test_sdpa_backend.py`` does the same for
+the masked CUDA kernel calls of ``sdpa``).
 
 Note [GQA without repeats]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-torch's fused kernels want as many K/V heads as query heads, and repeating K/V copies the whole
-block ``heads_q / heads_kv`` times, which in decode (one query, a long cache shard) costs more than
-the attention itself. A block without a causal mask (every off-diagonal ring block, every decode
-step) does not need it: the ``g = heads_q / heads_kv`` query heads of one K/V head are folded into
-the query-length axis, ``[b, hq, s, d] -> [b, hkv, g * s, d]`` (query head ``h`` uses K/V head
-``h // g``), the kernel runs on ``hkv`` heads, and out/lse unfold back. dK/dV then come out already
-summed over the group. Folding would break the causal diagonal block's position-based mask, so
-there ``sdpa`` makes one kernel call per head slice ``q[:, j::g]`` (query heads ``j, j + g, ...``
-use K/V heads ``0, 1, ...``: as many as K/V has), writing into one output, and sums dK/dV over the
-slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). The math
-backend groups heads in its matmuls instead.
+torch's fused kernels want as many K/V heads as query heads, and repeating K/V copies the whole block
+``heads_q / heads_kv`` times, which in decode (one query, a long cache shard) costs more than the attention itself. A
+block without a causal mask (every off-diagonal ring block, every decode step) does not need it: the
+``g = heads_q / heads_kv`` query heads of one K/V head are folded into the query-length axis,
+``[b, hq, s, d] -> [b, hkv, g * s, d]`` (query head ``h`` uses K/V head ``h // g``), the kernel runs on ``hkv`` heads,
+and out/lse unfold back. dK/dV then come out already summed over the group. Folding would break the causal diagonal
+block's position-based mask, so there ``sdpa`` makes one kernel call per head slice ``q[:, j::g]`` (query heads
+``j, j + g, ...`` use K/V heads ``0, 1, ...``: as many as K/V has), writing into one output, and sums dK/dV over the
+slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). The math backend groups heads in
+its matmuls instead.
 
-``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
-sees keys 0..i.
+``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i sees keys 0..i.
 
-``key_mask`` (bool ``[batch, k_len]``, True = a real key, False = padding) hides keys from every
-query; a query that sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the
-merge). ``visible`` (bool ``[q_len, k_len]``, True = the query may see the key: a sliding
-window's band, or decode's positions) hides pairs the same way and combines with both. ``math``
-and ``sdpa`` take masks (``sdpa`` as an additive bias, never an ``Lq x Lk`` matrix of floats:
-Note [Masks as a bias, tile by tile] in sdpa_backend.py), ``flash_attn`` does not;
-``resolve_backend`` with ``masked=True`` picks or checks accordingly. With a ``visible`` mask the
-GQA fold still applies (the mask is repeated over the folded query heads).
+``key_mask`` (bool ``[batch, k_len]``, True = a real key, False = padding) hides keys from every query; a query that
+sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the merge). ``visible`` (bool ``[q_len, k_len]``,
+True = the query may see the key: a sliding window's band, or decode's positions) hides pairs the same way and combines
+with both. ``math`` and ``sdpa`` take masks (``sdpa`` as an additive bias, never an ``Lq x Lk`` matrix of floats:
+Note [Masks as a bias, tile by tile] in sdpa_backend.py), ``flash_attn`` does not; ``resolve_backend`` with
+``masked=True`` picks or checks accordingly. With a ``visible`` mask the GQA fold still applies (the mask is repeated
+over the folded query heads).
 
 Note [Log-sum-exp merge]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -61,10 +53,9 @@ results. With ``lse_X = log sum_{j in X} exp(s_j)`` and ``o_X = softmax_X(s) @ V
     lse = logaddexp(lse_A, lse_B)
     o   = o_A * exp(lse_A - lse) + o_B * exp(lse_B - lse)
 
-The weights are in (0, 1], so the merge never overflows. We keep ``o`` and ``lse`` in fp32 whatever
-the input dtype: a bf16 accumulator would lose ~3 significant digits per ring step. A block in
-which a query sees no key has ``lse = -inf``; ``-inf - -inf`` is NaN, so the weights are computed
-with the -inf rows forced to weight 0 instead.
+The weights are in (0, 1], so the merge never overflows. We keep ``o`` and ``lse`` in fp32 whatever the input dtype: a
+bf16 accumulator would lose ~3 significant digits per ring step. A block in which a query sees no key has
+``lse = -inf``; ``-inf - -inf`` is NaN, so the weights are computed with the -inf rows forced to weight 0 instead.
 """
 from __future__ import annotations
 
@@ -221,9 +212,8 @@ def merge_weights(lse: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Merge one block's result into the running accumulators, in place.
 
-    out, block_out: ``[batch, heads, q, head_dim]`` (``out`` fp32, fp64 for fp64 inputs); lse,
-    block_lse: ``[batch, heads, q]`` (``lse`` in ``out``'s dtype). ``out``/``lse`` may be views
-    (slices along q).
+    out, block_out: ``[batch, heads, q, head_dim]`` (``out`` fp32, fp64 for fp64 inputs); lse, block_lse:
+    ``[batch, heads, q]`` (``lse`` in ``out``'s dtype). ``out``/``lse`` may be views (slices along q).
     """
     block_lse = block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, block_lse)
@@ -236,9 +226,8 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge P partial results stacked on dim 0.
 
-    outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]`` -> (out, lse) in fp32
-    (fp64 for fp64 inputs), computed in a fixed order so every rank that merges the same inputs
-    gets bitwise the same result.
+    outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]`` -> (out, lse) in fp32 (fp64 for fp64 inputs),
+    computed in a fixed order so every rank that merges the same inputs gets bitwise the same result.
     """
     ct = torch.promote_types(lses.dtype, torch.float32)
     lses = lses.to(ct)

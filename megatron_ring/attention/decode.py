@@ -2,12 +2,11 @@
 
 Note [Decode from a sharded KV cache]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-After a ring prefill every rank holds the K/V of its own tokens. Weights are replicated over CP
-ranks, so every rank computes the same new token and the same query. Each rank attends that query
-to its own cache shard (a shard may be empty), giving ``(o_r, lse_r)``; one all-gather of these
-small partial results (``P x [batch, heads, q_len, head_dim + 1]``) and a log-sum-exp merge give
-the exact attention on every rank. No K/V moves during decode; the caller appends each new
-token's K/V to one rank only (round-robin keeps the shards balanced)::
+After a ring prefill every rank holds the K/V of its own tokens. Weights are replicated over CP ranks, so every rank
+computes the same new token and the same query. Each rank attends that query to its own cache shard (a shard may be
+empty), giving ``(o_r, lse_r)``; one all-gather of these small partial results
+(``P x [batch, heads, q_len, head_dim + 1]``) and a log-sum-exp merge give the exact attention on every rank. No K/V
+moves during decode; the caller appends each new token's K/V to one rank only (round-robin keeps the shards balanced)::
 
     rank 0: q . [K0 | new0]  -> (o0, lse0) \\
     rank 1: q . [K1 | new1]  -> (o1, lse1)  }-- all_gather --> merge -> o (same on all ranks)
@@ -19,16 +18,14 @@ window; a rank whose whole shard is outside contributes ``lse = -inf`` (weight 0
 
 Note [Decode after an all-to-all prefill]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``comm="a2a"`` and ``"a2a+p2p"`` take and return the same sequence-sharded tensors as ``"p2p"``
-(the all-to-all is internal to the call), so the K/V a layer caches after its prefill are its own
-tokens on every head, as after a ring prefill, and decode is the same all-gather merge whatever
-comm the prefill used. We keep that layout rather than re-laying the cache out by heads: a
-head-sharded cache would need the new token's q (all heads) sent to every rank and the outputs
-gathered back, the same bytes as the merge, but with ``heads_kv < P`` it stores each replicated
-K/V head ``lcm(heads_kv, P) / heads_kv`` times, and the per-token append would need an all-to-all
-of every new token's K/V. Given hierarchical groups (``CPGroups`` without ``cp``), the merge runs
-in two all-gathers, within each a2a group and then across the ring groups; the log-sum-exp merge
-is associative, and the result is identical on every rank.
+``comm="a2a"`` and ``"a2a+p2p"`` take and return the same sequence-sharded tensors as ``"p2p"`` (the all-to-all is
+internal to the call), so the K/V a layer caches after its prefill are its own tokens on every head, as after a ring
+prefill, and decode is the same all-gather merge whatever comm the prefill used. We keep that layout rather than
+re-laying the cache out by heads: a head-sharded cache would need the new token's q (all heads) sent to every rank and
+the outputs gathered back, the same bytes as the merge, but with ``heads_kv < P`` it stores each replicated K/V head
+``lcm(heads_kv, P) / heads_kv`` times, and the per-token append would need an all-to-all of every new token's K/V. Given
+hierarchical groups (``CPGroups`` without ``cp``), the merge runs in two all-gathers, within each a2a group and then
+across the ring groups; the log-sum-exp merge is associative, and the result is identical on every rank.
 """
 from __future__ import annotations
 
@@ -73,9 +70,8 @@ class DecodeCall:
 def decode_call(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *, softmax_scale: float | None,
                 backend: str, key_padding_mask: torch.Tensor | None, window_size: object,
                 q_positions: object, k_positions: object) -> tuple[DecodeCall, list[Field]]:
-    """Every local check of a call, its record and its handshake fields: what every rank must agree
-    on (Note [Cross-rank handshake]); not the shard length ``s_local`` nor ``k_positions`` (both
-    differ between ranks).
+    """Every local check of a call, its record and its handshake fields: what every rank must agree on
+    (Note [Cross-rank handshake]); not the shard length ``s_local`` nor ``k_positions`` (both differ between ranks).
 
     The kernel is resolved on every rank, even one with an empty shard, so that a rank that cannot
     run it raises with the others (through the handshake) instead of leaving them in the all-gather.
@@ -134,12 +130,10 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             (-1 = unbounded; right = 0 for a causal window). Other than ``(-1, -1)`` it needs
         q_positions: int ``[q_len]``, the queries' global positions (the same on every rank), and
         k_positions: int ``[s_local]``, the positions of this rank's cached keys (any order).
-        check_consistency: first check, with one small all-gather, that every rank passed the same
-            batch, q_len, heads, head_dim, dtype, device type, scale, mask presence, window and
-            q_positions, and raise
-            ValueError on every rank naming what differs (Note [Cross-rank handshake] in
-            handshake.py). Must be the same on every rank. In a decode loop it doubles the
-            collectives per call; pass False once the first step has agreed.
+        check_consistency: first check, with one small all-gather, that every rank passed the same batch, q_len, heads,
+            head_dim, dtype, device type, scale, mask presence, window and q_positions, and raise ValueError on every
+            rank naming what differs (Note [Cross-rank handshake] in handshake.py). Must be the same on every rank. In a
+            decode loop it doubles the collectives per call; pass False once the first step has agreed.
 
     Returns:
         ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.

@@ -3,30 +3,27 @@ from its owner to the ranks that use it, and only the rows they use.
 
 Note [Direct transfers]
 ~~~~~~~~~~~~~~~~~~~~~~~
-The plain ring relays every block through every rank: P-1 hops, whatever the work. With a window
-(or documents) a rank needs few blocks, and often only some of their rows: under causal zigzag
-with a window of one chunk, rank r needs one chunk from its left and one from its right
-neighbour, which a relay would only deliver at the *last* step, after every transfer. So here,
-at step t (t = 1..P-1), rank r
+The plain ring relays every block through every rank: P-1 hops, whatever the work. With a window (or documents) a rank
+needs few blocks, and often only some of their rows: under causal zigzag with a window of one chunk, rank r needs one
+chunk from its left and one from its right neighbour, which a relay would only deliver at the *last* step, after every
+transfer. So here, at step t (t = 1..P-1), rank r
 
 * receives block ``src = (r - t) mod P`` straight from ``src``, only the rows its plans read
   (``Schedule.recv_rows[t]``), and only when its plan for ``src`` is not empty;
 * sends the rows of its own K/V that rank ``(r + t) mod P`` reads (``send_rows[t]``), if any.
 
-A step where a rank neither sends nor receives is skipped (no kernel call, no transfer): the rule
-is "transfer exactly the rows some plan reads", so once no remaining block can fall in the window
-nothing more moves; with contiguous sharding and a causal window of w chunks this is the ring
-stopping after ``ceil(w)`` steps. Both sides derive the rows from the same pure schedule, so sends
-and receives pair up. Every rank walks all steps t = 1..P-1 in the same order, posting step t+1's
-K/V before step t's gradients (posting nothing where it has nothing), so the p2p operations
-between two ranks are posted in the same order on both, as NCCL requires (it ignores tags). The
-transfer of the next needed step is in flight while the current block computes (two receive
-buffers, as in Note [Overlap and double buffering] in relay.py).
+A step where a rank neither sends nor receives is skipped (no kernel call, no transfer): the rule is "transfer exactly
+the rows some plan reads", so once no remaining block can fall in the window nothing more moves; with contiguous
+sharding and a causal window of w chunks this is the ring stopping after ``ceil(w)`` steps. Both sides derive the rows
+from the same pure schedule, so sends and receives pair up. Every rank walks all steps t = 1..P-1 in the same order,
+posting step t+1's K/V before step t's gradients (posting nothing where it has nothing), so the p2p operations between
+two ranks are posted in the same order on both, as NCCL requires (it ignores tags). The transfer of the next needed step
+is in flight while the current block computes (two receive buffers, as in Note [Overlap and double buffering] in
+relay.py).
 
-Backward is the mirror image: the rows of dK/dV (fp32) computed on a received block go straight
-back to its owner at the same step, which adds them to its own gradient; no accumulator travels.
-Received rows land in full-length ``[seq, batch, heads, dim]`` buffers (a row range is then one
-contiguous piece), whose unread rows are never touched.
+Backward is the mirror image: the rows of dK/dV (fp32) computed on a received block go straight back to its owner at the
+same step, which adds them to its own gradient; no accumulator travels. Received rows land in full-length
+``[seq, batch, heads, dim]`` buffers (a row range is then one contiguous piece), whose unread rows are never touched.
 """
 from __future__ import annotations
 

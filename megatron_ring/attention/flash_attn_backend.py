@@ -7,13 +7,12 @@ their ``heads_kv`` heads (the package does GQA itself and returns dK/dV per K/V 
 
 Note [flash-attn's backward with the merged log-sum-exp]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The public ``flash_attn_func`` differentiates one block on its own softmax. The ring needs each
-block's share of the *global* softmax, so backward calls the package's ``_flash_attn_backward``
-with the merged ``out`` and ``lse`` (block_backward's contract). Its leading arguments have kept
-their order since 2.4; the tail changed (``window_size`` became ``window_size_left``/``_right`` and
-``softcap`` arrived in 2.6/2.7), so the tail is passed by name, read from the function's own
-signature. Forward uses the public ``flash_attn_func(..., return_attn_probs=True)``, which returns
-``(out, lse, _)`` in every 2.x release.
+The public ``flash_attn_func`` differentiates one block on its own softmax. The ring needs each block's share of the
+*global* softmax, so backward calls the package's ``_flash_attn_backward`` with the merged ``out`` and ``lse``
+(block_backward's contract). Its leading arguments have kept their order since 2.4; the tail changed (``window_size``
+became ``window_size_left``/``_right`` and ``softcap`` arrived in 2.6/2.7), so the tail is passed by name, read from the
+function's own signature. Forward uses the public ``flash_attn_func(...,
+return_attn_probs=True)``, which returns ``(out, lse, _)`` in every 2.x release.
 
 flash-attn declares q, k, v mutated by its forward op, so torch bumps their autograd version
 counters exactly as when calling ``flash_attn_func`` directly; the ring saves its tensors after

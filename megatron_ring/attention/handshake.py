@@ -2,31 +2,27 @@
 
 Note [Cross-rank handshake]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The collectives of ``ring_attention`` and ``decode_attention`` are sized by the call's arguments.
-If the ranks of a group disagree (one rank's ``seq_local`` or ``dtype`` differs, one passes
-``causal=True``, one a key mask), the transfers no longer pair up: gloo aborts the process
-("Received data size doesn't match"), NCCL hangs or reads garbage, and a rank may even return a
-wrong tensor as success. So each call first describes itself as a row of ``WIDTH`` int64s::
+The collectives of ``ring_attention`` and ``decode_attention`` are sized by the call's arguments. If the ranks of a
+group disagree (one rank's ``seq_local`` or ``dtype`` differs, one passes ``causal=True``, one a key mask), the
+transfers no longer pair up: gloo aborts the process ("Received data size doesn't match"), NCCL hangs or reads garbage,
+and a rank may even return a wrong tensor as success. So each call first describes itself as a row of ``WIDTH`` int64s::
 
     [entry point, valid, batch, seq_local, heads_q, heads_kv, head_dim, dtype, ..., 0 padding]
 
-(dtypes and string choices as indices, ``softmax_scale`` as its float64 bits) and every rank
-all-gathers the rows of the group. Every rank then sees the same ``[P, WIDTH]`` table and raises
-the same ValueError naming each differing field, its values and the ranks holding each, before
-any data collective. A rank whose own checks rejected its inputs sends ``valid = 0`` and the first
-``REASON_BYTES`` bytes of its error in place of the fields: it raises its own error and the others
-raise a ValueError naming it and quoting the reason, so no rank is left waiting in a collective.
-An integration whose model failed on one rank before that rank's next attention call sends the
-same row (:func:`tell_peers`), so its peers, waiting in that call's handshake, raise at once.
+(dtypes and string choices as indices, ``softmax_scale`` as its float64 bits) and every rank all-gathers the rows of the
+group. Every rank then sees the same ``[P, WIDTH]`` table and raises the same ValueError naming each differing field,
+its values and the ranks holding each, before any data collective. A rank whose own checks rejected its inputs sends
+``valid = 0`` and the first ``REASON_BYTES`` bytes of its error in place of the fields: it raises its own error and the
+others raise a ValueError naming it and quoting the reason, so no rank is left waiting in a collective. An integration
+whose model failed on one rank before that rank's next attention call sends the same row (:func:`tell_peers`), so its
+peers, waiting in that call's handshake, raise at once.
 
-Cost: one all-gather of ``WIDTH * 8 = 192`` bytes per rank per call (one collective latency,
-tens of microseconds on NVLink, ~0.1 ms on gloo) and, when the group has no CPU (gloo) backend,
-one host-device synchronisation to read the table. Nothing is added per ring step or in backward.
-The rows are not cached per (group, shapes): a rank whose cache hit would skip the collective that
-a rank with a changed shape enters, which is exactly the mismatch to catch. A caller that knows
-its ranks agree (a decode loop after its first step, a training step after the first) can pass
-``check_consistency=False``; it must then do so on every rank of the group, as the check itself
-is a collective.
+Cost: one all-gather of ``WIDTH * 8 = 192`` bytes per rank per call (one collective latency, tens of microseconds on
+NVLink, ~0.1 ms on gloo) and, when the group has no CPU (gloo) backend, one host-device synchronisation to read the
+table. Nothing is added per ring step or in backward. The rows are not cached per (group, shapes): a rank whose cache
+hit would skip the collective that a rank with a changed shape enters, which is exactly the mismatch to catch. A caller
+that knows its ranks agree (a decode loop after its first step, a training step after the first) can pass
+``check_consistency=False``; it must then do so on every rank of the group, as the check itself is a collective.
 
 ``ring_attention`` also sends whether its output needs gradients (grad mode on and q, k or v
 requiring them): a rank that differs would skip the backward ring the others wait in.

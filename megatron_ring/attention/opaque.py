@@ -1,12 +1,11 @@
 """How an attention call crosses into its custom op under torch.compile (Note [torch.compile] in ops.py).
 
-A custom op's schema takes tensors, optional tensors and scalars; ``ring_attention`` and
-``decode_attention`` also take a process group and keyword arguments that grow over time. They
-cross as two strings, both built by dynamo while tracing (constants of the graph): the group's c10d
-name (``""`` for None) and the ``repr`` of a dict of the keyword arguments, which the op reads back
-with ``ast.literal_eval``. Tensor keyword arguments travel as one list of optional tensors, their
-names in the dict under ``"tensors"``. A new keyword argument of an entry point is one more dict
-entry at its call of :func:`call_op`; the op's schema does not change.
+A custom op's schema takes tensors, optional tensors and scalars; ``ring_attention`` and ``decode_attention`` also take
+a process group and keyword arguments that grow over time. They cross as two strings, both built by dynamo while tracing
+(constants of the graph): the group's c10d name (``""`` for None) and the ``repr`` of a dict of the keyword arguments,
+which the op reads back with ``ast.literal_eval``. Tensor keyword arguments travel as one list of optional tensors,
+their names in the dict under ``"tensors"``. A new keyword argument of an entry point is one more dict entry at its call
+of :func:`call_op`; the op's schema does not change.
 """
 from __future__ import annotations
 

@@ -13,11 +13,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention in float64 over global tensors ``[batch, seq, heads, head_dim]`` (GQA aware).
 
-    ``key_padding_mask``: bool ``[batch, seq_k]``, True = a real key; a query that sees no key
-    gets a zero output. ``window_size``: flash-attn's ``(left, right)`` on positions (-1 =
-    unbounded). ``cu_seqlens``: q/k/v packed ``[tokens, heads, head_dim]`` (mask ``[tokens]``),
-    each document computed on its own, positions counted from its start. Differentiable, so
-    references for gradients come from ``torch.autograd``. Returns float64.
+    ``key_padding_mask``: bool ``[batch, seq_k]``, True = a real key; a query that sees no key gets a zero output.
+    ``window_size``: flash-attn's ``(left, right)`` on positions (-1 = unbounded). ``cu_seqlens``: q/k/v packed
+    ``[tokens, heads, head_dim]`` (mask ``[tokens]``), each document computed on its own, positions counted from its
+    start. Differentiable, so references for gradients come from ``torch.autograd``. Returns float64.
     """
     if cu_seqlens is not None:
         bounds = cu_seqlens.tolist()

@@ -2,12 +2,11 @@
 
 Note [Zigzag sharding]
 ~~~~~~~~~~~~~~~~~~~~~~
-With a causal mask, token i attends to tokens 0..i, so the late tokens do most of the work. Cut
-the sequence into P contiguous chunks and the last rank does ~2P-1 times the work of the first.
-Zigzag cuts it into 2P equal chunks and gives rank r chunks r and 2P-1-r: every rank then holds
-one "early" and one "late" chunk and, at every ring step, computes the same amount (see
-Note [Causal zigzag: equal work at every step] in schedule.py). This is exactly Megatron-core's
-``get_batch_on_this_cp_rank`` split, so Megatron data pipelines need no change::
+With a causal mask, token i attends to tokens 0..i, so the late tokens do most of the work. Cut the sequence into P
+contiguous chunks and the last rank does ~2P-1 times the work of the first. Zigzag cuts it into 2P equal chunks and
+gives rank r chunks r and 2P-1-r: every rank then holds one "early" and one "late" chunk and, at every ring step,
+computes the same amount (see Note [Causal zigzag: equal work at every step] in schedule.py). This is exactly
+Megatron-core's ``get_batch_on_this_cp_rank`` split, so Megatron data pipelines need no change::
 
     L = 8 tokens, P = 2:   chunks 0 1 2 3        rank 0 -> [0, 3]   rank 1 -> [1, 2]
 
@@ -15,10 +14,9 @@ Note [Causal zigzag: equal work at every step] in schedule.py). This is exactly 
 
 Note [Packed documents (varlen)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-With ``cu_seqlens`` (global packed boundaries, the same on every rank) each document is sharded on
-its own and a rank holds its chunks of every document, concatenated in document order: the
-Megatron / Transformer Engine THD convention. Every rank then holds the same share of every
-document, so causal work stays balanced whatever the document lengths::
+With ``cu_seqlens`` (global packed boundaries, the same on every rank) each document is sharded on its own and a rank
+holds its chunks of every document, concatenated in document order: the Megatron / Transformer Engine THD convention.
+Every rank then holds the same share of every document, so causal work stays balanced whatever the document lengths::
 
     docs A (8 tokens) | B (4 tokens), P = 2, zigzag: chunks A0..A3 (2 tokens), B0..B3 (1 token)
     rank 0 -> [A0 A3 B0 B3]    rank 1 -> [A1 A2 B1 B2]

@@ -1,8 +1,7 @@
 """How K/V blocks travel between the ranks of a CP group, and what that costs.
 
-A transport serves the ring loops of ring.py (:class:`KVTransport`): it yields the K/V of a
-piece of work (schedule.py's ``Piece``, Note [Pieces] in ring.py) block by block. One
-implementation per file:
+A transport serves the ring loops of ring.py (:class:`KVTransport`): it yields the K/V of a piece of work (schedule.py's
+``Piece``, Note [Pieces] in ring.py) block by block. One implementation per file:
 
 * ``relay.py``   :class:`~megatron_ring.attention.relay.RelayRing`, ``comm="p2p"``: every block
   relayed around the ring, the next transfer in flight while the current block computes (in
@@ -12,9 +11,8 @@ implementation per file:
 * ``gather.py``  :class:`~megatron_ring.attention.gather.GatheredBlocks`, ``comm="all_gather"``;
 * ``dilated_transport.py`` no transport of its own: a dilated call's pieces through the two above.
 
-What they share lives here: :func:`post` (point-to-point transfers addressed by group rank, their
-bytes counted), :func:`wait_all` (timed waits), :func:`gather_stacked` (one small all-gather) and
-the counters of :func:`ring_stats`.
+What they share lives here: :func:`post` (point-to-point transfers addressed by group rank, their bytes counted),
+:func:`wait_all` (timed waits), :func:`gather_stacked` (one small all-gather) and the counters of :func:`ring_stats`.
 
 ``RingStats.wait_s`` is the time the ring spends blocked on communication after its compute for a
 step is done: the *exposed* communication. On CUDA the ring synchronises the device while stats
@@ -55,19 +53,17 @@ class KVTransport(Protocol):
     """
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """Forward: every block this rank's plans read, once per piece, piece after piece (the relay:
-        every block's first head group, then every block's next; the all-gather of a dilated call:
-        every piece of a block, block after block); the next transfer is in flight while the caller
-        computes on the one yielded. ``k``/``v`` may be views of any strides (the transport copies
-        them heads-first)."""
+        """Forward: every block this rank's plans read, once per piece, piece after piece (the relay: every block's
+        first head group, then every block's next; the all-gather of a dilated call: every piece of a block, block after
+        block); the next transfer is in flight while the caller computes on the one yielded. ``k``/``v`` may be views of
+        any strides (the transport copies them heads-first)."""
         ...
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """Backward: the same blocks, each with an empty outbox for its gradient pieces. When the
-        caller moves on, the transport adds the pieces up and carries them toward the block's owner,
-        behind the next block's compute; when the iteration ends, ``dkv`` (zeros on entry,
-        ``[2, batch, heads_kv, seq_local, head_dim]`` fp32) holds this rank's own dK/dV summed over
-        every rank."""
+        """Backward: the same blocks, each with an empty outbox for its gradient pieces. When the caller moves on, the
+        transport adds the pieces up and carries them toward the block's owner, behind the next block's compute; when
+        the iteration ends, ``dkv`` (zeros on entry, ``[2, batch, heads_kv, seq_local, head_dim]`` fp32) holds this
+        rank's own dK/dV summed over every rank."""
         ...
 
 

@@ -2,13 +2,12 @@
 
 Note [Pass-KV or pass-Q]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-After a ring prefill (and decode) every rank holds the K/V of its own share of a conversation. A
-new turn of ``T`` tokens (a follow-up question) is split over the ranks too: new token ``i`` of the
-conversation goes to rank ``i % P``, the rule decode appends by, so the shards stay balanced and
-every rank runs the model's projections and MLP on ``T / P`` tokens. Each rank appends its new
-tokens' K/V to its shard, then its new queries must meet every rank's shard, causally (a key is
-visible iff its position is at most the query's). Two exact ways, as in Meta's context-parallel
-inference (Yang et al., 2024):
+After a ring prefill (and decode) every rank holds the K/V of its own share of a conversation. A new turn of ``T``
+tokens (a follow-up question) is split over the ranks too: new token ``i`` of the conversation goes to rank ``i % P``,
+the rule decode appends by, so the shards stay balanced and every rank runs the model's projections and MLP on ``T / P``
+tokens. Each rank appends its new tokens' K/V to its shard, then its new queries must meet every rank's shard, causally
+(a key is visible iff its position is at most the query's). Two exact ways, as in Meta's context-parallel inference
+(Yang et al., 2024):
 
 * **pass-KV**: the K/V shards travel around the ring (``P - 1`` steps, the next transfer in flight
   while a block computes); each rank merges its own queries' partial results. It moves the
@@ -18,12 +17,11 @@ inference (Yang et al., 2024):
   all-to-all returns each partial ``(out, lse)`` to the rank that owns the query, which merges
   them by log-sum-exp. It moves ``O(T)``, not ``O(S)``, but nothing overlaps the compute.
 
-Both compute the same FLOPs. For a short question after a long document (``T << S``) pass-Q
-moves a few kilobytes where pass-KV moves the cache; when the turn itself is long (a second
-document) pass-KV's transfers hide behind its compute and pass-Q's exposed all-gather and
-all-to-all of ``T`` rows cost more. ``mode="auto"`` takes the cheaper by :func:`turn_times`
-(the cost model of ``comm="auto"``: achieved FLOP/s, link bandwidths and latencies), computed
-from global sizes only, so every rank picks the same mode.
+Both compute the same FLOPs. For a short question after a long document (``T << S``) pass-Q moves a few kilobytes where
+pass-KV moves the cache; when the turn itself is long (a second document) pass-KV's transfers hide behind its compute
+and pass-Q's exposed all-gather and all-to-all of ``T`` rows cost more. ``mode="auto"`` takes the cheaper by
+:func:`turn_times` (the cost model of ``comm="auto"``: achieved FLOP/s, link bandwidths and latencies), computed from
+global sizes only, so every rank picks the same mode.
 
 Every rank first all-gathers its ``(q_len, s_local)`` (they differ between ranks), and each
 transfer is sized from that table. Positions travel with the blocks they describe (pass-KV) or

@@ -1,10 +1,9 @@
 """Sliding windows: ``window_size=(left, right)`` and the band of (query, key) distances it allows. Pure.
 
 flash-attn's convention on positions: the query at position i sees the key at position j iff
-``i - left <= j <= i + right``, -1 meaning unbounded on that side; ``causal`` adds ``j <= i``. Both
-are one condition on the distance ``d = i - j``: ``lo <= d <= hi`` (:func:`band_limits`). Inside a
-block whose queries and keys are runs of consecutive positions, ``d`` is ``offset + row - col``, so
-the allowed pairs form a diagonal band (:class:`Band`).
+``i - left <= j <= i + right``, -1 meaning unbounded on that side; ``causal`` adds ``j <= i``. Both are one condition on
+the distance ``d = i - j``: ``lo <= d <= hi`` (:func:`band_limits`). Inside a block whose queries and keys are runs of
+consecutive positions, ``d`` is ``offset + row - col``, so the allowed pairs form a diagonal band (:class:`Band`).
 """
 from __future__ import annotations
 
