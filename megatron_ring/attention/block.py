@@ -62,7 +62,6 @@ from __future__ import annotations
 import torch
 
 from megatron_ring.attention.flash_attn_backend import flash_attn_problem, flash_backward, flash_forward
-from megatron_ring.attention.heads import grouped
 from megatron_ring.attention.sdpa_backend import kernel_for, sdpa_backward, sdpa_forward, without_neginf
 
 BACKENDS: tuple[str, ...] = ("auto", "math", "sdpa", "flash_attn")
@@ -120,6 +119,12 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: fp32, or fp64 for fp64 inputs."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def grouped(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[b, hq, s, d]`` -> ``[b, hkv, hq/hkv, s, d]`` (a view): query head ``h`` under its K/V head ``h // (hq/hkv)``."""
+    b, hq, s, d = q.shape
+    return q.reshape(b, heads_kv, hq // heads_kv, s, d)
 
 
 def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:

@@ -48,8 +48,6 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_ring.attention.heads import fold_queries, unfold_queries
-
 BIAS_ELEMENTS = 1 << 24
 """Most bias elements one kernel call gets (32 MiB in bf16; Note [Masks as a bias, tile by tile])."""
 _aten = torch.ops.aten
@@ -186,6 +184,19 @@ def _blind(key_mask: torch.Tensor | None, visible: torch.Tensor | None, q_len: i
 def without_neginf(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` with -inf (a query that sees no key) replaced by 0, so ``exp(-inf - lse)`` is 0, not NaN."""
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def fold_queries(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[b, hq, s, ...]`` -> ``[b, hkv, (hq/hkv) * s, ...]``: the query heads of a K/V head as one axis
+    (Note [GQA without repeats] in block.py)."""
+    b, hq, s = t.shape[:3]
+    return t.reshape(b, heads_kv, (hq // heads_kv) * s, *t.shape[3:])
+
+
+def unfold_queries(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """Inverse of :func:`fold_queries`: ``[b, hkv, g * s, ...]`` -> ``[b, heads_q, s, ...]``."""
+    b, hkv, gs = t.shape[:3]
+    return t.reshape(b, heads_q, gs // (heads_q // hkv), *t.shape[3:])
 
 
 def _with_causal(visible: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor | None, bool]:
