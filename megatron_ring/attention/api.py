@@ -1,13 +1,6 @@
-"""``ring_attention``: the entry point of the core (``megatron_ring.ring_attention``).
-
-Reading path of one call (``comm="p2p"``)::
-
-    api.ring_attention          checks and handshake (call.prepare_ring -> ring_call -> RingCall)
-      ring.run_ring             the autograd Function over ring_forward / ring_backward
-        relay.RelayRing.blocks  the K/V of each piece of work as it travels (transport.py: the protocol)
-          block.block_forward   one block's attention and lse; block.merge_into merges it
-
-``comm="a2a"`` / ``"a2a+p2p"`` go through alltoall.py, which runs the same ring over its ring group.
+"""``ring_attention``: the entry point of the core (``megatron_ring.ring_attention``): checks and handshake
+(call.prepare_ring), then the ring (ring.run_ring) or, for ``comm="a2a"`` / ``"a2a+p2p"``, alltoall.py, which runs the
+same ring over its ring group. docs/design.md reads one call through the files.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Attention of one local query block against one key/value block, returning the log-sum-exp,
-and the fp32 log-sum-exp merge of such partial results.
+"""Attention of one local query block against one key/value block, returning the log-sum-exp, and the fp32 log-sum-exp
+merge of such partial results.
 
 Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q`` heads, keys/values
 ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in memory (Note [GQA without repeats]).
@@ -7,20 +7,15 @@ Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have
 Backends:
 
 * ``"math"``: pure torch, always available, scores and softmax in fp32 (fp64 for fp64 inputs).
-* ``"sdpa"``: torch's fused attention kernels, which return the log-sum-exp the ring needs, with their fused backward
-  (sdpa_backend.py): ``_scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype); on CUDA (fp16/bf16,
-  head_dim a multiple of 8, <= 256) cuDNN's kernel on Hopper and newer (about 1.9x faster than flash there, measured on
-  an H200), before Hopper the flash kernel, and the memory-efficient kernel for masked blocks.
+* ``"sdpa"``: torch's fused kernels, which return the log-sum-exp the ring needs, with their fused backward
+  (sdpa_backend.py: which kernel on which device); on CUDA fp16/bf16 and head_dim a multiple of 8 up to 256.
 * ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16, head_dim a multiple of 8 up to
   256, sm_8x and sm_90; native GQA, so K/V are never repeated (flash_attn_backend.py).
 * ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the inputs (unmasked calls
   only); otherwise ``"sdpa"`` where its kernels take them (cuDNN on Hopper), ``"math"`` elsewhere.
 
-The CUDA kernel paths follow the op schemas of torch's CUDA build and flash-attn's interface; this project's CI has no
-GPU, so they run only where one is present (``tests/gloo/test_ring_numerics.py`` covers CPU;
-``tests/unit/test_flash_attn_backend.py`` checks the flash-attn adapter against a CPU stand-in of the package's
-interface, and against float64 on a GPU with flash-attn installed; ``tests/unit/test_sdpa_backend.py`` does the same for
-the masked CUDA kernel calls of ``sdpa``).
+The CUDA paths follow the op schemas of torch's CUDA build and flash-attn's interface; CI has no GPU, so
+tests/unit/test_flash_attn_backend.py and test_sdpa_backend.py check them against CPU stand-ins (and float64 on a GPU).
 
 Note [GQA without repeats]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -86,8 +81,8 @@ def _sdpa_takes_a_mask(device: torch.device) -> bool:
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                     masked: bool = False) -> str:
-    """The concrete backend for ``backend`` and these inputs (``masked``: blocks may carry a mask,
-    a key padding mask or a window's); ValueError for an unknown or unusable one."""
+    """The concrete backend for ``backend`` and these inputs (``masked``: blocks may carry a mask, a key padding mask or
+    a window's); ValueError for an unknown or unusable one."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if masked:
@@ -156,17 +151,13 @@ def _check_mask_backend(masked: bool, backend: str, device: torch.device) -> Non
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                   backend: str, key_mask: torch.Tensor | None = None,
                   visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` (masks: see the module docstring).
-
-    Returns ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in
-    the compute dtype (math) or q's dtype (sdpa, flash_attn).
-    """
+    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` (masks: see the module docstring):
+    ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in the compute dtype (math) or
+    q's dtype (sdpa, flash_attn)."""
     _check_mask_backend(key_mask is not None or visible is not None, backend, q.device)
-    if backend == "flash_attn":
-        out, lse = flash_forward(q, k, v, causal=causal, scale=scale)
-        return out, lse.to(compute_dtype(q.dtype))
-    if backend == "sdpa":
-        out, lse = sdpa_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask, visible=visible)
+    if backend != "math":
+        out, lse = flash_forward(q, k, v, causal=causal, scale=scale) if backend == "flash_attn" else \
+            sdpa_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask, visible=visible)
         return out, lse.to(compute_dtype(q.dtype))
     scores = _math_scores(q, k, causal, scale, key_mask, visible)
     lse = torch.logsumexp(scores, dim=-1)
@@ -180,21 +171,16 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, *, causal: bool, scale: float, backend: str,
                    key_mask: torch.Tensor | None = None,
                    visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of these queries.
-
-    With the final lse, ``exp(s - lse)`` is exactly this block's slice of the global softmax, so the
-    block's dq/dk/dv are its exact share of the global gradients. Returns ``(dq [b, hq, sq, d],
-    dk [b, hkv, sk, d], dv [b, hkv, sk, d])`` in the compute dtype.
-    """
+    """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of these queries: with the final lse,
+    ``exp(s - lse)`` is exactly this block's slice of the global softmax, so the block's dq/dk/dv are its exact share of
+    the global gradients. Returns ``(dq [b, hq, sq, d], dk [b, hkv, sk, d], dv [b, hkv, sk, d])``, compute dtype."""
     _check_mask_backend(key_mask is not None or visible is not None, backend, q.device)
     ct = compute_dtype(q.dtype)
-    if backend == "flash_attn":
-        dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-        return dq.to(ct), dk.to(ct), dv.to(ct)
-    if backend == "sdpa":
-        dq, dk, dv = sdpa_backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(compute_dtype(q.dtype)),
-                                   causal=causal, scale=scale, key_mask=key_mask, visible=visible)
-        return dq.to(ct), dk.to(ct), dv.to(ct)
+    if backend != "math":
+        grads = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale) if backend == "flash_attn" else \
+            sdpa_backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(ct), causal=causal, scale=scale,
+                          key_mask=key_mask, visible=visible)
+        return grads[0].to(ct), grads[1].to(ct), grads[2].to(ct)
     hkv = k.shape[1]
     scores = _math_scores(q, k, causal, scale, key_mask, visible)
     probs = torch.exp(scores - grouped(without_neginf(lse).to(ct).unsqueeze(-1), hkv))
@@ -215,11 +201,9 @@ def merge_weights(lse: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Merge one block's result into the running accumulators, in place.
-
-    out, block_out: ``[batch, heads, q, head_dim]`` (``out`` fp32, fp64 for fp64 inputs); lse, block_lse:
-    ``[batch, heads, q]`` (``lse`` in ``out``'s dtype). ``out``/``lse`` may be views (slices along q).
-    """
+    """Merge one block's result into the running accumulators, in place. out, block_out: ``[batch, heads, q, head_dim]``
+    (``out`` fp32, fp64 for fp64 inputs); lse, block_lse: ``[batch, heads, q]`` (``lse`` in ``out``'s dtype).
+    ``out``/``lse`` may be views (slices along q)."""
     block_lse = block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, block_lse)
     keep = merge_weights(lse, new_lse).unsqueeze(-1)
@@ -229,11 +213,9 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
 
 
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge P partial results stacked on dim 0.
-
-    outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]`` -> (out, lse) in fp32 (fp64 for fp64 inputs),
-    computed in a fixed order so every rank that merges the same inputs gets bitwise the same result.
-    """
+    """Merge P partial results stacked on dim 0: outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]``
+    -> (out, lse) in fp32 (fp64 for fp64 inputs), in a fixed order, so every rank that merges the same inputs gets
+    bitwise the same result."""
     ct = torch.promote_types(lses.dtype, torch.float32)
     lses = lses.to(ct)
     total = torch.logsumexp(lses, dim=0)

@@ -168,8 +168,7 @@ def tell_peers(entry: str, group: dist.ProcessGroup | None, size: int, error: Ba
     agree(entry, None, group, size, None, reason=f"{type(error).__name__}: {error}")
 
 
-def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object,
-                reason: str = "") -> None:
+def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object, reason: str = "") -> None:
     """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a
     groups and then the ring groups (every rank of the grid is linked to every other through them).
 

@@ -64,8 +64,7 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | Non
 
 
 @ring_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | None], group: str,
-      options: str) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | None], group: str, options: str) -> tuple[Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=compute_dtype(q.dtype))
 
 
@@ -116,6 +115,5 @@ def decode_attention_op(q: Tensor, k_local: Tensor, v_local: Tensor, extras: lis
 
 
 @decode_attention_op.register_fake
-def _(q: Tensor, k_local: Tensor, v_local: Tensor, extras: list[Tensor | None], group: str,
-      options: str) -> Tensor:
+def _(q: Tensor, k_local: Tensor, v_local: Tensor, extras: list[Tensor | None], group: str, options: str) -> Tensor:
     return q.new_empty(q.shape)

@@ -1,23 +1,16 @@
 """How K/V blocks travel between the ranks of a CP group, and what that costs.
 
 A transport serves the ring loops of ring.py (:class:`KVTransport`): it yields the K/V of a piece of work (schedule.py's
-``Piece``, Note [Pieces] in ring.py) block by block. One implementation per file:
+``Piece``, Note [Pieces] in ring.py) block by block: relay.py's ``RelayRing`` (``comm="p2p"``), direct.py's
+``DirectTransfers`` (``p2p`` under a window or packed documents), gather.py's ``GatheredBlocks`` (``all_gather``);
+dilated_transport.py moves a dilated call's pieces through the last two. What they share lives here: :func:`post`
+(point-to-point transfers addressed by group rank, their bytes counted), :func:`wait_all` (timed waits),
+:func:`gather_stacked` (one small all-gather) and the counters of :func:`ring_stats`.
 
-* ``relay.py``   :class:`~megatron_ring.attention.relay.RelayRing`, ``comm="p2p"``: every block
-  relayed around the ring, the next transfer in flight while the current block computes (in
-  forward one ring per head group, each a piece);
-* ``direct.py``  :class:`~megatron_ring.attention.direct.DirectTransfers`, ``comm="p2p"`` under a
-  window or packed documents: each block straight from its owner, only the rows a plan reads;
-* ``gather.py``  :class:`~megatron_ring.attention.gather.GatheredBlocks`, ``comm="all_gather"``;
-* ``dilated_transport.py`` no transport of its own: a dilated call's pieces through the two above.
-
-What they share lives here: :func:`post` (point-to-point transfers addressed by group rank, their bytes counted),
-:func:`wait_all` (timed waits), :func:`gather_stacked` (one small all-gather) and the counters of :func:`ring_stats`.
-
-``RingStats.wait_s`` is the time the ring spends blocked on communication after its compute for a
-step is done: the *exposed* communication. On CUDA the ring synchronises the device while stats
-are active (to time kernels from the host), which removes some overlap; use it to measure, not to
-run. The statistics wrap a transport's iteration (:func:`timed`), so the loops hold no timing code.
+``RingStats.wait_s`` is the time the ring spends blocked on communication after its compute for a step is done: the
+*exposed* communication. On CUDA the ring synchronises the device while stats are active (to time kernels from the
+host), which removes some overlap; use it to measure, not to run. The statistics wrap a transport's iteration
+(:func:`timed`), so the loops hold no timing code.
 """
 from __future__ import annotations
 
