@@ -43,18 +43,7 @@ from megatron_ring.attention.comms import CPGroups, CPPlace, cp_place
 from megatron_ring.attention.handshake import Field, field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.transport import gather_stacked
-from megatron_ring.attention.window import NO_WINDOW, positions_visible
-
-
-def _check_positions(name: str, positions: object, length: int, what: str) -> torch.Tensor:
-    """int ``[length]`` positions (``what`` names the dimension) as int64; ValueError naming ``name``."""
-    if not isinstance(positions, torch.Tensor):
-        raise ValueError(f"{name} must be an integer torch.Tensor [{what}] when window_size is given, "
-                         f"got {type(positions).__name__}")
-    if positions.dtype not in (torch.int32, torch.int64) or tuple(positions.shape) != (length,):
-        raise ValueError(f"{name} must be int32/int64 [{what}] = [{length}], got {positions.dtype} "
-                         f"{tuple(positions.shape)}")
-    return positions.to(torch.int64)
+from megatron_ring.attention.window import NO_WINDOW, check_positions, positions_visible
 
 
 @dataclass(frozen=True)
@@ -83,8 +72,9 @@ def decode_call(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *
     window = check_window(window_size)
     visible, positions = None, 0
     if window != NO_WINDOW:
-        q_pos = _check_positions("q_positions", q_positions, q.shape[1], "q_len")
-        k_pos = _check_positions("k_positions", k_positions, k_local.shape[1], "s_local")
+        needed = " when window_size is given"
+        q_pos = check_positions("q_positions", q_positions, q.shape[1], "q_len", needed)
+        k_pos = check_positions("k_positions", k_positions, k_local.shape[1], "s_local", needed)
         visible = positions_visible(q_pos.to(q.device), k_pos.to(q.device), window)
         positions = zlib.crc32(str(q_pos.tolist()).encode())
     masked = key_padding_mask is not None
@@ -94,6 +84,19 @@ def decode_call(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *
               field("window_size[0]", window[0]), field("window_size[1]", window[1]),
               field("q_positions", positions, lambda code: "unused" if code == 0 else f"values with crc32 {code:#010x}")]
     return DecodeCall(scale, kernel, visible), fields
+
+
+def _fill(part: torch.Tensor, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: DecodeCall, blind: bool,
+          key_mask: torch.Tensor | None, visible: torch.Tensor | None) -> None:
+    """Write out and lse of heads-first ``qh`` over one shard k, v ``[b, s, hkv, d]`` into ``part`` ``[b, hq, q, d + 1]``;
+    ``blind`` (the shard is empty, or no query sees any of it): a zero output and lse -inf."""
+    d = qh.shape[-1]
+    if blind:
+        part[..., :d], part[..., d] = 0, float("-inf")
+    else:
+        part[..., :d], part[..., d] = block_forward(qh, k.transpose(1, 2), v.transpose(1, 2), causal=False,
+                                                    scale=call.scale, backend=call.backend, key_mask=key_mask,
+                                                    visible=visible)
 
 
 def _gather_merge(part: torch.Tensor, place: CPPlace) -> torch.Tensor:
@@ -154,18 +157,9 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
     if q.shape[0] == 0:
         return torch.empty_like(q)
     with torch.no_grad():
-        qh, kh, vh = q.transpose(1, 2), k_local.transpose(1, 2), v_local.transpose(1, 2)
-        ct = compute_dtype(q.dtype)
-        b, hq, tq, d = qh.shape
-        part = torch.empty(b, hq, tq, d + 1, dtype=ct, device=q.device)
-        if kh.shape[2] == 0:
-            part[..., :d] = 0
-            part[..., d] = float("-inf")
-        else:
-            out, lse = block_forward(qh, kh, vh, causal=False, scale=call.scale, key_mask=key_padding_mask,
-                                     backend=call.backend, visible=call.visible)
-            part[..., :d] = out
-            part[..., d] = lse
+        qh = q.transpose(1, 2)
+        part = torch.empty(*qh.shape[:3], qh.shape[3] + 1, dtype=compute_dtype(q.dtype), device=q.device)
+        _fill(part, qh, k_local, v_local, call, k_local.shape[1] == 0, key_padding_mask, call.visible)
         return _gather_merge(part, place).to(q.dtype).transpose(1, 2)
 
 
@@ -203,18 +197,13 @@ def decode_attention_rows(q: torch.Tensor, shards: list[tuple[torch.Tensor, torc
         q, shards, empty, softmax_scale=softmax_scale, backend=backend, window=window))
     with torch.no_grad():
         qh = q.transpose(1, 2)
-        n, hq, tq, d = qh.shape
-        part = torch.empty(n, hq, tq, d + 1, dtype=compute_dtype(q.dtype), device=q.device)
+        part = torch.empty(*qh.shape[:3], qh.shape[3] + 1, dtype=compute_dtype(q.dtype), device=q.device)
         for j, (k, v) in enumerate(shards):
             visible = None
             if window != NO_WINDOW:
                 visible = positions_visible(q_positions[j].to(q.device), k_positions[j].to(q.device), window)
-            if k.shape[1] == 0 or (visible is not None and not bool(visible.any())):
-                part[j, ..., :d], part[j, ..., d] = 0, float("-inf")
-                continue
-            out, lse = block_forward(qh[j:j + 1], k.transpose(1, 2), v.transpose(1, 2), causal=False, scale=call.scale,
-                                     backend=call.backend, visible=visible)
-            part[j, ..., :d], part[j, ..., d] = out[0], lse[0]
+            blind = k.shape[1] == 0 or (visible is not None and not bool(visible.any()))
+            _fill(part[j:j + 1], qh[j:j + 1], k, v, call, blind, None, visible)
         return _gather_merge(part, place).to(q.dtype).transpose(1, 2)
 
 

@@ -78,15 +78,14 @@ def scale_field(scale: float) -> Field:
             lambda code: repr(struct.unpack("<d", struct.pack("<q", code))[0]))
 
 
-def tensor_fields(q: torch.Tensor, k: torch.Tensor, seq_name: str) -> list[Field]:
-    """Shape, dtype and device fields of q ``[batch, seq, heads_q, head_dim]`` and k ``[.., heads_kv, ..]``."""
+def tensor_fields(q: torch.Tensor, k: torch.Tensor, seq_name: str | None) -> list[Field]:
+    """Shape, dtype and device fields of q ``[batch, seq, heads_q, head_dim]`` and k ``[.., heads_kv, ..]``
+    (``seq_name`` None: the query length is not compared)."""
     device = q.device.type if q.device.type in DEVICE_TYPES else "other"
-    return [
-        field("batch", q.shape[0]), field(seq_name, q.shape[1]), field("heads_q", q.shape[2]),
-        field("heads_kv", k.shape[2]), field("head_dim", q.shape[3]),
-        choice_field("dtype", q.dtype, DTYPES),
-        choice_field("device", device, DEVICE_TYPES),
-    ]
+    seq = [] if seq_name is None else [field(seq_name, q.shape[1])]
+    return [field("batch", q.shape[0]), *seq, field("heads_q", q.shape[2]), field("heads_kv", k.shape[2]),
+            field("head_dim", q.shape[3]), choice_field("dtype", q.dtype, DTYPES),
+            choice_field("device", device, DEVICE_TYPES)]
 
 
 def table_device(group: dist.ProcessGroup | None, hint: object) -> torch.device:

@@ -38,11 +38,9 @@ from megatron_ring.attention.auto_comm import DEFAULT_COSTS, CommCosts, attentio
 from megatron_ring.attention.block import block_forward, compute_dtype, merge_into, merge_stacked, resolve_backend
 from megatron_ring.attention.call import check_qkv, check_scale, check_window, prepare
 from megatron_ring.attention.comms import cp_place
-from megatron_ring.attention.handshake import (
-    DEVICE_TYPES, DTYPES, Field, choice_field, field, scale_field, table_device,
-)
+from megatron_ring.attention.handshake import Field, choice_field, field, scale_field, table_device, tensor_fields
 from megatron_ring.attention.transport import gather_stacked, post, wait_all
-from megatron_ring.attention.window import positions_visible
+from megatron_ring.attention.window import check_positions, positions_visible
 
 TURN_MODES: tuple[str, ...] = ("auto", "pass_kv", "pass_q")
 TAG = 4242
@@ -80,15 +78,6 @@ def turn_times(costs: CommCosts, *, new_tokens: int, kv_tokens: int, cp_size: in
     return TurnChoice("pass_kv" if pass_kv <= pass_q else "pass_q", pass_kv, pass_q)
 
 
-def _check_positions(name: str, positions: object, length: int, what: str) -> torch.Tensor:
-    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) \
-            or tuple(positions.shape) != (length,):
-        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else \
-            type(positions).__name__
-        raise ValueError(f"{name} must be an int32/int64 tensor [{what}] = [{length}], got {got}")
-    return positions.to(torch.int64)
-
-
 @dataclass(frozen=True)
 class TurnCall:
     """A checked ``turn_attention`` call."""
@@ -111,14 +100,11 @@ def _turn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_sca
     if right != 0:
         raise ValueError(f"window_size = {window_size!r}: a turn is causal, so right must be 0; allowed: (left, 0) "
                          "with left >= -1 (-1 = unbounded)")
-    q_pos = _check_positions("q_positions", q_positions, q.shape[1], "q_len")
-    k_pos = _check_positions("k_positions", k_positions, k.shape[1], "s_local")
+    q_pos = check_positions("q_positions", q_positions, q.shape[1], "q_len")
+    k_pos = check_positions("k_positions", k_positions, k.shape[1], "s_local")
     scale = check_scale(softmax_scale, q.shape[-1])
     kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=True)
-    device = q.device.type if q.device.type in DEVICE_TYPES else "other"
-    fields = [field("batch", q.shape[0]), field("heads_q", q.shape[2]), field("heads_kv", k.shape[2]),
-              field("head_dim", q.shape[3]), choice_field("dtype", q.dtype, DTYPES),
-              choice_field("device", device, DEVICE_TYPES), scale_field(scale), field("window_size[0]", left),
+    fields = [*tensor_fields(q, k, None), scale_field(scale), field("window_size[0]", left),
               choice_field("mode", mode, TURN_MODES)]
     return TurnCall(scale, kernel, left, mode, q_pos.to(q.device), k_pos.to(q.device)), fields
 
@@ -199,11 +185,9 @@ def _pass_q(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, call: TurnCall
     out, lse = _attend(every, q_positions.reshape(-1), kh, vh, call.k_positions, call)
     part = torch.cat((out, lse.unsqueeze(-1)), dim=-1).reshape(b, hq, size, longest, d + 1)
     send = part.permute(2, 0, 1, 3, 4).contiguous()  # [P, b, hq, longest, d + 1]: row r goes to rank r
-    recv = torch.empty_like(send)
+    recv = send if size == 1 else torch.empty_like(send)
     if size > 1:
         dist.all_to_all_single(recv, send, group=group)
-    else:
-        recv = send
     merged, _ = merge_stacked(recv[..., :tq, :d], recv[..., :tq, d])
     return merged
 
@@ -242,15 +226,11 @@ def turn_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor
     shape = [q.shape[1], k_local.shape[1]]
     sizes = [shape] if size == 1 else gather_stacked(
         torch.tensor(shape, dtype=torch.int64, device=table_device(flat, q)), flat, size).tolist()
-    chosen = call.mode
-    if chosen == "auto":
-        chosen = choose_turn_mode(q, k_local, sizes, costs).mode
+    chosen = choose_turn_mode(q, k_local, sizes, costs).mode if call.mode == "auto" else call.mode
     with torch.no_grad():
         qh, kh, vh = q.transpose(1, 2), k_local.transpose(1, 2), v_local.transpose(1, 2)
-        if chosen == "pass_kv":
-            out = _pass_kv(qh, kh, vh, call, flat, rank, size, sizes)
-        else:
-            out = _pass_q(qh, kh, vh, call, flat, size, sizes)
+        out = _pass_kv(qh, kh, vh, call, flat, rank, size, sizes) if chosen == "pass_kv" else \
+            _pass_q(qh, kh, vh, call, flat, size, sizes)
         return out.to(q.dtype).transpose(1, 2)
 
 

@@ -52,3 +52,14 @@ def positions_visible(q_positions: torch.Tensor, k_positions: torch.Tensor, wind
     lo, hi = band_limits(window, causal=False)
     d = q_positions[:, None].to(torch.int64) - k_positions[None, :].to(torch.int64)
     return (d >= lo) & (d <= hi)
+
+
+def check_positions(name: str, positions: object, length: int, what: str, needed: str = "") -> torch.Tensor:
+    """int ``[length]`` positions (``what`` names the dimension) as int64; ValueError naming ``name`` (``needed``: when
+    they are needed, for the message)."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) \
+            or tuple(positions.shape) != (length,):
+        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else \
+            type(positions).__name__
+        raise ValueError(f"{name} must be an int32/int64 tensor [{what}] = [{length}]{needed}, got {got}")
+    return positions.to(torch.int64)
