@@ -200,23 +200,22 @@ def turn_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor
     """Causal attention of this rank's share of a new turn over every rank's cache shard (Note [Pass-KV or pass-Q]).
 
     Args:
-        q: ``[batch, q_len, heads_q, head_dim]``, this rank's new queries (``q_len`` may differ between
-            ranks and may be 0).
-        k_local, v_local: ``[batch, s_local, heads_kv, head_dim]``, this rank's whole shard: its cached
-            K/V and its new tokens' K/V, appended (``s_local`` may differ and may be 0).
+        q: ``[batch, q_len, heads_q, head_dim]``, this rank's new queries (``q_len`` may differ between ranks, be 0).
+        k_local, v_local: ``[batch, s_local, heads_kv, head_dim]``, this rank's whole shard: its cached K/V and its new
+            tokens' K/V, appended (``s_local`` may differ and may be 0).
         group: the CP group (None = world, or one process without torch.distributed).
         q_positions: int ``[q_len]``, the new queries' positions in the conversation; k_positions: int
-            ``[s_local]``, the positions of this rank's keys (any order). Key ``j`` is visible to query
-            ``i`` iff ``k_positions[j] <= q_positions[i]`` (and, with ``window_size=(left, 0)``,
+            ``[s_local]``, the positions of this rank's keys (any order). Key ``j`` is visible to query ``i`` iff
+            ``k_positions[j] <= q_positions[i]`` (and, with ``window_size=(left, 0)``,
             ``k_positions[j] >= q_positions[i] - left``).
         mode: ``"pass_kv"``, ``"pass_q"`` or ``"auto"`` (:func:`choose_turn_mode` with ``costs``, default
             ``DEFAULT_COSTS`` of the device type); the same on every rank.
-        check_consistency: first check that every rank passed the same batch, heads, head_dim, dtype,
-            scale, window and mode (Note [Cross-rank handshake]).
+        check_consistency: first check that every rank passed the same batch, heads, head_dim, dtype, scale, window and
+            mode (Note [Cross-rank handshake]).
 
     Returns:
-        ``[batch, q_len, heads_q, head_dim]`` in q's dtype: exactly the attention of these queries over
-        the union of the shards. Not differentiable (inference).
+        ``[batch, q_len, heads_q, head_dim]`` in q's dtype: exactly the attention of these queries over the union of the
+        shards. Not differentiable (inference).
     """
     place = cp_place(group, "p2p")
     call = prepare("turn_attention", place, check_consistency, q, lambda: _turn_call(
