@@ -89,8 +89,7 @@ def _spans(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, shardi
 
     Zigzag over ``ring_size = 1`` gives ``2 * a2a_size - 1`` spans (the last member's two chunks are
     adjacent); contiguous gives ``a2a_size`` runs of ``seq_local``. Copying runs is a few strided
-    memcpys, 1.3-1.7x faster on CPU than a gather or scatter by a per-token index.
-    """
+    memcpys, 1.3-1.7x faster on CPU than a gather or scatter by a per-token index."""
     size, total = a2a_size * ring_size, a2a_size * ring_size * seq_local
     received = torch.cat([local_positions(total, ring_rank * a2a_size + i, size, sharding) for i in range(a2a_size)])
     where = torch.empty(total, dtype=torch.int64)

@@ -68,8 +68,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns:
         ``[batch, seq_local, heads_q, head_dim]`` (packed: ``[tokens_local, heads_q, head_dim]``) in q's dtype;
         differentiable w.r.t. q, k, v. An empty batch (batch 0) gives an empty result; ``seq_local``, heads or
-        ``head_dim`` of 0 are a ValueError.
-    """
+        ``head_dim`` of 0 are a ValueError."""
     options = dict(causal=causal, softmax_scale=softmax_scale, sharding=sharding, comm=comm, backend=backend,
                    window_size=window_size, check_consistency=check_consistency)
     if torch.compiler.is_compiling() and comm in RING_COMMS and cu_seqlens is None and dilation is None:

@@ -63,8 +63,7 @@ def decode_call(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *
     (Note [Cross-rank handshake]); not the shard length ``s_local`` nor ``k_positions`` (both differ between ranks).
 
     The kernel is resolved on every rank, even one with an empty shard, so that a rank that cannot
-    run it raises with the others (through the handshake) instead of leaving them in the all-gather.
-    """
+    run it raises with the others (through the handshake) instead of leaving them in the all-gather."""
     check_qkv(q, k_local, v_local, same_seq=False)
     check_tokens(q, "q_len", "decode_attention", "at least one query token")
     check_key_padding_mask(key_padding_mask, k_local)
@@ -140,8 +139,7 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
 
     Returns:
         ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
-        An empty batch gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError.
-    """
+        An empty batch gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError."""
     if torch.compiler.is_compiling():  # one opaque custom op: Note [torch.compile] in ops.py
         options = dict(softmax_scale=softmax_scale, backend=backend, window_size=window_size,
                        check_consistency=check_consistency)
@@ -183,8 +181,7 @@ def decode_attention_rows(q: torch.Tensor, shards: list[tuple[torch.Tensor, torc
             (int ``[n, q_len]``) and ``k_positions`` (``n`` int tensors ``[s_j]``).
 
     Returns:
-        ``[n, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
-    """
+        ``[n, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable."""
     if not isinstance(shards, (list, tuple)) or len(shards) != q.shape[0]:
         raise ValueError(f"shards must be a list of {q.shape[0]} (k, v) pairs, one per row of q, got "
                          f"{len(shards) if isinstance(shards, (list, tuple)) else type(shards).__name__}")

@@ -145,12 +145,10 @@ def _reason(row: list[int]) -> str:
 
 def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup | None, size: int,
           hint: object, reason: str = "") -> None:
-    """All-gather this rank's row and raise ValueError unless every rank of ``group`` sent the same one.
-
-    ``fields`` is None when this rank's own checks failed: it then only tells the others, with
-    ``reason`` (its error, cut to :data:`REASON_BYTES`), and returns, to raise its own error.
-    ``hint`` is the caller's q, for the device of NCCL groups.
-    """
+    """All-gather this rank's row and raise ValueError unless every rank of ``group`` sent the same one. ``fields`` is
+    None when this rank's own checks failed: it then only tells the others, with ``reason`` (its error, cut to
+    :data:`REASON_BYTES`), and returns, to raise its own error. ``hint`` is the caller's q, for the device of NCCL
+    groups."""
     codes = _reason_codes(reason) if fields is None else [code for _, code, _ in fields]
     assert len(codes) <= WIDTH - 2, "widen WIDTH for more fields"
     row = torch.zeros(WIDTH, dtype=torch.int64)
@@ -172,8 +170,7 @@ def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint
     groups and then the ring groups (every rank of the grid is linked to every other through them).
 
     A rank whose a2a group disagrees enters the ring-group round as rejected (``valid = 0``), so
-    every ring group, and with it every rank, raises; none waits in a collective.
-    """
+    every ring group, and with it every rank, raises; none waits in a collective."""
     if place.has_flat:
         agree(entry, fields, place.flat, place.size, hint, reason)
         return

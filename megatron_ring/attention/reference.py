@@ -12,12 +12,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         window_size: tuple[int, int] = (-1, -1),
                         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention in float64 over global tensors ``[batch, seq, heads, head_dim]`` (GQA aware).
-
     ``key_padding_mask``: bool ``[batch, seq_k]``, True = a real key; a query that sees no key gets a zero output.
     ``window_size``: flash-attn's ``(left, right)`` on positions (-1 = unbounded). ``cu_seqlens``: q/k/v packed
     ``[tokens, heads, head_dim]`` (mask ``[tokens]``), each document computed on its own, positions counted from its
-    start. Differentiable, so references for gradients come from ``torch.autograd``. Returns float64.
-    """
+    start. Differentiable, so references for gradients come from ``torch.autograd``. Returns float64."""
     if cu_seqlens is not None:
         bounds = cu_seqlens.tolist()
         docs = [attention_reference(
@@ -63,8 +61,7 @@ def dilated_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dilatio
     (the last shorter); query head ``h`` has phase ``p = h * r // heads_q``; the query at offset
     ``i`` and the key at offset ``j`` of one segment meet iff ``i = j = p (mod r)`` (and ``j <= i``
     with ``causal``). Each pair gives ``(out_k, denominator_k)`` per query and head; the result is
-    ``sum_k out_k * denominator_k / sum_k denominator_k`` (zero for a query no pair covers).
-    """
+    ``sum_k out_k * denominator_k / sum_k denominator_k`` (zero for a query no pair covers)."""
     seq, heads = q.shape[1], q.shape[2]
     pos = torch.arange(seq)
     outs, lses = [], []

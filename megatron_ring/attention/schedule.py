@@ -110,8 +110,7 @@ def segment_plans(q_segments: Sequence[Segment], k_segments: Sequence[Segment], 
 
     ``same_rank``: the block is the rank's own. Then, for a causal unwindowed document, its local
     rows are one causal block (local positions increase, as in Note [Causal zigzag: equal work at
-    every step]). See Note [Windows and documents: which blocks meet].
-    """
+    every step]). See Note [Windows and documents: which blocks meet]."""
     plans: list[StepPlan] = []
     for doc in sorted({g.doc for g in q_segments}):
         qs = [g for g in q_segments if g.doc == doc]
@@ -170,11 +169,9 @@ class Piece:
 
 def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], lo: int, hi: int, *,
                   windowed: bool = False, sparse: bool = False) -> Schedule:
-    """The schedule of ``rank`` given every rank's runs ``segments[r]`` and the band ``lo..hi``.
-
-    Every rank derives the same pairs from the same inputs, so what one rank sends at step t is
-    exactly what its peer expects (Note [Direct transfers] in direct.py).
-    """
+    """The schedule of ``rank`` given every rank's runs ``segments[r]`` and the band ``lo..hi``. Every rank derives the
+    same pairs from the same inputs, so what one rank sends at step t is exactly what its peer expects
+    (Note [Direct transfers] in direct.py)."""
     def plans(r: int, src: int) -> tuple[StepPlan, ...]:
         return segment_plans(segments[r], segments[src], lo, hi, same_rank=r == src)
 

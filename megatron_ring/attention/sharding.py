@@ -75,11 +75,9 @@ def chunk_ids(cp_rank: int, cp_size: int, sharding: str = "zigzag") -> list[int]
 def local_positions(seq_len: int, cp_rank: int, cp_size: int, sharding: str = "zigzag",
                     device: torch.device | str | None = None, *,
                     cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Global positions (int64 ``[seq_len // cp_size]``) of the tokens rank ``cp_rank`` holds.
-
-    With ``cu_seqlens`` (``seq_len`` = its last entry): each token's position inside its own
-    document (what rotary embeddings need), in the rank's packed order.
-    """
+    """Global positions (int64 ``[seq_len // cp_size]``) of the tokens rank ``cp_rank`` holds. With ``cu_seqlens``
+    (``seq_len`` = its last entry): each token's position inside its own document (what rotary embeddings need), in the
+    rank's packed order."""
     if cu_seqlens is not None:
         segments = rank_segments(cp_rank, cp_size, doc_lengths(cu_seqlens, seq_len, cp_size, sharding), sharding)
         return torch.cat([torch.arange(g.pos, g.pos + g.length, device=device) for g in segments]
@@ -105,8 +103,7 @@ def check_cu_seqlens(cu_seqlens: object, total_tokens: int) -> tuple[int, ...]:
     """The document lengths of packed boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``, from 0 to
     ``total_tokens``, non-decreasing); TypeError/ValueError naming ``cu_seqlens`` otherwise.
 
-    Reads the values to the host (one device synchronisation when they live on a GPU).
-    """
+    Reads the values to the host (one device synchronisation when they live on a GPU)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an int32 torch.Tensor [n_docs + 1] or None, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -165,11 +162,9 @@ def _global_runs(cp_rank: int, cp_size: int, cu_seqlens: torch.Tensor, total: in
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int = 1, sharding: str = "zigzag",
                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The part of ``x`` (global along ``dim``) that rank ``cp_rank`` of ``cp_size`` holds.
-
-    ``cu_seqlens``: ``x`` is packed along ``dim`` (e.g. ``[tokens, heads, head_dim]`` with ``dim=0``)
-    and each document is sharded on its own (Note [Packed documents (varlen)]).
-    """
+    """The part of ``x`` (global along ``dim``) that rank ``cp_rank`` of ``cp_size`` holds. ``cu_seqlens``: ``x`` is
+    packed along ``dim`` (e.g. ``[tokens, heads, head_dim]`` with ``dim=0``) and each document is sharded on its own
+    (Note [Packed documents (varlen)])."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_rank(cp_rank, cp_size)

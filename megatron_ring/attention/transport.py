@@ -40,10 +40,8 @@ BlockAndGrads = tuple[int, "Piece", torch.Tensor, torch.Tensor, GradPieces]
 
 
 class KVTransport(Protocol):
-    """The K/V blocks of one ring call, forward or backward; built per pass, never reused.
-
-    ``k``/``v`` are this rank's block ``[batch, heads_kv, seq_local, head_dim]`` (heads-first).
-    """
+    """The K/V blocks of one ring call, forward or backward; built per pass, never reused. ``k``/``v`` are this rank's
+    block ``[batch, heads_kv, seq_local, head_dim]`` (heads-first)."""
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
         """Forward: every block this rank's plans read, once per piece, piece after piece (the relay: every block's
@@ -104,13 +102,11 @@ def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int
 @dataclass
 class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
-
-    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring
-    per group of ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
-    and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
-    it is the equivalent ring volume. With a window or packed documents (direct transfers,
-    direct.py) both count only the steps in which this rank sends, and what it sends.
-    """
+    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring per group of
+    ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations and P gradient transfers).
+    ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"`` it is the equivalent ring volume. With a
+    window or packed documents (direct transfers, direct.py) both count only the steps in which this rank sends, and
+    what it sends."""
 
     calls: int = 0
     steps: int = 0

@@ -58,12 +58,9 @@ class TurnChoice:
 
 def turn_times(costs: CommCosts, *, new_tokens: int, kv_tokens: int, cp_size: int, batch: int, heads_q: int,
                heads_kv: int, head_dim: int, element_size: int) -> TurnChoice:
-    """Predicted attention seconds of one layer of a turn (Note [Pass-KV or pass-Q]) and the cheaper mode.
-
-    new_tokens: the turn's tokens over all ranks (``T``); kv_tokens: cached plus new tokens over all
-    ranks (``S``). Each rank holds ``T / P`` queries and ``S / P`` keys; a block is one rank's queries
-    against one rank's keys. Ties go to pass-KV.
-    """
+    """Predicted attention seconds of one layer of a turn (Note [Pass-KV or pass-Q]) and the cheaper mode. new_tokens:
+    the turn's tokens over all ranks (``T``); kv_tokens: cached plus new tokens over all ranks (``S``). Each rank holds
+    ``T / P`` queries and ``S / P`` keys; a block is one rank's queries against one rank's keys. Ties go to pass-KV."""
     p = cp_size
     q_local, s_local = new_tokens / p, kv_tokens / p
     block = attention_flops(batch=batch, q_len=q_local, k_len=s_local, heads=heads_q, head_dim=head_dim,
@@ -111,13 +108,10 @@ def _turn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_sca
 
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
             call: TurnCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, hq, q, d], lse [b, hq, q])`` of heads-first q against k/v, causal on positions.
-
-    Without a window, the keys that precede every query need no mask. When the keys are in ascending
-    order (a cache appends by position), they are a prefix of the block. It runs unmasked, and only
-    the rest (this turn's own tokens) is masked; the two parts merge by log-sum-exp. Query rows at
-    position -1 (pass-Q's padding) are never read, so they do not count.
-    """
+    """``(out [b, hq, q, d], lse [b, hq, q])`` of heads-first q against k/v, causal on positions. Without a window, the
+    keys that precede every query need no mask. When the keys are in ascending order (a cache appends by position), they
+    are a prefix of the block. It runs unmasked, and only the rest (this turn's own tokens) is masked; the two parts
+    merge by log-sum-exp. Query rows at position -1 (pass-Q's padding) are never read, so they do not count."""
     b, hq, tq, d = q.shape
     ct = compute_dtype(q.dtype)
     if tq == 0 or k.shape[2] == 0:
@@ -215,8 +209,7 @@ def turn_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor
 
     Returns:
         ``[batch, q_len, heads_q, head_dim]`` in q's dtype: exactly the attention of these queries over the union of the
-        shards. Not differentiable (inference).
-    """
+        shards. Not differentiable (inference)."""
     place = cp_place(group, "p2p")
     call = prepare("turn_attention", place, check_consistency, q, lambda: _turn_call(
         q, k_local, v_local, softmax_scale=softmax_scale, backend=backend, window_size=window_size, mode=mode,
