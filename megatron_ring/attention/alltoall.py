@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -183,23 +183,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, exchange: _Exchange, to_heads: bool, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.exchange, ctx.to_heads = exchange, to_heads
-        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
-        return tuple(exchange.to_heads(xs) if to_heads else exchange.to_seq(xs))
+        outs = tuple(exchange.to_heads(xs) if to_heads else exchange.to_seq(xs))
+        ctx.outs = [(o.shape, o.dtype, o.device) for o in outs]
+        return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
-        exchange: _Exchange = ctx.exchange
-        filled = [g if g is not None else torch.zeros(_out_shape(ctx, i), dtype=ctx.shapes[i][1], device=ctx.shapes[i][2])
-                  for i, g in enumerate(grads)]
-        back = exchange.to_seq(filled) if ctx.to_heads else exchange.to_heads(filled)
-        return (None, None, *back)
-
-
-def _out_shape(ctx: Any, i: int) -> torch.Size:
-    """Shape of output ``i`` of an :class:`_AllToAll` from its input's shape."""
-    shape, a = ctx.shapes[i][0], ctx.exchange.size
-    b, s, h, d = shape
-    return torch.Size((b, s * a, h // a, d) if ctx.to_heads else (b, s // a, h * a, d))
+        filled = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                  for g, (shape, dtype, device) in zip(grads, ctx.outs)]
+        return (None, None, *(ctx.exchange.to_seq(filled) if ctx.to_heads else ctx.exchange.to_heads(filled)))
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,

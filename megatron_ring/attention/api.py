@@ -79,14 +79,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     call, (qb, kb, vb, mask) = prepare_ring(q, k, v, group, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
                                             dilation=dilation, **options)  # type: ignore[arg-type]
     if qb.shape[0] == 0:
-        return _empty_batch(q, k, v)
+        # the [0, seq_local, heads_q, head_dim] output, in the autograd graph of q, k and v (sums over no element: 0)
+        return q + (k.sum() + v.sum()).to(q.dtype)
     if call.comm in A2A_COMMS:
         return a2a_attention(qb, kb, vb, call, mask)
     out = run_ring(qb, kb, vb, call, mask)
     return out if cu_seqlens is None else out.squeeze(0)
-
-
-def _empty_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The ``[0, seq_local, heads_q, head_dim]`` output of an empty batch, in the autograd graph of
-    q, k and v (whose gradients are then empty too); nothing moves."""
-    return q + (k.sum() + v.sum()).to(q.dtype)  # sums over no element: 0

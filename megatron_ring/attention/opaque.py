@@ -32,13 +32,10 @@ def call_op(name: str, tensors: tuple[object, ...], group: object, extras: dict[
     argument cannot cross (a non-tensor input, a group that is not a ProcessGroup, an option that
     is not a literal): the caller then runs its eager code, which rejects such arguments with a
     TypeError/ValueError on every rank alike (dynamo breaks the graph there)."""
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return None
-    if not all(t is None or isinstance(t, torch.Tensor) for t in extras.values()):
-        return None
-    if not all(_literal(value) for value in options.values()):
-        return None
-    if group is not None and not isinstance(group, dist.ProcessGroup):
+    if not (all(isinstance(t, torch.Tensor) for t in tensors)
+            and all(t is None or isinstance(t, torch.Tensor) for t in extras.values())
+            and all(_literal(value) for value in options.values())
+            and (group is None or isinstance(group, dist.ProcessGroup))):
         return None
     group_name = "" if group is None else group.group_name
     op = getattr(torch.ops.megatron_ring, name)

@@ -23,12 +23,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             key_padding_mask=None if key_padding_mask is None else key_padding_mask[None, a:b],
             window_size=window_size)[0] for a, b in zip(bounds, bounds[1:])]
         return torch.cat(docs)
-    q64, k64, v64 = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))
-    groups = q64.shape[1] // k64.shape[1]
-    k64 = k64.repeat_interleave(groups, dim=1)
-    v64 = v64.repeat_interleave(groups, dim=1)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    scores = _scores(q, k, softmax_scale)
     if causal:
         sq, sk = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))
@@ -42,7 +37,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         scores = scores.masked_fill(d < -right, float("-inf"))
     blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows that see no key: zero output
     probs = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)
-    return torch.matmul(probs, v64).transpose(1, 2)
+    return torch.matmul(probs, _heads_first(v, q.shape[2])).transpose(1, 2)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
