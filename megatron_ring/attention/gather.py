@@ -90,9 +90,9 @@ class GatheredBlocks:
         self.group, self.rank, self.size, self.piece = group, rank, size, piece
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, piece, k_src, v_src)`` (a whole piece; None when a caller cuts pieces out), each ``[batch, heads_kv, seq_local, head_dim]``
-        heads-first: this rank's own block while the gather is in flight, then the others in rank
-        order, each once it has arrived. Counted as the equivalent ring volume: P-1 steps of K/V."""
+        """``(src, piece, k_src, v_src)`` (a whole piece; None when a caller cuts pieces out), each
+        ``[batch, heads_kv, seq_local, head_dim]`` heads-first: this rank's own block while the gather is in flight,
+        then the others in rank order, each once it has arrived. Counted as the ring's volume: P-1 steps of K/V."""
         k, v = k.contiguous(), v.contiguous()  # heads-first (Note [Heads-first blocks] in ring.py)
         gather = start_gather_blocks((k, v), self.group, self.rank, self.size)
         count_sent(self.size - 1, 2 * k.numel() * k.element_size() * (self.size - 1))

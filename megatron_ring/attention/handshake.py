@@ -24,11 +24,9 @@ hit would skip the collective that a rank with a changed shape enters, which is 
 that knows its ranks agree (a decode loop after its first step, a training step after the first) can pass
 ``check_consistency=False``; it must then do so on every rank of the group, as the check itself is a collective.
 
-``ring_attention`` also sends whether its output needs gradients (grad mode on and q, k or v
-requiring them): a rank that differs would skip the backward ring the others wait in.
-
-Not compared: the block ``backend`` (each rank's kernel computes its own blocks, no collective
-depends on it) and, in decode, the cache shard length ``s_local`` (which legitimately differs).
+``ring_attention`` also sends whether its output needs gradients (grad mode on and q, k or v requiring them): a rank
+that differs would skip the backward ring the others wait in. Not compared: the block ``backend`` (each rank's kernel
+computes its own blocks, no collective depends on it) and, in decode, the cache shard length ``s_local``.
 """
 from __future__ import annotations
 

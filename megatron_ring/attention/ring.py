@@ -4,11 +4,9 @@ Each rank keeps its queries and meets every K/V block in turn, as a transport br
 direct transfers, or a gather); the partial results are merged by log-sum-exp (Note [Log-sum-exp merge] in block.py).
 Activation memory per rank is O(L/P); with the ring no rank ever holds the whole sequence's K/V.
 
-:func:`ring_forward` and :func:`ring_backward` are the two loops, plain functions over a checked
-:class:`~megatron_ring.attention.call.RingCall`; :class:`_RingFunction` is their autograd Function and :func:`run_ring`
-the call of it on ``[batch, seq_local, heads, head_dim]`` tensors. Every variant runs through them: plain, windowed,
-packed, the relay's head groups, dilated attention, and the all-to-all comms (alltoall.py: the ring over the ring group,
-a ring of one after ``a2a``); the custom ops of torch.compile (ops.py) call them too.
+:func:`ring_forward` and :func:`ring_backward` are the one loop of every variant (Note [Pieces]), plain functions over
+a checked :class:`~megatron_ring.attention.call.RingCall`; :class:`_RingFunction` is their autograd Function,
+:func:`run_ring` its call on ``[batch, seq_local, heads, head_dim]`` tensors; the custom ops (ops.py) call them too.
 
 Note [Pieces]
 ~~~~~~~~~~~~~
