@@ -10,23 +10,21 @@ the rank that holds it::
 
     [b, L/P, H, d] --a2a--> [b, A*L/P, H/A, d] --attention--> [b, A*L/P, H/A, d] --a2a--> [b, L/P, H, d]
 
-* ``comm="a2a"`` (DeepSpeed-Ulysses): A = P, the attention is local on the full sequence, whose
-  tokens are put in global order (undoing the caller's zigzag), so any block kernel runs it as
-  one causal or full block: the ring of ring.py over one rank (one block, no transfer).
+* ``comm="a2a"`` (DeepSpeed-Ulysses): A = P, the attention is local on the full sequence, whose tokens are put in
+  global order (undoing the caller's zigzag), so any block kernel runs it as one causal or full block: the ring of
+  ring.py over one rank (one block, no transfer).
 * ``comm="a2a+p2p"`` (Megatron's hierarchical CP, USP): P = A x R. Rank c is member ``c % A`` of a2a group ``c // A``
   (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``. After the all-to-all, the A shards of an a2a
   group are exactly the shard of ring rank ``c // A`` in the same sharding over R ranks (zigzag: the first chunks in
   member order, then the second chunks in reverse order), and the p2p ring (ring.py's :func:`run_ring`) runs over the
   ring group on H/A heads, unchanged.
 
-The whole thing is differentiable: the backward of an all-to-all is the inverse all-to-all of the
-gradients. q, k and v travel in one all-to-all (their head groups packed side by side), and so do
-dq, dk and dv in backward, except where each is already its own send buffer (below).
-
-Copies per tensor and direction (Note [Heads-first after the all-to-all]): toward heads, one to
-pack the send buffer and one to put the received tokens in order (:func:`_spans`) and
-heads-first; back toward the sequence, one to pack (none with contiguous sharding, no ring and
-``b == 1``: the output already is its send buffer) and one to interleave the heads.
+The whole thing is differentiable: the backward of an all-to-all is the inverse all-to-all of the gradients. q, k and
+v travel in one all-to-all (their head groups packed side by side), and so do dq, dk and dv in backward, except where
+each is already its own send buffer. Copies per tensor and direction (Note [Heads-first after the all-to-all]): toward
+heads, one to pack the send buffer and one to put the received tokens in order (:func:`_spans`) and heads-first; back
+toward the sequence, one to pack (none with contiguous sharding, no ring and ``b == 1``: the output already is its send
+buffer) and one to interleave the heads.
 
 Note [Heads-first after the all-to-all]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -48,11 +46,9 @@ with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`~megatron_ring.at
     backward  (A-1)/A * b*s*d*e * (2*heads_q + 2*h')      dout out; dq, dk, dv back
               + (R-1) * 2*b*s*h'*d*e + R * 2*b*s*h'*d*4     the ring's K/V and fp32 dK/dV
 
-against ``(P-1) * 2*b*s*heads_kv*d*e`` for the forward of ``p2p``. The replication costs
-``h'/heads_kv`` times the K/V bytes of the all-to-all (e.g. MQA at A = 4: 4x the K/V share).
-
-A ``key_padding_mask`` is supported: the a2a group all-gathers its members' masks (one byte per
-token), puts them in the same order as the keys, and the ring takes them from there.
+against ``(P-1) * 2*b*s*heads_kv*d*e`` for the forward of ``p2p``. The replication costs ``h'/heads_kv`` times the K/V
+bytes of the all-to-all (e.g. MQA at A = 4: 4x the K/V share). A ``key_padding_mask``: the a2a group all-gathers its
+members' masks (one byte per token), puts them in the same order as the keys, and the ring takes them from there.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Block kernels from the flash-attn package (FlashAttention-2) on CUDA.
 
-The core works in ``[batch, heads, seq, head_dim]`` (BHSD) views whose memory is
-``[batch, seq, heads, head_dim]`` (BSHD), the package's layout: the views are handed over transposed
-back, which costs no copy because the package only needs unit stride on ``head_dim``. K/V keep
-their ``heads_kv`` heads (the package does GQA itself and returns dK/dV per K/V head).
+The core works in ``[batch, heads, seq, head_dim]`` (BHSD) views whose memory is ``[batch, seq, heads, head_dim]``
+(BSHD), the package's layout: the views are handed over transposed back, which costs no copy because the package only
+needs unit stride on ``head_dim``. K/V keep their ``heads_kv`` heads (the package does GQA and returns dK/dV per K/V
+head).
 
 Note [flash-attn's backward with the merged log-sum-exp]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -11,12 +11,10 @@ The public ``flash_attn_func`` differentiates one block on its own softmax. The 
 *global* softmax, so backward calls the package's ``_flash_attn_backward`` with the merged ``out`` and ``lse``
 (block_backward's contract). Its leading arguments have kept their order since 2.4; the tail changed (``window_size``
 became ``window_size_left``/``_right`` and ``softcap`` arrived in 2.6/2.7), so the tail is passed by name, read from the
-function's own signature. Forward uses the public ``flash_attn_func(...,
-return_attn_probs=True)``, which returns ``(out, lse, _)`` in every 2.x release.
-
-flash-attn declares q, k, v mutated by its forward op, so torch bumps their autograd version
-counters exactly as when calling ``flash_attn_func`` directly; the ring saves its tensors after
-the last forward call, so its own backward is unaffected.
+function's own signature. Forward uses the public ``flash_attn_func(..., return_attn_probs=True)``, which returns
+``(out, lse, _)`` in every 2.x release. flash-attn declares q, k, v mutated by its forward op, so torch bumps their
+autograd version counters exactly as when calling ``flash_attn_func`` directly; the ring saves its tensors after the
+last forward call, so its own backward is unaffected.
 """
 from __future__ import annotations
 

@@ -14,9 +14,7 @@ code unchanged: the local checks, the cross-rank handshake (Note [Cross-rank han
 same error on every rank, before any data moves), the p2p ring or the all-gather merge. For the trace, its fake
 implementation gives the output shapes from the inputs' alone, never raising, so a rank never fails at trace time while
 the others wait in a collective; any error comes from the op at run time, on every rank. The process group and keyword
-arguments cross as strings (opaque.py).
-
-Consequences:
+arguments cross as strings (opaque.py). Consequences:
 
 * no graph break in ``ring_attention`` / ``decode_attention``, so ``fullgraph=True`` works and a model's graph runs
   through its attention layers; the ops are opaque, so inductor fuses the code around them, not the ring's own block

@@ -28,13 +28,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 Block = tuple[int, "Piece", torch.Tensor, torch.Tensor]
-"""``(src, piece, k_src, v_src)``: the K/V of ``piece`` (schedule.py's unit of work) in the block of
-CP rank ``src``, each ``[batch, piece's K/V heads, rows, head_dim]``: every head and row of the
-block for a whole piece, a head group for the relay's forward (Note [Forward memory] in relay.py),
-compact rows for a dilated piece; the rows are those the piece's plans index."""
+"""``(src, piece, k_src, v_src)``: the K/V of ``piece`` (schedule.py's unit of work) in the block of CP rank ``src``,
+each ``[batch, piece's K/V heads, rows, head_dim]``: the heads and rows the piece's plans index (Note [Pieces])."""
 GradPieces = list[tuple[slice, slice, torch.Tensor, torch.Tensor]]
-"""``(heads, rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads, rows,
-head_dim]`` belong to K/V heads ``heads`` (relative to the piece's) and key rows ``rows``."""
+"""``(heads, rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads, rows, head_dim]`` belong to
+K/V heads ``heads`` (relative to the piece's) and key rows ``rows``."""
 BlockAndGrads = tuple[int, "Piece", torch.Tensor, torch.Tensor, GradPieces]
 """``(src, piece, k_src, v_src, outbox)``: a block and the list the caller appends its gradient pieces to."""
 
