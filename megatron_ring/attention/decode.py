@@ -12,9 +12,9 @@ moves during decode; the caller appends each new token's K/V to one rank only (r
     rank 1: q . [K1 | new1]  -> (o1, lse1)  }-- all_gather --> merge -> o (same on all ranks)
     rank 2: q . [K2]         -> (o2, lse2) /
 
-With a sliding window, each rank masks its shard by positions (``q_positions`` vs
-``k_positions``, any order, e.g. round-robin), so a query sees only the cached keys inside its
-window; a rank whose whole shard is outside contributes ``lse = -inf`` (weight 0).
+With a sliding window, each rank masks its shard by positions (``q_positions`` vs ``k_positions``, any order, e.g.
+round-robin), so a query sees only the cached keys inside its window; a rank whose whole shard is outside contributes
+``lse = -inf`` (weight 0).
 
 Note [Decode after an all-to-all prefill]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -118,18 +118,18 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
 
     Args:
         q: ``[batch, q_len, heads_q, head_dim]``, identical on all ranks of ``group``.
-        k_local, v_local: this rank's cache shard ``[batch, s_local, heads_kv, head_dim]``;
-            ``s_local`` may differ between ranks and may be 0. Every cached key is visible to every
-            query (append the new tokens' K/V before calling).
-        group: the context-parallel group (None = world, or one process without torch.distributed);
-            ValueError on a process that is not a member. A ``CPGroups`` / ``(a2a, ring)`` tuple
-            also serves, whatever comm the prefill used (Note [Decode after an all-to-all prefill]).
-        key_padding_mask: None, or bool ``[batch, s_local]`` for this rank's shard (True = a real
-            token), given on every rank or on none; a query that sees no real key on any rank
-            (also: the cache is empty on every rank) gets a zero output.
-        window_size: ``(left, right)``, flash-attn's sliding window on positions: query i sees
-            cached key j iff ``q_positions[i] - left <= k_positions[j] <= q_positions[i] + right``
-            (-1 = unbounded; right = 0 for a causal window). Other than ``(-1, -1)`` it needs
+        k_local, v_local: this rank's cache shard ``[batch, s_local, heads_kv, head_dim]``; ``s_local`` may differ
+            between ranks and may be 0. Every cached key is visible to every query (append the new tokens' K/V before
+            calling).
+        group: the context-parallel group (None = world, or one process without torch.distributed); ValueError on a
+            process that is not a member. A ``CPGroups`` / ``(a2a, ring)`` tuple also serves, whatever comm the prefill
+            used (Note [Decode after an all-to-all prefill]).
+        key_padding_mask: None, or bool ``[batch, s_local]`` for this rank's shard (True = a real token), given on every
+            rank or on none; a query that sees no real key on any rank (also: the cache is empty on every rank) gets a
+            zero output.
+        window_size: ``(left, right)``, flash-attn's sliding window on positions: query i sees cached key j iff
+            ``q_positions[i] - left <= k_positions[j] <= q_positions[i] + right`` (-1 = unbounded; right = 0 for a
+            causal window). Other than ``(-1, -1)`` it needs
         q_positions: int ``[q_len]``, the queries' global positions (the same on every rank), and
         k_positions: int ``[s_local]``, the positions of this rank's cached keys (any order).
         check_consistency: first check, with one small all-gather, that every rank passed the same batch, q_len, heads,
@@ -138,8 +138,8 @@ def decode_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tens
             decode loop it doubles the collectives per call; pass False once the first step has agreed.
 
     Returns:
-        ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable.
-        An empty batch gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError."""
+        ``[batch, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable. An empty batch
+        gives an empty result; ``q_len``, heads or ``head_dim`` of 0 are a ValueError."""
     if torch.compiler.is_compiling():  # one opaque custom op: Note [torch.compile] in ops.py
         options = dict(softmax_scale=softmax_scale, backend=backend, window_size=window_size,
                        check_consistency=check_consistency)
@@ -166,19 +166,17 @@ def decode_attention_rows(q: torch.Tensor, shards: list[tuple[torch.Tensor, torc
                           softmax_scale: float | None = None, backend: str = "auto",
                           window_size: tuple[int, int] = (-1, -1), q_positions: torch.Tensor | None = None,
                           k_positions: list[torch.Tensor] | None = None, check_consistency: bool = True) -> torch.Tensor:
-    """:func:`decode_attention` of ``n`` independent sequences at once, each against its own cache shard.
-
-    Serving decodes the running conversations together: their shards have different lengths on each
-    rank, so they cannot share one ``[batch, s_local, ...]`` tensor without padding every one to the
-    longest (a copy of every cache, every step). Each row attends its own shard here, and one
-    all-gather merges every row's partial result, as one :func:`decode_attention` call would.
+    """:func:`decode_attention` of ``n`` independent sequences at once, each against its own cache shard. Serving
+    decodes the running conversations together: their shards have different lengths on each rank, so they cannot share
+    one ``[batch, s_local, ...]`` tensor without padding every one to the longest (a copy of every cache, every step).
+    Each row attends its own shard here, and one all-gather merges every row's partial result, as one call would.
 
     Args:
         q: ``[n, q_len, heads_q, head_dim]``, identical on all ranks of ``group``.
-        shards: ``n`` pairs ``(k_j, v_j)``, this rank's shard of sequence ``j``, each
-            ``[1, s_j, heads_kv, head_dim]`` (``s_j`` may differ between rows and ranks, and be 0).
-        window_size: as in :func:`decode_attention`; other than ``(-1, -1)`` it needs ``q_positions``
-            (int ``[n, q_len]``) and ``k_positions`` (``n`` int tensors ``[s_j]``).
+        shards: ``n`` pairs ``(k_j, v_j)``, this rank's shard of sequence ``j``, each ``[1, s_j, heads_kv, head_dim]``
+            (``s_j`` may differ between rows and ranks, and be 0).
+        window_size: as in :func:`decode_attention`; other than ``(-1, -1)`` it needs ``q_positions`` (int
+            ``[n, q_len]``) and ``k_positions`` (``n`` int tensors ``[s_j]``).
 
     Returns:
         ``[n, q_len, heads_q, head_dim]`` in q's dtype, identical on all ranks. Not differentiable."""

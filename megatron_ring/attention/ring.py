@@ -106,14 +106,12 @@ def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: tor
     for src, piece, k_src, v_src in timed(transport.blocks(k, v), q.device, forward=True):
         if piece is not at:  # a new piece: its queries, heads-first (Note [Forward memory] in relay.py)
             at = piece
-            if piece.runs is None:
-                qp, op, lp = q[:, piece.q].contiguous(), out[:, piece.q], lse[:, piece.q]
-            else:
-                if id(piece) not in compact:
-                    (qc,) = _rows(piece, rank, (q,))
-                    compact[id(piece)] = (qc, torch.zeros(qc.shape, dtype=ct, device=q.device),
-                                          torch.full(qc.shape[:3], float("-inf"), dtype=ct, device=q.device))
-                qp, op, lp = compact[id(piece)]
+            if piece.runs is not None and id(piece) not in compact:
+                (qc,) = _rows(piece, rank, (q,))
+                compact[id(piece)] = (qc, torch.zeros(qc.shape, dtype=ct, device=q.device),
+                                      torch.full(qc.shape[:3], float("-inf"), dtype=ct, device=q.device))
+            qp, op, lp = compact[id(piece)] if piece.runs is not None else \
+                (q[:, piece.q].contiguous(), out[:, piece.q], lse[:, piece.q])
         for plan in piece.schedule.plans[src]:
             key_mask, visible = _masks(key_masks, src, plan, q.device)
             for qh, kh in piece.groups:
@@ -146,13 +144,11 @@ def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: to
     for src, piece, k_src, v_src, outbox in timed(transport.blocks_and_grads(k, v, dkv), q.device):
         if piece is not at:
             at = piece
-            if piece.runs is None:
-                qp, op, lp, gp, dqp = _rows(piece, rank, (q, out, lse, dout, dq))
-            else:
-                if id(piece) not in compact:
-                    parts = _rows(piece, rank, (q, out, lse, dout))
-                    compact[id(piece)] = (*parts, torch.zeros(parts[0].shape, dtype=ct, device=q.device))
-                qp, op, lp, gp, dqp = compact[id(piece)]
+            if piece.runs is not None and id(piece) not in compact:
+                parts = _rows(piece, rank, (q, out, lse, dout))
+                compact[id(piece)] = (*parts, torch.zeros(parts[0].shape, dtype=ct, device=q.device))
+            qp, op, lp, gp, dqp = compact[id(piece)] if piece.runs is not None else \
+                _rows(piece, rank, (q, out, lse, dout, dq))
         for plan in piece.schedule.plans[src]:
             key_mask, visible = _masks(key_masks, src, plan, q.device)
             for qh, kh in piece.groups:

@@ -105,12 +105,10 @@ def _merge_full(plans: list[StepPlan], along: str) -> list[StepPlan]:
 
 def segment_plans(q_segments: Sequence[Segment], k_segments: Sequence[Segment], lo: int, hi: int, *,
                   same_rank: bool) -> tuple[StepPlan, ...]:
-    """The work of a rank's queries (runs ``q_segments``) on a K/V block (runs ``k_segments``) when
-    the query sees the key iff same document and ``lo <= q_pos - k_pos <= hi``; empty = skip.
-
-    ``same_rank``: the block is the rank's own. Then, for a causal unwindowed document, its local
-    rows are one causal block (local positions increase, as in Note [Causal zigzag: equal work at
-    every step]). See Note [Windows and documents: which blocks meet]."""
+    """The work of a rank's queries (runs ``q_segments``) on a K/V block (runs ``k_segments``) when the query sees the
+    key iff same document and ``lo <= q_pos - k_pos <= hi``; empty = skip. ``same_rank``: the block is the rank's own;
+    then, for a causal unwindowed document, its local rows are one causal block (local positions increase, as in
+    Note [Causal zigzag: equal work at every step]). See Note [Windows and documents: which blocks meet]."""
     plans: list[StepPlan] = []
     for doc in sorted({g.doc for g in q_segments}):
         qs = [g for g in q_segments if g.doc == doc]
