@@ -68,9 +68,9 @@ from megatron_ring.attention.traffic import kv_heads_sent
 from megatron_ring.attention.transport import active_stats, count_sent, gather_stacked, now
 
 class Span(NamedTuple):
-    """``length`` consecutive tokens of the reordered sequence, from position ``start`` on, taken from
-    position ``offset`` on of a2a member ``member``'s shard (a copy, not a document: sharding.py's
-    ``Segment`` is a run of one document's positions)."""
+    """``length`` consecutive tokens of the reordered sequence, from position ``start`` on, taken from position
+    ``offset`` on of a2a member ``member``'s shard (a copy, not a document: sharding.py's ``Segment`` is a run of one
+    document's positions)."""
 
     start: int
     member: int
@@ -80,12 +80,11 @@ class Span(NamedTuple):
 
 @lru_cache(maxsize=64)
 def _spans(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, sharding: str) -> tuple[Span, ...]:
-    """Where the tokens of ring rank ``ring_rank``'s shard (over ``ring_size`` in ``sharding``) are among
-    the a2a group's received shards, as the fewest runs of consecutive tokens, in token order.
-
-    Zigzag over ``ring_size = 1`` gives ``2 * a2a_size - 1`` spans (the last member's two chunks are
-    adjacent); contiguous gives ``a2a_size`` runs of ``seq_local``. Copying runs is a few strided
-    memcpys, 1.3-1.7x faster on CPU than a gather or scatter by a per-token index."""
+    """Where the tokens of ring rank ``ring_rank``'s shard (over ``ring_size`` in ``sharding``) are among the a2a group's
+    received shards, as the fewest runs of consecutive tokens, in token order. Zigzag over ``ring_size = 1`` gives
+    ``2 * a2a_size - 1`` spans (the last member's two chunks are adjacent); contiguous gives ``a2a_size`` runs of
+    ``seq_local``. Copying runs is a few strided memcpys, 1.3-1.7x faster on CPU than a gather or scatter by a per-token
+    index."""
     size, total = a2a_size * ring_size, a2a_size * ring_size * seq_local
     received = torch.cat([local_positions(total, ring_rank * a2a_size + i, size, sharding) for i in range(a2a_size)])
     where = torch.empty(total, dtype=torch.int64)
@@ -192,9 +191,9 @@ class _AllToAll(torch.autograd.Function):
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
                   key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-    """``comm="a2a"`` or ``"a2a+p2p"`` on checked inputs: q ``[b, s, heads_q, d]``, k/v ``[b, s, heads_kv, d]``
-    -> ``[b, s, heads_q, d]``; the ring of ``a2a+p2p`` runs over the ring group on the head-sharded
-    tensors (Note [All-to-all between sequence and heads])."""
+    """``comm="a2a"`` or ``"a2a+p2p"`` on checked inputs: q ``[b, s, heads_q, d]``, k/v ``[b, s, heads_kv, d]`` ->
+    ``[b, s, heads_q, d]``; the ring of ``a2a+p2p`` runs over the ring group on the head-sharded tensors
+    (Note [All-to-all between sequence and heads])."""
     (ga, _, a), (gr, rr, r) = call.place.levels(call.comm)
     s, heads_kv = q.shape[1], k.shape[2]
     repeat = kv_heads_sent(heads_kv, a) // heads_kv

@@ -60,10 +60,9 @@ def decode_call(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *
                 backend: str, key_padding_mask: torch.Tensor | None, window_size: object,
                 q_positions: object, k_positions: object) -> tuple[DecodeCall, list[Field]]:
     """Every local check of a call, its record and its handshake fields: what every rank must agree on
-    (Note [Cross-rank handshake]); not the shard length ``s_local`` nor ``k_positions`` (both differ between ranks).
-
-    The kernel is resolved on every rank, even one with an empty shard, so that a rank that cannot
-    run it raises with the others (through the handshake) instead of leaving them in the all-gather."""
+    (Note [Cross-rank handshake]); not the shard length ``s_local`` nor ``k_positions`` (both differ between ranks). The
+    kernel is resolved on every rank, even one with an empty shard, so that a rank that cannot run it raises with the
+    others (through the handshake) instead of leaving them in the all-gather."""
     check_qkv(q, k_local, v_local, same_seq=False)
     check_tokens(q, "q_len", "decode_attention", "at least one query token")
     check_key_padding_mask(key_padding_mask, k_local)

@@ -38,9 +38,9 @@ def _is_int(x: object) -> bool:
 
 
 def check_dilation(dilation: object, heads_q: int, conflicts: dict[str, bool]) -> Pairs | None:
-    """``dilation`` as checked pairs (None stays None): one pair ``(w, r)`` or a non-empty sequence
-    of them, ints ``w >= 1``, ``1 <= r <= heads_q``. ``conflicts``: the other options that exclude
-    it (name -> given); ValueError naming the field, its value and what is allowed."""
+    """``dilation`` as checked pairs (None stays None): one pair ``(w, r)`` or a non-empty sequence of them, ints
+    ``w >= 1``, ``1 <= r <= heads_q``. ``conflicts``: the other options that exclude it (name -> given); ValueError
+    naming the field, its value and what is allowed."""
     if dilation is None:
         return None
     pairs = (dilation,) if isinstance(dilation, (tuple, list)) and len(dilation) == 2 and all(

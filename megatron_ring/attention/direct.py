@@ -48,9 +48,9 @@ class DirectTransfers:
         self.group, self.rank, self.size, self.piece, self.schedule = group, rank, size, piece, piece.schedule
 
     def _walk(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, _Whole | None]]:
-        """``(t, block)`` for every step t = 0..P-1 in order (see the Note on ordering), ``block``
-        None where this rank reads nothing of block ``rank - t``; step t+1's K/V are in flight
-        while step t's block is out. Only the used rows of a received block hold data."""
+        """``(t, block)`` for every step t = 0..P-1 in order (see the Note on ordering), ``block`` None where this rank
+        reads nothing of block ``rank - t``; step t+1's K/V are in flight while step t's block is out. Only the used
+        rows of a received block hold data."""
         k, v = k.contiguous(), v.contiguous()  # heads-first (Note [Heads-first blocks] in ring.py)
         own = (k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3))  # [seq, batch, heads, dim] views
         buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # two slots, allocated on first use
@@ -87,9 +87,9 @@ class DirectTransfers:
                 yield block[0], self.piece, block[1], block[2]
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """The blocks of :meth:`blocks`, each with an outbox. After step t, the rows of dK/dV computed
-        on block ``rank - t`` go home to it, and the rows rank ``rank + t`` computed on this rank's
-        block come in (added to ``dkv`` once landed, after the next step's compute)."""
+        """The blocks of :meth:`blocks`, each with an outbox. After step t, the rows of dK/dV computed on block
+        ``rank - t`` go home to it, and the rows rank ``rank + t`` computed on this rank's block come in (added to
+        ``dkv`` once landed, after the next step's compute)."""
         works: list[dist.Work] = []
         landing: tuple[slice, torch.Tensor] | None = None
         for t, block in self._walk(k, v):

@@ -104,9 +104,9 @@ class GatheredBlocks:
         wait_all(gather.sends, k.device)
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """The blocks of :meth:`blocks`, each with an outbox. Each block's gradient is its own
-        buffer (``dkv`` for this rank's), allocated when the block completes, and reduced to its
-        owner in rank order as soon as blocks 0..j are done (Note [All-gather overlap])."""
+        """The blocks of :meth:`blocks`, each with an outbox. Each block's gradient is its own buffer (``dkv`` for this
+        rank's), allocated when the block completes, and reduced to its owner in rank order as soon as blocks 0..j are
+        done (Note [All-gather overlap])."""
         done: dict[int, torch.Tensor] = {}
         reduces: list[dist.Work] = []
         for src, piece, k_src, v_src in self.blocks(k, v):

@@ -121,12 +121,11 @@ def _problem(entry: str, fields: Sequence[Field], table: list[list[int]]) -> str
         reasons = "; ".join(f"rank {rank}: {_reason(table[rank])}" for rank in invalid)
         return (f"the inputs were rejected on {_ranks(invalid)} ({reasons}; see the error raised there); {entry} "
                 "raises on every rank so that none waits in a collective")
-    found = [_differs(name, [row[2 + i] for row in table], show) for i, (name, _, show) in enumerate(fields)]
-    differing = [text for text in found if text is not None]
+    found = (_differs(name, [row[2 + i] for row in table], show) for i, (name, _, show) in enumerate(fields))
+    differing = "; ".join(text for text in found if text is not None)
     if not differing:
         return None
-    return "; ".join(differing) + ". Every rank of the group must pass the same value (check_consistency=False " \
-                                  "skips this check)"
+    return f"{differing}. Every rank of the group must pass the same value (check_consistency=False skips this check)"
 
 
 def _reason_codes(reason: str) -> list[int]:
@@ -164,11 +163,10 @@ def tell_peers(entry: str, group: dist.ProcessGroup | None, size: int, error: Ba
 
 
 def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object, reason: str = "") -> None:
-    """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a
-    groups and then the ring groups (every rank of the grid is linked to every other through them).
-
-    A rank whose a2a group disagrees enters the ring-group round as rejected (``valid = 0``), so
-    every ring group, and with it every rank, raises; none waits in a collective."""
+    """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a groups and then
+    the ring groups (every rank of the grid is linked to every other through them). A rank whose a2a group disagrees
+    enters the ring-group round as rejected (``valid = 0``), so every ring group, and with it every rank, raises; none
+    waits in a collective."""
     if place.has_flat:
         agree(entry, fields, place.flat, place.size, hint, reason)
         return

@@ -49,14 +49,12 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def dilated_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dilation: Sequence[tuple[int, int]], *,
                       causal: bool = False, softmax_scale: float | None = None) -> torch.Tensor:
-    """LongNet's dilated attention in float64, from its definition, over global ``[batch, seq, heads,
-    head_dim]`` tensors (GQA aware); differentiable.
-
-    ``dilation``: pairs ``(w, r)``. For each pair the sequence is cut into segments of ``w`` tokens
-    (the last shorter); query head ``h`` has phase ``p = h * r // heads_q``; the query at offset
-    ``i`` and the key at offset ``j`` of one segment meet iff ``i = j = p (mod r)`` (and ``j <= i``
-    with ``causal``). Each pair gives ``(out_k, denominator_k)`` per query and head; the result is
-    ``sum_k out_k * denominator_k / sum_k denominator_k`` (zero for a query no pair covers)."""
+    """LongNet's dilated attention in float64, from its definition, over global ``[batch, seq, heads, head_dim]``
+    tensors (GQA aware); differentiable. ``dilation``: pairs ``(w, r)``. For each pair the sequence is cut into segments
+    of ``w`` tokens (the last shorter); query head ``h`` has phase ``p = h * r // heads_q``; the query at offset ``i``
+    and the key at offset ``j`` of one segment meet iff ``i = j = p (mod r)`` (and ``j <= i`` with ``causal``). Each
+    pair gives ``(out_k, denominator_k)`` per query and head; the result is ``sum_k out_k * denominator_k / sum_k
+    denominator_k`` (zero for a query no pair covers)."""
     seq, heads = q.shape[1], q.shape[2]
     pos = torch.arange(seq)
     outs, lses = [], []

@@ -138,11 +138,11 @@ def rows_used(plans: Sequence[StepPlan]) -> slice | None:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One rank's whole schedule: ``plans[src]`` (empty = skip that block), ``recv_rows[t]`` the rows
-    of block ``(rank - t) mod P`` it reads (None: not needed) and ``send_rows[t]`` the rows of its
-    own block that rank ``(rank + t) mod P`` reads. ``windowed``: the window hides a pair that
-    ``causal`` does not (blocks may then need a band mask, and a kernel that takes one); ``sparse``:
-    a window or packed documents shape it (``p2p`` then moves blocks directly, direct.py)."""
+    """One rank's whole schedule: ``plans[src]`` (empty = skip that block), ``recv_rows[t]`` the rows of block
+    ``(rank - t) mod P`` it reads (None: not needed) and ``send_rows[t]`` the rows of its own block that rank
+    ``(rank + t) mod P`` reads. ``windowed``: the window hides a pair that ``causal`` does not (blocks may then need a
+    band mask, and a kernel that takes one); ``sparse``: a window or packed documents shape it (``p2p`` then moves
+    blocks directly, direct.py)."""
 
     plans: tuple[tuple[StepPlan, ...], ...]
     recv_rows: tuple[slice | None, ...]

@@ -15,13 +15,12 @@ Note [Masks as a bias, tile by tile]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The ring's backward needs a block backward that takes the merged ``out`` and ``lse`` (Note [Log-sum-exp merge] in
 block.py). Every kernel here has one, and all but ``flash`` take an additive bias (0 = seen, -inf = hidden), so one
-tiled driver serves CPU and CUDA alike and only the kernel call differs (tests/unit/test_sdpa_backend.py runs the driver
-on CPU, and the CUDA calls against a CPU stand-in of the ops). FlexAttention was the other candidate: its public API
-differentiates its own forward (no backward from an external lse) and compiles per mask, and the ring's band tiles
-differ per step. A bias costs the kernel one extra read per score, so it is kept small:
+tiled driver serves CPU and CUDA alike and only the kernel call differs. FlexAttention was the other candidate: its
+public API differentiates its own forward (no backward from an external lse) and compiles per mask, and the ring's band
+tiles differ per step. A bias costs the kernel one extra read per score, so it is kept small:
 
-* a key padding mask alone is one ``[batch, 1, 1, k_len]`` row, broadcast over heads and queries
-  with stride 0 (as torch's own SDPA expands a mask), and the causal flag stays the kernel's;
+* a key padding mask alone is one ``[batch, 1, 1, k_len]`` row, broadcast over heads and queries with stride 0 (as
+  torch's own SDPA expands a mask), and the causal flag stays the kernel's;
 * a ``visible`` mask (which absorbs ``causal``) becomes a ``[1 or batch, 1, q_len, k_len]`` bias only while that is at
   most :data:`BIAS_ELEMENTS`; beyond, queries are cut into tiles of that many bias elements, each against the key range
   its rows can see, and the tiles' dq / dk / dv are added up. The ring's band masks are at most ``BAND_TILE`` (512)
@@ -31,9 +30,8 @@ So one call holds q, k, v, out, lse, their gradients and at most ``BIAS_ELEMENTS
 ``O((Lq + Lk) * heads * head_dim)`` plus the caller's mask. CUDA kernels read bias rows in aligned vectors: rows are
 padded to 16 elements (a view keeps the logical width), and the efficient kernel's backward wants the lse of every head
 padded to a multiple of 32 queries (the layout of its own forward's lse; heads 8-aligned). A query that sees no key gets
-lse -inf and a zero output; its gradients are zero (lse -inf is passed as 0, so every ``exp(score - lse)`` is 0). GQA
-folds the query heads of a K/V head into the query axis (Note [GQA without repeats] in block.py; a ``visible`` bias is
-then repeated per folded head); under ``causal`` each head slice is a call.
+lse -inf and a zero output; its gradients are zero (lse -inf is passed as 0, so every ``exp(score - lse)`` is 0). GQA:
+Note [GQA without repeats] in block.py.
 """
 from __future__ import annotations
 

@@ -95,10 +95,9 @@ class Segment:
 
 
 def check_cu_seqlens(cu_seqlens: object, total_tokens: int) -> tuple[int, ...]:
-    """The document lengths of packed boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``, from 0 to
-    ``total_tokens``, non-decreasing); TypeError/ValueError naming ``cu_seqlens`` otherwise.
-
-    Reads the values to the host (one device synchronisation when they live on a GPU)."""
+    """The document lengths of packed boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``, from 0 to ``total_tokens``,
+    non-decreasing); TypeError/ValueError naming ``cu_seqlens`` otherwise. Reads the values to the host (one device
+    synchronisation when they live on a GPU)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an int32 torch.Tensor [n_docs + 1] or None, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
