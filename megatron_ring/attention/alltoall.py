@@ -80,11 +80,10 @@ class Span(NamedTuple):
 
 @lru_cache(maxsize=64)
 def _spans(seq_local: int, a2a_size: int, ring_size: int, ring_rank: int, sharding: str) -> tuple[Span, ...]:
-    """Where the tokens of ring rank ``ring_rank``'s shard (over ``ring_size`` in ``sharding``) are among the a2a group's
-    received shards, as the fewest runs of consecutive tokens, in token order. Zigzag over ``ring_size = 1`` gives
-    ``2 * a2a_size - 1`` spans (the last member's two chunks are adjacent); contiguous gives ``a2a_size`` runs of
-    ``seq_local``. Copying runs is a few strided memcpys, 1.3-1.7x faster on CPU than a gather or scatter by a per-token
-    index."""
+    """Where the tokens of ring rank ``ring_rank``'s shard (over ``ring_size`` in ``sharding``) are among the a2a
+    group's received shards, as the fewest runs of consecutive tokens, in token order. Zigzag over ``ring_size = 1``
+    gives ``2 * a2a_size - 1`` spans (the last member's two chunks are adjacent); contiguous gives ``a2a_size`` runs of
+    ``seq_local``. Copying runs is a few strided memcpys, 1.3-1.7x faster on CPU than a gather or scatter by index."""
     size, total = a2a_size * ring_size, a2a_size * ring_size * seq_local
     received = torch.cat([local_positions(total, ring_rank * a2a_size + i, size, sharding) for i in range(a2a_size)])
     where = torch.empty(total, dtype=torch.int64)
@@ -126,8 +125,8 @@ class _Exchange:
         return self.runs == tuple(Span(j * seq_local, j, 0, seq_local) for j in range(self.size))
 
     def to_heads(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``[b, s, h, d]`` each -> ``[b, A*s, h/A, d]`` in the order of :func:`_spans`, stored heads-first
-        (views of ``[b, h/A, A*s, d]``)."""
+        """``[b, s, h, d]`` each -> ``[b, A*s, h/A, d]`` in :func:`_spans`' order, heads-first (views of
+        ``[b, h/A, A*s, d]``)."""
         a = self.size
         b, s, _, d = xs[0].shape
         widths = [x.shape[2] // a for x in xs]

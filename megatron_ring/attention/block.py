@@ -1,5 +1,4 @@
-"""Attention of one local query block against one key/value block, returning the log-sum-exp, and the fp32 log-sum-exp
-merge of such partial results.
+"""Attention of one query block over one key/value block, with its log-sum-exp; the fp32 log-sum-exp merge of results.
 
 Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q`` heads, keys/values
 ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in memory (Note [GQA without repeats]).
@@ -27,8 +26,7 @@ block without a causal mask (every off-diagonal ring block, every decode step) d
 and out/lse unfold back. dK/dV then come out already summed over the group. Folding would break the causal diagonal
 block's position-based mask, so there ``sdpa`` makes one kernel call per head slice ``q[:, j::g]`` (query heads
 ``j, j + g, ...`` use K/V heads ``0, 1, ...``: as many as K/V has), writing into one output, and sums dK/dV over the
-slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). The math backend groups heads in
-its matmuls instead.
+slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). ``math`` groups heads in matmuls.
 
 ``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i sees keys 0..i.
 
@@ -37,8 +35,7 @@ sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the merge)
 True = the query may see the key: a sliding window's band, or decode's positions) hides pairs the same way and combines
 with both. ``math`` and ``sdpa`` take masks (``sdpa`` as an additive bias, never an ``Lq x Lk`` matrix of floats:
 Note [Masks as a bias, tile by tile] in sdpa_backend.py), ``flash_attn`` does not; ``resolve_backend`` with
-``masked=True`` picks or checks accordingly. With a ``visible`` mask the GQA fold still applies (the mask is repeated
-over the folded query heads).
+``masked=True`` picks or checks accordingly. The GQA fold takes a ``visible`` mask (repeated over the folded heads).
 
 Note [Log-sum-exp merge]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -117,7 +114,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def grouped(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """``[b, hq, s, d]`` -> ``[b, hkv, hq/hkv, s, d]`` (a view): query head ``h`` under its K/V head ``h // (hq/hkv)``."""
+    """``[b, hq, s, d]`` -> ``[b, hkv, hq/hkv, s, d]`` (a view): query head ``h`` under K/V head ``h // (hq/hkv)``."""
     b, hq, s, d = q.shape
     return q.reshape(b, heads_kv, hq // heads_kv, s, d)
 
@@ -151,9 +148,8 @@ def _check_mask_backend(masked: bool, backend: str, device: torch.device) -> Non
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                   backend: str, key_mask: torch.Tensor | None = None,
                   visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` (masks: see the module docstring):
-    ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in the compute dtype (math) or
-    q's dtype (sdpa, flash_attn)."""
+    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` (masks: module docstring):
+    ``(out [b, hq, sq, d], lse [b, hq, sq])``: lse fp32 (fp64 for fp64), out in the compute dtype (math) or q's."""
     _check_mask_backend(key_mask is not None or visible is not None, backend, q.device)
     if backend != "math":
         out, lse = flash_forward(q, k, v, causal=causal, scale=scale) if backend == "flash_attn" else \
@@ -214,8 +210,8 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
 
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge P partial results stacked on dim 0: outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]``
-    -> (out, lse) in fp32 (fp64 for fp64 inputs), in a fixed order, so every rank that merges the same inputs gets
-    bitwise the same result."""
+    -> (out, lse) in fp32 (fp64 for fp64 inputs), in a fixed order: every rank that merges the same inputs gets bitwise
+    the same result."""
     ct = torch.promote_types(lses.dtype, torch.float32)
     lses = lses.to(ct)
     total = torch.logsumexp(lses, dim=0)

@@ -86,8 +86,8 @@ def decode_call(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, *
 
 def _fill(part: torch.Tensor, qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: DecodeCall, blind: bool,
           key_mask: torch.Tensor | None, visible: torch.Tensor | None) -> None:
-    """Write out and lse of heads-first ``qh`` over one shard k, v ``[b, s, hkv, d]`` into ``part`` ``[b, hq, q, d + 1]``;
-    ``blind`` (the shard is empty, or no query sees any of it): a zero output and lse -inf."""
+    """Write out and lse of heads-first ``qh`` over one shard k, v ``[b, s, hkv, d]`` into ``part``
+    ``[b, hq, q, d + 1]``; ``blind`` (the shard is empty, or no query sees any of it): a zero output and lse -inf."""
     d = qh.shape[-1]
     if blind:
         part[..., :d], part[..., d] = 0, float("-inf")

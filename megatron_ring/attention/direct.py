@@ -18,8 +18,7 @@ sharding and a causal window of w chunks this is the ring stopping after ``ceil(
 from the same pure schedule, so sends and receives pair up. Every rank walks all steps t = 1..P-1 in the same order,
 posting step t+1's K/V before step t's gradients (posting nothing where it has nothing), so the p2p operations between
 two ranks are posted in the same order on both, as NCCL requires (it ignores tags). The transfer of the next needed step
-is in flight while the current block computes (two receive buffers, as in Note [Overlap and double buffering] in
-relay.py).
+is in flight while the current block computes (two receive buffers: Note [Overlap and double buffering], relay.py).
 
 Backward is the mirror image: the rows of dK/dV (fp32) computed on a received block go straight back to its owner at the
 same step, which adds them to its own gradient; no accumulator travels. Received rows land in full-length

@@ -2,8 +2,7 @@
 
 The core works in ``[batch, heads, seq, head_dim]`` (BHSD) views whose memory is ``[batch, seq, heads, head_dim]``
 (BSHD), the package's layout: the views are handed over transposed back, which costs no copy because the package only
-needs unit stride on ``head_dim``. K/V keep their ``heads_kv`` heads (the package does GQA and returns dK/dV per K/V
-head).
+needs unit stride on ``head_dim``. K/V keep their ``heads_kv`` heads (the package does GQA, dK/dV per K/V head).
 
 Note [flash-attn's backward with the merged log-sum-exp]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -144,8 +144,7 @@ def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup |
           hint: object, reason: str = "") -> None:
     """All-gather this rank's row and raise ValueError unless every rank of ``group`` sent the same one. ``fields`` is
     None when this rank's own checks failed: it then only tells the others, with ``reason`` (its error, cut to
-    :data:`REASON_BYTES`), and returns, to raise its own error. ``hint`` is the caller's q, for the device of NCCL
-    groups."""
+    :data:`REASON_BYTES`), and returns, to raise its own error. ``hint``: the caller's q (device of NCCL groups)."""
     codes = _reason_codes(reason) if fields is None else [code for _, code, _ in fields]
     assert len(codes) <= WIDTH - 2, "widen WIDTH for more fields"
     row = torch.zeros(WIDTH, dtype=torch.int64)

@@ -50,8 +50,8 @@ def _lse_shape(q: Tensor) -> tuple[int, ...]:
 @torch.library.custom_op("megatron_ring::ring_attention", mutates_args=())
 def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | None], group: str,
                       options: str) -> tuple[Tensor, Tensor]:
-    """``ring_attention`` -> (out ``[batch, seq_local, heads_q, head_dim]``, lse ``[batch, heads_q, seq_local]``
-    in the compute dtype)."""
+    """``ring_attention`` -> (out ``[batch, seq_local, heads_q, head_dim]``, lse ``[batch, heads_q, seq_local]`` in the
+    compute dtype)."""
     pg, kwargs = read_call(group, options, extras)
     call, (q, k, v, mask) = prepare_ring(q, k, v, pg, **kwargs)
     if q.shape[0] == 0:

@@ -48,9 +48,8 @@ from megatron_ring.attention.transport import KVTransport, gather_stacked, timed
 
 
 def transport_for(call: RingCall) -> KVTransport:
-    """The transport of a ``p2p`` / ``all_gather`` call: the relay ring, direct transfers of the rows a window or
-    documents read (Note [Direct transfers] in direct.py), the gather, or a dilated call's pieces through them
-    (dilated_transport.py)."""
+    """The transport of a ``p2p`` / ``all_gather`` call: the relay, direct transfers of the rows a window or documents
+    read (Note [Direct transfers] in direct.py), the gather, or a dilated call's pieces through them."""
     group, rank, size = call.place.flat, call.place.rank, call.place.size
     if call.dilation is not None:
         return DilatedPieces(group, rank, size, call.pieces, call.comm)
@@ -134,8 +133,7 @@ def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: to
                   out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes, ``[batch, heads, seq_local, head_dim]`` (dq a view of ``[b, s, h, d]``
-    memory); q, out and dout heads-first and contiguous, k and v of any strides (the transport copies them), ``lse``
-    from :func:`ring_forward`."""
+    memory); q, out and dout heads-first and contiguous, k and v of any strides (the transport copies them)."""
     b, hq, s, d = q.shape
     rank, ct = call.place.rank, compute_dtype(q.dtype)
     dq = _alloc_bshd(b, hq, s, d, ct, q.device)

@@ -257,8 +257,7 @@ def _tile_forward(kernel: BiasKernel, q: torch.Tensor, k: torch.Tensor, v: torch
 def _tile_backward(kernel: BiasKernel, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, key_mask: torch.Tensor | None,
                    visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One kernel call's (one per head slice under ``causal``) ``(dq [b, hq, q, d], dk, dv [b, hkv, k, d])``; ``lse``
-    without -inf."""
+    """One kernel call (one per head slice under ``causal``): ``(dq [b, hq, q, d], dk, dv [b, hkv, k, d])``."""
     heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
     if groups > 1 and causal:  # head slices, as in _tile_forward; dK/dV summed over them
         ct = torch.promote_types(q.dtype, torch.float32)

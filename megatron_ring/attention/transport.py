@@ -62,8 +62,8 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def add_pieces(acc: torch.Tensor, pieces: GradPieces, first_row: int = 0) -> None:
-    """Add gradient pieces into ``acc`` ``[2, batch, heads_kv, rows, head_dim]``, whose row 0 is key
-    row ``first_row`` of the block."""
+    """Add gradient pieces into ``acc`` ``[2, batch, heads_kv, rows, head_dim]``, whose row 0 is key row
+    ``first_row``."""
     for heads, rows, dk, dv in pieces:
         at = slice(rows.start - first_row, rows.stop - first_row)
         acc[0][:, heads, at] += dk
@@ -102,9 +102,8 @@ class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
     ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring per group of
     ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations and P gradient transfers).
-    ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"`` it is the equivalent ring volume. With a
-    window or packed documents (direct transfers, direct.py) both count only the steps in which this rank sends, and
-    what it sends."""
+    ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"`` the equivalent ring volume. Direct transfers
+    (direct.py) count only the steps in which this rank sends, and what it sends."""
 
     calls: int = 0
     steps: int = 0
