@@ -16,8 +16,8 @@ the rank that holds it::
 * ``comm="a2a+p2p"`` (Megatron's hierarchical CP, USP): P = A x R. Rank c is member ``c % A`` of a2a group ``c // A``
   (adjacent ranks, one node) and member ``c // A`` of ring group ``c % A``. After the all-to-all, the A shards of an a2a
   group are exactly the shard of ring rank ``c // A`` in the same sharding over R ranks (zigzag: the first chunks in
-  member order, then the second chunks in reverse order), and the p2p ring (ring.py's :func:`run_ring`) runs over the
-  ring group on H/A heads, unchanged.
+  member order, then the second chunks in reverse order), and ring.py's :func:`run_ring` runs over the ring group on
+  H/A heads, unchanged.
 
 The whole thing is differentiable: the backward of an all-to-all is the inverse all-to-all of the gradients. q, k and
 v travel in one all-to-all (their head groups packed side by side), and so do dq, dk and dv in backward, except where
@@ -69,8 +69,7 @@ from megatron_ring.attention.transport import active_stats, count_sent, gather_s
 
 class Span(NamedTuple):
     """``length`` consecutive tokens of the reordered sequence, from position ``start`` on, taken from position
-    ``offset`` on of a2a member ``member``'s shard (a copy, not a document: sharding.py's ``Segment`` is a run of one
-    document's positions)."""
+    ``offset`` on of a2a member ``member``'s shard (a copy, not a document, unlike sharding.py's ``Segment``)."""
 
     start: int
     member: int

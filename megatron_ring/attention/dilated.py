@@ -1,5 +1,4 @@
-"""Dilated attention (LongNet, arXiv 2307.02486): the definition, its checks, and where a rank's
-tokens fall in it. Pure.
+"""Dilated attention (LongNet, arXiv 2307.02486): the definition, its checks and where a rank's tokens fall in it. Pure.
 
 ``dilation = ((w_1, r_1), (w_2, r_2), ...)``: for each pair (segment length w, dilation r) the global sequence is cut
 into segments of w tokens (the last one shorter when w does not divide the length; one segment when w >= L). Query head

@@ -164,8 +164,7 @@ def tell_peers(entry: str, group: dist.ProcessGroup | None, size: int, error: Ba
 def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object, reason: str = "") -> None:
     """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a groups and then
     the ring groups (every rank of the grid is linked to every other through them). A rank whose a2a group disagrees
-    enters the ring-group round as rejected (``valid = 0``), so every ring group, and with it every rank, raises; none
-    waits in a collective."""
+    enters the ring-group round as rejected (``valid = 0``): every rank raises, none waits in a collective."""
     if place.has_flat:
         agree(entry, fields, place.flat, place.size, hint, reason)
         return

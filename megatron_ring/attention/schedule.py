@@ -141,8 +141,8 @@ class Schedule:
     """One rank's whole schedule: ``plans[src]`` (empty = skip that block), ``recv_rows[t]`` the rows of block
     ``(rank - t) mod P`` it reads (None: not needed) and ``send_rows[t]`` the rows of its own block that rank
     ``(rank + t) mod P`` reads. ``windowed``: the window hides a pair that ``causal`` does not (blocks may then need a
-    band mask, and a kernel that takes one); ``sparse``: a window or packed documents shape it (``p2p`` then moves
-    blocks directly, direct.py)."""
+    band mask and a kernel that takes one); ``sparse``: a window or documents shape it (``p2p`` then moves blocks
+    directly)."""
 
     plans: tuple[tuple[StepPlan, ...], ...]
     recv_rows: tuple[slice | None, ...]

@@ -198,8 +198,8 @@ def turn_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor
         k_local, v_local: ``[batch, s_local, heads_kv, head_dim]``, this rank's whole shard: its cached K/V and its new
             tokens' K/V, appended (``s_local`` may differ and may be 0).
         group: the CP group (None = world, or one process without torch.distributed).
-        q_positions: int ``[q_len]``, the new queries' positions in the conversation; k_positions: int
-            ``[s_local]``, the positions of this rank's keys (any order). Key ``j`` is visible to query ``i`` iff
+        q_positions: int ``[q_len]``, the new queries' positions in the conversation; k_positions: int ``[s_local]``,
+            the positions of this rank's keys (any order). Key ``j`` is visible to query ``i`` iff
             ``k_positions[j] <= q_positions[i]`` (and, with ``window_size=(left, 0)``,
             ``k_positions[j] >= q_positions[i] - left``).
         mode: ``"pass_kv"``, ``"pass_q"`` or ``"auto"`` (:func:`choose_turn_mode` with ``costs``, default
