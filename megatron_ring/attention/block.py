@@ -1,57 +1,41 @@
-"""Attention of one local query block against one key/value block, returning the log-sum-exp,
-and the fp32 log-sum-exp merge of such partial results.
+"""Attention of one query block over one key/value block, with its log-sum-exp; the fp32 log-sum-exp merge of results.
 
-Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q``
-heads, keys/values ``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in
-memory (Note [GQA without repeats]).
+Layout inside the core is ``[batch, heads, seq, head_dim]`` (BHSD). Queries have ``heads_q`` heads, keys/values
+``heads_kv``; ``heads_q % heads_kv == 0`` (GQA/MQA). K/V are never repeated in memory (Note [GQA without repeats]).
 
 Backends:
 
 * ``"math"``: pure torch, always available, scores and softmax in fp32 (fp64 for fp64 inputs).
-* ``"sdpa"``: torch's fused attention kernels, which return the log-sum-exp the ring needs, with
-  their fused backward (sdpa_backend.py): ``_scaled_dot_product_flash_attention_for_cpu`` on CPU
-  (any float dtype); on CUDA (fp16/bf16, head_dim a multiple of 8, <= 256) cuDNN's kernel on
-  Hopper and newer (about 1.9x faster than flash there, measured on an H200), before Hopper the
-  flash kernel, and the memory-efficient kernel for masked blocks.
-* ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16,
-  head_dim a multiple of 8 up to 256, sm_8x and sm_90; native GQA, so K/V are never repeated
-  (flash_attn_backend.py).
-* ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the
-  inputs (unmasked calls only); otherwise ``"sdpa"`` where its kernels take them (cuDNN on
-  Hopper), ``"math"`` elsewhere.
+* ``"sdpa"``: torch's fused kernels, which return the log-sum-exp the ring needs, with their fused backward
+  (sdpa_backend.py: which kernel on which device); on CUDA fp16/bf16 and head_dim a multiple of 8 up to 256.
+* ``"flash_attn"``: the flash-attn package (FlashAttention-2, >= 2.6) on CUDA, fp16/bf16, head_dim a multiple of 8 up to
+  256, sm_8x and sm_90; native GQA, so K/V are never repeated (flash_attn_backend.py).
+* ``"auto"``: on CUDA before Hopper ``"flash_attn"`` when the package is installed and takes the inputs (unmasked calls
+  only); otherwise ``"sdpa"`` where its kernels take them (cuDNN on Hopper), ``"math"`` elsewhere.
 
-The CUDA kernel paths follow the op schemas of torch's CUDA build and flash-attn's interface;
-this project's CI has no GPU, so they run only where one is present
-(``tests/gloo/test_ring_numerics.py`` covers CPU; ``tests/unit/test_flash_attn_backend.py`` checks the
-flash-attn adapter against a CPU stand-in of the package's interface, and against float64 on a GPU
-with flash-attn installed; ``tests/unit/test_sdpa_backend.py`` does the same for the masked CUDA
-kernel calls of ``sdpa``).
+The CUDA paths follow the op schemas of torch's CUDA build and flash-attn's interface; CI has no GPU, so
+tests/unit/test_flash_attn_backend.py and test_sdpa_backend.py check them against CPU stand-ins (and float64 on a GPU).
 
 Note [GQA without repeats]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-torch's fused kernels want as many K/V heads as query heads, and repeating K/V copies the whole
-block ``heads_q / heads_kv`` times, which in decode (one query, a long cache shard) costs more than
-the attention itself. A block without a causal mask (every off-diagonal ring block, every decode
-step) does not need it: the ``g = heads_q / heads_kv`` query heads of one K/V head are folded into
-the query-length axis, ``[b, hq, s, d] -> [b, hkv, g * s, d]`` (query head ``h`` uses K/V head
-``h // g``), the kernel runs on ``hkv`` heads, and out/lse unfold back. dK/dV then come out already
-summed over the group. Folding would break the causal diagonal block's position-based mask, so
-there ``sdpa`` makes one kernel call per head slice ``q[:, j::g]`` (query heads ``j, j + g, ...``
-use K/V heads ``0, 1, ...``: as many as K/V has), writing into one output, and sums dK/dV over the
-slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). The math
-backend groups heads in its matmuls instead.
+torch's fused kernels want as many K/V heads as query heads, and repeating K/V copies the whole block
+``heads_q / heads_kv`` times, which in decode (one query, a long cache shard) costs more than the attention itself. A
+block without a causal mask (every off-diagonal ring block, every decode step) does not need it: the
+``g = heads_q / heads_kv`` query heads of one K/V head are folded into the query-length axis,
+``[b, hq, s, d] -> [b, hkv, g * s, d]`` (query head ``h`` uses K/V head ``h // g``), the kernel runs on ``hkv`` heads,
+and out/lse unfold back. dK/dV then come out already summed over the group. Folding would break the causal diagonal
+block's position-based mask, so there ``sdpa`` makes one kernel call per head slice ``q[:, j::g]`` (query heads
+``j, j + g, ...`` use K/V heads ``0, 1, ...``: as many as K/V has), writing into one output, and sums dK/dV over the
+slices; one slice's output is alive beside the whole (``1 + 1/g`` times the output). ``math`` groups heads in matmuls.
 
-``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i
-sees keys 0..i.
+``causal=True`` is only used for the diagonal block (``q_len == k_len``, same positions): query i sees keys 0..i.
 
-``key_mask`` (bool ``[batch, k_len]``, True = a real key, False = padding) hides keys from every
-query; a query that sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the
-merge). ``visible`` (bool ``[q_len, k_len]``, True = the query may see the key: a sliding
-window's band, or decode's positions) hides pairs the same way and combines with both. ``math``
-and ``sdpa`` take masks (``sdpa`` as an additive bias, never an ``Lq x Lk`` matrix of floats:
-Note [Masks as a bias, tile by tile] in sdpa_backend.py), ``flash_attn`` does not;
-``resolve_backend`` with ``masked=True`` picks or checks accordingly. With a ``visible`` mask the
-GQA fold still applies (the mask is repeated over the folded query heads).
+``key_mask`` (bool ``[batch, k_len]``, True = a real key, False = padding) hides keys from every query; a query that
+sees no key at all gets ``lse = -inf`` and a zero output (weight 0 in the merge). ``visible`` (bool ``[q_len, k_len]``,
+True = the query may see the key: a sliding window's band, or decode's positions) hides pairs the same way and combines
+with both. ``math`` and ``sdpa`` take masks (``sdpa`` as an additive bias, never an ``Lq x Lk`` matrix of floats:
+Note [Masks as a bias, tile by tile] in sdpa_backend.py), ``flash_attn`` does not; ``resolve_backend`` with
+``masked=True`` picks or checks accordingly. The GQA fold takes a ``visible`` mask (repeated over the folded heads).
 
 Note [Log-sum-exp merge]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -61,17 +45,15 @@ results. With ``lse_X = log sum_{j in X} exp(s_j)`` and ``o_X = softmax_X(s) @ V
     lse = logaddexp(lse_A, lse_B)
     o   = o_A * exp(lse_A - lse) + o_B * exp(lse_B - lse)
 
-The weights are in (0, 1], so the merge never overflows. We keep ``o`` and ``lse`` in fp32 whatever
-the input dtype: a bf16 accumulator would lose ~3 significant digits per ring step. A block in
-which a query sees no key has ``lse = -inf``; ``-inf - -inf`` is NaN, so the weights are computed
-with the -inf rows forced to weight 0 instead.
+The weights are in (0, 1], so the merge never overflows. We keep ``o`` and ``lse`` in fp32 whatever the input dtype: a
+bf16 accumulator would lose ~3 significant digits per ring step. A block in which a query sees no key has
+``lse = -inf``; ``-inf - -inf`` is NaN, so the weights are computed with the -inf rows forced to weight 0 instead.
 """
 from __future__ import annotations
 
 import torch
 
 from megatron_ring.attention.flash_attn_backend import flash_attn_problem, flash_backward, flash_forward
-from megatron_ring.attention.heads import grouped
 from megatron_ring.attention.sdpa_backend import kernel_for, sdpa_backward, sdpa_forward, without_neginf
 
 BACKENDS: tuple[str, ...] = ("auto", "math", "sdpa", "flash_attn")
@@ -96,8 +78,8 @@ def _sdpa_takes_a_mask(device: torch.device) -> bool:
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int, *,
                     masked: bool = False) -> str:
-    """The concrete backend for ``backend`` and these inputs (``masked``: blocks may carry a mask,
-    a key padding mask or a window's); ValueError for an unknown or unusable one."""
+    """The concrete backend for ``backend`` and these inputs (``masked``: blocks may carry a mask, a key padding mask or
+    a window's); ValueError for an unknown or unusable one."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if masked:
@@ -131,6 +113,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def grouped(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[b, hq, s, d]`` -> ``[b, hkv, hq/hkv, s, d]`` (a view): query head ``h`` under K/V head ``h // (hq/hkv)``."""
+    b, hq, s, d = q.shape
+    return q.reshape(b, heads_kv, hq // heads_kv, s, d)
+
+
 def _causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     """True where query i must not see key j (j > i)."""
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu_(1)
@@ -160,17 +148,12 @@ def _check_mask_backend(masked: bool, backend: str, device: torch.device) -> Non
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                   backend: str, key_mask: torch.Tensor | None = None,
                   visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` (masks: see the module docstring).
-
-    Returns ``(out [b, hq, sq, d], lse [b, hq, sq])``; lse in fp32 (fp64 for fp64 inputs), out in
-    the compute dtype (math) or q's dtype (sdpa, flash_attn).
-    """
+    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` (masks: module docstring):
+    ``(out [b, hq, sq, d], lse [b, hq, sq])``: lse fp32 (fp64 for fp64), out in the compute dtype (math) or q's."""
     _check_mask_backend(key_mask is not None or visible is not None, backend, q.device)
-    if backend == "flash_attn":
-        out, lse = flash_forward(q, k, v, causal=causal, scale=scale)
-        return out, lse.to(compute_dtype(q.dtype))
-    if backend == "sdpa":
-        out, lse = sdpa_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask, visible=visible)
+    if backend != "math":
+        out, lse = flash_forward(q, k, v, causal=causal, scale=scale) if backend == "flash_attn" else \
+            sdpa_forward(q, k, v, causal=causal, scale=scale, key_mask=key_mask, visible=visible)
         return out, lse.to(compute_dtype(q.dtype))
     scores = _math_scores(q, k, causal, scale, key_mask, visible)
     lse = torch.logsumexp(scores, dim=-1)
@@ -184,21 +167,16 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    lse: torch.Tensor, *, causal: bool, scale: float, backend: str,
                    key_mask: torch.Tensor | None = None,
                    visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of these queries.
-
-    With the final lse, ``exp(s - lse)`` is exactly this block's slice of the global softmax, so the
-    block's dq/dk/dv are its exact share of the global gradients. Returns ``(dq [b, hq, sq, d],
-    dk [b, hkv, sk, d], dv [b, hkv, sk, d])`` in the compute dtype.
-    """
+    """Gradients of one block given the *final* (merged) ``out`` and ``lse`` of these queries: with the final lse,
+    ``exp(s - lse)`` is exactly this block's slice of the global softmax, so the block's dq/dk/dv are its exact share of
+    the global gradients. Returns ``(dq [b, hq, sq, d], dk [b, hkv, sk, d], dv [b, hkv, sk, d])``, compute dtype."""
     _check_mask_backend(key_mask is not None or visible is not None, backend, q.device)
     ct = compute_dtype(q.dtype)
-    if backend == "flash_attn":
-        dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
-        return dq.to(ct), dk.to(ct), dv.to(ct)
-    if backend == "sdpa":
-        dq, dk, dv = sdpa_backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(compute_dtype(q.dtype)),
-                                   causal=causal, scale=scale, key_mask=key_mask, visible=visible)
-        return dq.to(ct), dk.to(ct), dv.to(ct)
+    if backend != "math":
+        grads = flash_backward(dout, q, k, v, out, lse, causal=causal, scale=scale) if backend == "flash_attn" else \
+            sdpa_backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(ct), causal=causal, scale=scale,
+                          key_mask=key_mask, visible=visible)
+        return grads[0].to(ct), grads[1].to(ct), grads[2].to(ct)
     hkv = k.shape[1]
     scores = _math_scores(q, k, causal, scale, key_mask, visible)
     probs = torch.exp(scores - grouped(without_neginf(lse).to(ct).unsqueeze(-1), hkv))
@@ -219,12 +197,9 @@ def merge_weights(lse: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Merge one block's result into the running accumulators, in place.
-
-    out, block_out: ``[batch, heads, q, head_dim]`` (``out`` fp32, fp64 for fp64 inputs); lse,
-    block_lse: ``[batch, heads, q]`` (``lse`` in ``out``'s dtype). ``out``/``lse`` may be views
-    (slices along q).
-    """
+    """Merge one block's result into the running accumulators, in place. out, block_out: ``[batch, heads, q, head_dim]``
+    (``out`` fp32, fp64 for fp64 inputs); lse, block_lse: ``[batch, heads, q]`` (``lse`` in ``out``'s dtype).
+    ``out``/``lse`` may be views (slices along q)."""
     block_lse = block_lse.to(lse.dtype)
     new_lse = torch.logaddexp(lse, block_lse)
     keep = merge_weights(lse, new_lse).unsqueeze(-1)
@@ -234,12 +209,9 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
 
 
 def merge_stacked(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge P partial results stacked on dim 0.
-
-    outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]`` -> (out, lse) in fp32
-    (fp64 for fp64 inputs), computed in a fixed order so every rank that merges the same inputs
-    gets bitwise the same result.
-    """
+    """Merge P partial results stacked on dim 0: outs ``[P, batch, heads, q, head_dim]``, lses ``[P, batch, heads, q]``
+    -> (out, lse) in fp32 (fp64 for fp64 inputs), in a fixed order: every rank that merges the same inputs gets bitwise
+    the same result."""
     ct = torch.promote_types(lses.dtype, torch.float32)
     lses = lses.to(ct)
     total = torch.logsumexp(lses, dim=0)

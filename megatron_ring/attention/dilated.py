@@ -1,28 +1,24 @@
-"""Dilated attention (LongNet, arXiv 2307.02486): the definition, its checks, and where a rank's
-tokens fall in it. Pure.
+"""Dilated attention (LongNet, arXiv 2307.02486): the definition, its checks and where a rank's tokens fall in it. Pure.
 
-``dilation = ((w_1, r_1), (w_2, r_2), ...)``: for each pair (segment length w, dilation r) the
-global sequence is cut into segments of w tokens (the last one shorter when w does not divide
-the length; one segment when w >= L). Query head h has the *phase* ``p = h * r // heads_q`` (the
-heads in r contiguous groups, so every offset 0..r-1 is some group's phase when ``r <= heads_q``).
-Within a segment, the query and the key whose offsets in it are both ``= p (mod r)`` meet (with
-``causal``, the key no later than the query); nothing else meets. Each pair gives an output and a
-softmax denominator per (query, head), and LongNet weights the pairs' outputs by their
-denominators: exactly the log-sum-exp merge of block.py (a token seen by two pairs counts twice).
+``dilation = ((w_1, r_1), (w_2, r_2), ...)``: for each pair (segment length w, dilation r) the global sequence is cut
+into segments of w tokens (the last one shorter when w does not divide the length; one segment when w >= L). Query head
+h has the *phase* ``p = h * r // heads_q`` (the heads in r contiguous groups, so every offset 0..r-1 is some group's
+phase when ``r <= heads_q``). Within a segment, the query and the key whose offsets in it are both ``= p (mod r)`` meet
+(with ``causal``, the key no later than the query); nothing else meets. Each pair gives an output and a softmax
+denominator per (query, head), and LongNet weights the pairs' outputs by their denominators: exactly the log-sum-exp
+merge of block.py (a token seen by two pairs counts twice).
 
 Note [Dilated attention as one ring call]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-For a pair and a phase, number the selected tokens of segment s in order: the m-th is at position
-``s*w + p + m*r``. In these *compact* coordinates the pattern is plain attention (causal or not)
-inside each segment, i.e. packed documents, and a rank's selected tokens are runs of consecutive
-compact positions of one segment (:func:`compact_runs`, as
-:class:`~megatron_ring.attention.sharding.Segment`). So the schedule of packed documents
-(``segment_plans`` in schedule.py) plans each (pair, phase) *piece* on its own: blocks that cannot
-meet are skipped, and only the compact rows some plan reads travel (dilated_transport.py). The
-pieces differ in their heads (the phase's head group), so a piece reads a slice of heads and a
-gathered set of rows. One ring call runs every piece of every block and merges all of them into
-one (out, lse): the merge of LongNet. Backward then takes each block's gradient from the merged
-out and lse (Note [Log-sum-exp merge] in block.py), so each piece's share is exact.
+For a pair and a phase, number the selected tokens of segment s in order: the m-th is at position ``s*w + p + m*r``. In
+these *compact* coordinates the pattern is plain attention (causal or not) inside each segment, i.e. packed documents,
+and a rank's selected tokens are runs of consecutive compact positions of one segment (:func:`compact_runs`, as
+:class:`~megatron_ring.attention.sharding.Segment`). So the schedule of packed documents (``segment_plans`` in
+schedule.py) plans each (pair, phase) *piece* on its own: blocks that cannot meet are skipped, and only the compact rows
+some plan reads travel (dilated_transport.py). The pieces differ in their heads (the phase's head group), so a piece
+reads a slice of heads and a gathered set of rows. One ring call runs every piece of every block and merges all of them
+into one (out, lse): the merge of LongNet. Backward then takes each block's gradient from the merged out and lse
+(Note [Log-sum-exp merge] in block.py), so each piece's share is exact.
 """
 from __future__ import annotations
 
@@ -41,9 +37,9 @@ def _is_int(x: object) -> bool:
 
 
 def check_dilation(dilation: object, heads_q: int, conflicts: dict[str, bool]) -> Pairs | None:
-    """``dilation`` as checked pairs (None stays None): one pair ``(w, r)`` or a non-empty sequence
-    of them, ints ``w >= 1``, ``1 <= r <= heads_q``. ``conflicts``: the other options that exclude
-    it (name -> given); ValueError naming the field, its value and what is allowed."""
+    """``dilation`` as checked pairs (None stays None): one pair ``(w, r)`` or a non-empty sequence of them, ints
+    ``w >= 1``, ``1 <= r <= heads_q``. ``conflicts``: the other options that exclude it (name -> given); ValueError
+    naming the field, its value and what is allowed."""
     if dilation is None:
         return None
     pairs = (dilation,) if isinstance(dilation, (tuple, list)) and len(dilation) == 2 and all(

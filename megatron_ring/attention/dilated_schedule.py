@@ -1,7 +1,6 @@
-"""The schedule of a dilated call: one :class:`~megatron_ring.attention.schedule.Piece` per (pair,
-phase), its rows compact (``runs``), each planned like packed documents in compact coordinates
-(Note [Dilated attention as one ring call] in dilated.py). Pure, cached per shape; the row indices
-are cached per device.
+"""The schedule of a dilated call: one :class:`~megatron_ring.attention.schedule.Piece` per (pair, phase), its rows
+compact (``runs``), each planned like packed documents in compact coordinates (Note [Dilated attention as one ring call]
+in dilated.py). Pure, cached per shape; the row indices are cached per device.
 """
 from __future__ import annotations
 

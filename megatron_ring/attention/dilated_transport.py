@@ -1,16 +1,13 @@
-"""How the K/V of a dilated call travel: its pieces' compact rows (dilated_schedule.py), moved by the
-plain transports; a schedule over them, not another transport (Note [Pieces] in ring.py).
+"""How the K/V of a dilated call travel: its pieces' compact rows (dilated_schedule.py), moved by the plain transports;
+a schedule over them, not another transport (Note [Pieces] in ring.py). Both yield what every transport yields:
+``(src, piece, k_src, v_src)`` with the piece's K/V heads and compact rows of block ``src``,
+``[batch, heads_kv_piece, rows, head_dim]``.
 
-* ``comm="p2p"``: piece after piece, each piece's compact K/V through its own
-  :class:`~megatron_ring.attention.direct.DirectTransfers` (Note [Direct transfers]): block by
-  block straight from its owner, only the compact rows some plan reads, steps without rows
-  skipped; dK/dV rows go straight home and are added into the caller's ``dkv`` by row index.
-* ``comm="all_gather"`` (the baseline): the whole K/V gathered once
-  (:class:`~megatron_ring.attention.gather.GatheredBlocks`), each block's pieces cut out where
-  they are used, their gradients scattered back into the block's before it is reduced home.
-
-Both yield what every transport yields (transport.py): ``(src, piece, k_src, v_src)`` with the
-piece's K/V heads and compact rows of block ``src``, ``[batch, heads_kv_piece, rows, head_dim]``.
+* ``comm="p2p"``: piece after piece, each piece's compact K/V through its own ``DirectTransfers``
+  (Note [Direct transfers]: only the compact rows some plan reads, steps without rows skipped); dK/dV rows go straight
+  home and are added into the caller's ``dkv`` by row index.
+* ``comm="all_gather"`` (the baseline): the whole K/V gathered once (``GatheredBlocks``), each block's pieces cut out
+  where they are used, their gradients scattered back into the block's before it is reduced home.
 """
 from __future__ import annotations
 

@@ -3,30 +3,26 @@ from its owner to the ranks that use it, and only the rows they use.
 
 Note [Direct transfers]
 ~~~~~~~~~~~~~~~~~~~~~~~
-The plain ring relays every block through every rank: P-1 hops, whatever the work. With a window
-(or documents) a rank needs few blocks, and often only some of their rows: under causal zigzag
-with a window of one chunk, rank r needs one chunk from its left and one from its right
-neighbour, which a relay would only deliver at the *last* step, after every transfer. So here,
-at step t (t = 1..P-1), rank r
+The plain ring relays every block through every rank: P-1 hops, whatever the work. With a window (or documents) a rank
+needs few blocks, and often only some of their rows: under causal zigzag with a window of one chunk, rank r needs one
+chunk from its left and one from its right neighbour, which a relay would only deliver at the *last* step, after every
+transfer. So here, at step t (t = 1..P-1), rank r
 
 * receives block ``src = (r - t) mod P`` straight from ``src``, only the rows its plans read
   (``Schedule.recv_rows[t]``), and only when its plan for ``src`` is not empty;
 * sends the rows of its own K/V that rank ``(r + t) mod P`` reads (``send_rows[t]``), if any.
 
-A step where a rank neither sends nor receives is skipped (no kernel call, no transfer): the rule
-is "transfer exactly the rows some plan reads", so once no remaining block can fall in the window
-nothing more moves; with contiguous sharding and a causal window of w chunks this is the ring
-stopping after ``ceil(w)`` steps. Both sides derive the rows from the same pure schedule, so sends
-and receives pair up. Every rank walks all steps t = 1..P-1 in the same order, posting step t+1's
-K/V before step t's gradients (posting nothing where it has nothing), so the p2p operations
-between two ranks are posted in the same order on both, as NCCL requires (it ignores tags). The
-transfer of the next needed step is in flight while the current block computes (two receive
-buffers, as in Note [Overlap and double buffering] in relay.py).
+A step where a rank neither sends nor receives is skipped (no kernel call, no transfer): the rule is "transfer exactly
+the rows some plan reads", so once no remaining block can fall in the window nothing more moves; with contiguous
+sharding and a causal window of w chunks this is the ring stopping after ``ceil(w)`` steps. Both sides derive the rows
+from the same pure schedule, so sends and receives pair up. Every rank walks all steps t = 1..P-1 in the same order,
+posting step t+1's K/V before step t's gradients (posting nothing where it has nothing), so the p2p operations between
+two ranks are posted in the same order on both, as NCCL requires (it ignores tags). The transfer of the next needed step
+is in flight while the current block computes (two receive buffers: Note [Overlap and double buffering], relay.py).
 
-Backward is the mirror image: the rows of dK/dV (fp32) computed on a received block go straight
-back to its owner at the same step, which adds them to its own gradient; no accumulator travels.
-Received rows land in full-length ``[seq, batch, heads, dim]`` buffers (a row range is then one
-contiguous piece), whose unread rows are never touched.
+Backward is the mirror image: the rows of dK/dV (fp32) computed on a received block go straight back to its owner at the
+same step, which adds them to its own gradient; no accumulator travels. Received rows land in full-length
+``[seq, batch, heads, dim]`` buffers (a row range is then one contiguous piece), whose unread rows are never touched.
 """
 from __future__ import annotations
 
@@ -51,9 +47,9 @@ class DirectTransfers:
         self.group, self.rank, self.size, self.piece, self.schedule = group, rank, size, piece, piece.schedule
 
     def _walk(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, _Whole | None]]:
-        """``(t, block)`` for every step t = 0..P-1 in order (see the Note on ordering), ``block``
-        None where this rank reads nothing of block ``rank - t``; step t+1's K/V are in flight
-        while step t's block is out. Only the used rows of a received block hold data."""
+        """``(t, block)`` for every step t = 0..P-1 in order (see the Note on ordering), ``block`` None where this rank
+        reads nothing of block ``rank - t``; step t+1's K/V are in flight while step t's block is out. Only the used
+        rows of a received block hold data."""
         k, v = k.contiguous(), v.contiguous()  # heads-first (Note [Heads-first blocks] in ring.py)
         own = (k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3))  # [seq, batch, heads, dim] views
         buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # two slots, allocated on first use
@@ -90,9 +86,9 @@ class DirectTransfers:
                 yield block[0], self.piece, block[1], block[2]
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """The blocks of :meth:`blocks`, each with an outbox. After step t, the rows of dK/dV computed
-        on block ``rank - t`` go home to it, and the rows rank ``rank + t`` computed on this rank's
-        block come in (added to ``dkv`` once landed, after the next step's compute)."""
+        """The blocks of :meth:`blocks`, each with an outbox. After step t, the rows of dK/dV computed on block
+        ``rank - t`` go home to it, and the rows rank ``rank + t`` computed on this rank's block come in (added to
+        ``dkv`` once landed, after the next step's compute)."""
         works: list[dist.Work] = []
         landing: tuple[slice, torch.Tensor] | None = None
         for t, block in self._walk(k, v):

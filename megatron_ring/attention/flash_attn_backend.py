@@ -1,23 +1,19 @@
 """Block kernels from the flash-attn package (FlashAttention-2) on CUDA.
 
-The core works in ``[batch, heads, seq, head_dim]`` (BHSD) views whose memory is
-``[batch, seq, heads, head_dim]`` (BSHD), the package's layout: the views are handed over transposed
-back, which costs no copy because the package only needs unit stride on ``head_dim``. K/V keep
-their ``heads_kv`` heads (the package does GQA itself and returns dK/dV per K/V head).
+The core works in ``[batch, heads, seq, head_dim]`` (BHSD) views whose memory is ``[batch, seq, heads, head_dim]``
+(BSHD), the package's layout: the views are handed over transposed back, which costs no copy because the package only
+needs unit stride on ``head_dim``. K/V keep their ``heads_kv`` heads (the package does GQA, dK/dV per K/V head).
 
 Note [flash-attn's backward with the merged log-sum-exp]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The public ``flash_attn_func`` differentiates one block on its own softmax. The ring needs each
-block's share of the *global* softmax, so backward calls the package's ``_flash_attn_backward``
-with the merged ``out`` and ``lse`` (block_backward's contract). Its leading arguments have kept
-their order since 2.4; the tail changed (``window_size`` became ``window_size_left``/``_right`` and
-``softcap`` arrived in 2.6/2.7), so the tail is passed by name, read from the function's own
-signature. Forward uses the public ``flash_attn_func(..., return_attn_probs=True)``, which returns
-``(out, lse, _)`` in every 2.x release.
-
-flash-attn declares q, k, v mutated by its forward op, so torch bumps their autograd version
-counters exactly as when calling ``flash_attn_func`` directly; the ring saves its tensors after
-the last forward call, so its own backward is unaffected.
+The public ``flash_attn_func`` differentiates one block on its own softmax. The ring needs each block's share of the
+*global* softmax, so backward calls the package's ``_flash_attn_backward`` with the merged ``out`` and ``lse``
+(block_backward's contract). Its leading arguments have kept their order since 2.4; the tail changed (``window_size``
+became ``window_size_left``/``_right`` and ``softcap`` arrived in 2.6/2.7), so the tail is passed by name, read from the
+function's own signature. Forward uses the public ``flash_attn_func(..., return_attn_probs=True)``, which returns
+``(out, lse, _)`` in every 2.x release. flash-attn declares q, k, v mutated by its forward op, so torch bumps their
+autograd version counters exactly as when calling ``flash_attn_func`` directly; the ring saves its tensors after the
+last forward call, so its own backward is unaffected.
 """
 from __future__ import annotations
 
@@ -42,20 +38,14 @@ def _load() -> ModuleType | str:
         if isinstance(err, ModuleNotFoundError) and err.name == "flash_attn":
             return "the flash-attn package is not installed (pip install flash-attn)"
         return f"flash-attn cannot be imported: {err}"
-    version = _parse_version(getattr(flash_attn, "__version__", "0"))
-    if version < MIN_VERSION or version[0] != MIN_VERSION[0]:
+    try:  # "2.7.4.post1" -> (2, 7); unparsable -> (0, 0)
+        major, minor = (int(x) for x in getattr(flash_attn, "__version__", "0").split(".")[:2])
+    except ValueError:
+        major, minor = 0, 0
+    if (major, minor) < MIN_VERSION or major != MIN_VERSION[0]:
         return (f"flash-attn {flash_attn.__version__} is not a 2.x release from "
                 f"{'.'.join(map(str, MIN_VERSION))} on")
     return flash_attn_interface
-
-
-def _parse_version(text: str) -> tuple[int, int]:
-    """``"2.7.4.post1"`` -> ``(2, 7)``; unparsable -> ``(0, 0)``."""
-    parts = text.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return 0, 0
 
 
 def flash_attn_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -82,17 +72,11 @@ def _interface() -> ModuleType:
     return loaded
 
 
-def _parameters(fn: Callable[..., Any]) -> set[str]:
-    """Parameter names of ``fn``; flash-attn >= 2.7 wraps it in ``torch.library.custom_op``, which keeps
-    the original function as ``_init_fn``."""
-    return set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
-
-
 @functools.lru_cache(maxsize=4)
 def _backward_tail(fn: Callable[..., Any]) -> dict[str, Any]:
     """The version-dependent keyword arguments of ``_flash_attn_backward`` for plain attention
     (read once per function, not on every ring step; the dict is never mutated)."""
-    names = _parameters(fn)
+    names = set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)  # >= 2.7: a custom_op keeps it as _init_fn
     tail: dict[str, Any] = {"alibi_slopes": None, "deterministic": False}
     if "window_size_left" in names:
         tail.update(window_size_left=-1, window_size_right=-1)

@@ -6,27 +6,24 @@ ring, so both paths compute identical blocks (in another order).
 
 Note [All-gather overlap]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-As in Transformer Engine's all-gather CP, the rank's own block is computed while the gather of
-the others is in flight, in forward and again in backward (which gathers K/V again rather than
-keep P blocks per layer). Then the blocks come in rank order on every rank, so that in backward
-the gradient of block j can be reduced to its owner j (one ``reduce`` each, in the same order
-everywhere, as collectives must be) as soon as block j is done here, behind the next blocks'
-compute: every rank has finished blocks 0..j (its own one first) when it issues reduction j. On
-this machine four reductions also took 0.8x the time of one all-reduce of the same buffer.
+As in Transformer Engine's all-gather CP, the rank's own block is computed while the gather of the others is in flight,
+in forward and again in backward (which gathers K/V again rather than keep P blocks per layer). Then the blocks come in
+rank order on every rank, so that in backward the gradient of block j can be reduced to its owner j (one ``reduce``
+each, in the same order everywhere, as collectives must be) as soon as block j is done here, behind the next blocks'
+compute: every rank has finished blocks 0..j (its own one first) when it issues reduction j. On this machine four
+reductions also took 0.8x the time of one all-reduce of the same buffer.
 
 Note [Pairwise gather on gloo]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-On gloo, ``all_gather_into_tensor`` of 16 MiB per rank took 2.3x the time of the same exchange
-done as P-1 pairwise ``isend``/``irecv`` at P = 4 (148 vs 63 ms on this 2-core machine, the same
-bytes) and 3.5x at P = 2 (``python -m megatron_ring.perf.bench.gather``), and the CPU it took came
-out of the kernels it was meant to hide behind. So on gloo groups K and V are sent pairwise, as
-two tensors (no stacking copy, and no copy of the rank's own block), and each source's block is
-computed on as soon as its own receives complete rather than after the whole gather. Other
-backends keep one collective (NCCL's all-gather is its fastest path). The gradients' ``reduce``
-stays: P reductions took 1.3x the pairwise gather of the same size at P = 4, and sending the
-pieces pairwise to their owners instead timed the same within the noise (the attention call at
-L = 16k, P = 4, forward and backward). Small gathers (handshake rows, masks, decode partials) still use the collective,
-though pairwise was 1.2-1.5x faster there too (4 KiB-256 KiB).
+On gloo, ``all_gather_into_tensor`` of 16 MiB per rank took 2.3x the time of the same exchange done as P-1 pairwise
+``isend``/``irecv`` at P = 4 (148 vs 63 ms on this 2-core machine, the same bytes) and 3.5x at P = 2 (``python -m
+megatron_ring.perf.bench.gather``), and the CPU it took came out of the kernels it was meant to hide behind. So on gloo
+groups K and V are sent pairwise, as two tensors (no stacking copy, and no copy of the rank's own block), and each
+source's block is computed on as soon as its own receives complete rather than after the whole gather. Other backends
+keep one collective (NCCL's all-gather is its fastest path). The gradients' ``reduce`` stays: P reductions took 1.3x the
+pairwise gather of the same size at P = 4, and sending the pieces pairwise to their owners instead timed the same within
+the noise (the attention call at L = 16k, P = 4, forward and backward). Small gathers (handshake rows, masks, decode
+partials) still use the collective, though pairwise was 1.2-1.5x faster there too (4 KiB-256 KiB).
 """
 from __future__ import annotations
 
@@ -60,9 +57,8 @@ class Gather(NamedTuple):
 
 def start_gather_blocks(parts: tuple[torch.Tensor, ...], group: dist.ProcessGroup | None, rank: int,
                         size: int) -> Gather:
-    """Start gathering every rank's ``parts`` (same shapes on every rank): pairwise transfers on gloo
-    groups (Note [Pairwise gather on gloo]), one all-gather elsewhere. ``rank`` is this rank's index
-    in ``group``."""
+    """Start gathering every rank's ``parts`` (same shapes on every rank): pairwise transfers on gloo groups
+    (Note [Pairwise gather on gloo]), one all-gather elsewhere. ``rank`` is this rank's index in ``group``."""
     parts = tuple(t.contiguous() for t in parts)
     if size == 1:
         return Gather([parts], [[]], [])
@@ -94,9 +90,9 @@ class GatheredBlocks:
         self.group, self.rank, self.size, self.piece = group, rank, size, piece
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """``(src, piece, k_src, v_src)`` (a whole piece; None when a caller cuts pieces out), each ``[batch, heads_kv, seq_local, head_dim]``
-        heads-first: this rank's own block while the gather is in flight, then the others in rank
-        order, each once it has arrived. Counted as the equivalent ring volume: P-1 steps of K/V."""
+        """``(src, piece, k_src, v_src)`` (a whole piece; None when a caller cuts pieces out), each
+        ``[batch, heads_kv, seq_local, head_dim]`` heads-first: this rank's own block while the gather is in flight,
+        then the others in rank order, each once it has arrived. Counted as the ring's volume: P-1 steps of K/V."""
         k, v = k.contiguous(), v.contiguous()  # heads-first (Note [Heads-first blocks] in ring.py)
         gather = start_gather_blocks((k, v), self.group, self.rank, self.size)
         count_sent(self.size - 1, 2 * k.numel() * k.element_size() * (self.size - 1))
@@ -108,9 +104,9 @@ class GatheredBlocks:
         wait_all(gather.sends, k.device)
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """The blocks of :meth:`blocks`, each with an outbox. Each block's gradient is its own
-        buffer (``dkv`` for this rank's), allocated when the block completes, and reduced to its
-        owner in rank order as soon as blocks 0..j are done (Note [All-gather overlap])."""
+        """The blocks of :meth:`blocks`, each with an outbox. Each block's gradient is its own buffer (``dkv`` for this
+        rank's), allocated when the block completes, and reduced to its owner in rank order as soon as blocks 0..j are
+        done (Note [All-gather overlap])."""
         done: dict[int, torch.Tensor] = {}
         reduces: list[dist.Work] = []
         for src, piece, k_src, v_src in self.blocks(k, v):

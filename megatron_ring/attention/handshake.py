@@ -2,37 +2,31 @@
 
 Note [Cross-rank handshake]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The collectives of ``ring_attention`` and ``decode_attention`` are sized by the call's arguments.
-If the ranks of a group disagree (one rank's ``seq_local`` or ``dtype`` differs, one passes
-``causal=True``, one a key mask), the transfers no longer pair up: gloo aborts the process
-("Received data size doesn't match"), NCCL hangs or reads garbage, and a rank may even return a
-wrong tensor as success. So each call first describes itself as a row of ``WIDTH`` int64s::
+The collectives of ``ring_attention`` and ``decode_attention`` are sized by the call's arguments. If the ranks of a
+group disagree (one rank's ``seq_local`` or ``dtype`` differs, one passes ``causal=True``, one a key mask), the
+transfers no longer pair up: gloo aborts the process ("Received data size doesn't match"), NCCL hangs or reads garbage,
+and a rank may even return a wrong tensor as success. So each call first describes itself as a row of ``WIDTH`` int64s::
 
     [entry point, valid, batch, seq_local, heads_q, heads_kv, head_dim, dtype, ..., 0 padding]
 
-(dtypes and string choices as indices, ``softmax_scale`` as its float64 bits) and every rank
-all-gathers the rows of the group. Every rank then sees the same ``[P, WIDTH]`` table and raises
-the same ValueError naming each differing field, its values and the ranks holding each, before
-any data collective. A rank whose own checks rejected its inputs sends ``valid = 0`` and the first
-``REASON_BYTES`` bytes of its error in place of the fields: it raises its own error and the others
-raise a ValueError naming it and quoting the reason, so no rank is left waiting in a collective.
-An integration whose model failed on one rank before that rank's next attention call sends the
-same row (:func:`tell_peers`), so its peers, waiting in that call's handshake, raise at once.
+(dtypes and string choices as indices, ``softmax_scale`` as its float64 bits) and every rank all-gathers the rows of the
+group. Every rank then sees the same ``[P, WIDTH]`` table and raises the same ValueError naming each differing field,
+its values and the ranks holding each, before any data collective. A rank whose own checks rejected its inputs sends
+``valid = 0`` and the first ``REASON_BYTES`` bytes of its error in place of the fields: it raises its own error and the
+others raise a ValueError naming it and quoting the reason, so no rank is left waiting in a collective. An integration
+whose model failed on one rank before that rank's next attention call sends the same row (:func:`tell_peers`), so its
+peers, waiting in that call's handshake, raise at once.
 
-Cost: one all-gather of ``WIDTH * 8 = 192`` bytes per rank per call (one collective latency,
-tens of microseconds on NVLink, ~0.1 ms on gloo) and, when the group has no CPU (gloo) backend,
-one host-device synchronisation to read the table. Nothing is added per ring step or in backward.
-The rows are not cached per (group, shapes): a rank whose cache hit would skip the collective that
-a rank with a changed shape enters, which is exactly the mismatch to catch. A caller that knows
-its ranks agree (a decode loop after its first step, a training step after the first) can pass
-``check_consistency=False``; it must then do so on every rank of the group, as the check itself
-is a collective.
+Cost: one all-gather of ``WIDTH * 8 = 192`` bytes per rank per call (one collective latency, tens of microseconds on
+NVLink, ~0.1 ms on gloo) and, when the group has no CPU (gloo) backend, one host-device synchronisation to read the
+table. Nothing is added per ring step or in backward. The rows are not cached per (group, shapes): a rank whose cache
+hit would skip the collective that a rank with a changed shape enters, which is exactly the mismatch to catch. A caller
+that knows its ranks agree (a decode loop after its first step, a training step after the first) can pass
+``check_consistency=False``; it must then do so on every rank of the group, as the check itself is a collective.
 
-``ring_attention`` also sends whether its output needs gradients (grad mode on and q, k or v
-requiring them): a rank that differs would skip the backward ring the others wait in.
-
-Not compared: the block ``backend`` (each rank's kernel computes its own blocks, no collective
-depends on it) and, in decode, the cache shard length ``s_local`` (which legitimately differs).
+``ring_attention`` also sends whether its output needs gradients (grad mode on and q, k or v requiring them): a rank
+that differs would skip the backward ring the others wait in. Not compared: the block ``backend`` (each rank's kernel
+computes its own blocks, no collective depends on it) and, in decode, the cache shard length ``s_local``.
 """
 from __future__ import annotations
 
@@ -82,15 +76,14 @@ def scale_field(scale: float) -> Field:
             lambda code: repr(struct.unpack("<d", struct.pack("<q", code))[0]))
 
 
-def tensor_fields(q: torch.Tensor, k: torch.Tensor, seq_name: str) -> list[Field]:
-    """Shape, dtype and device fields of q ``[batch, seq, heads_q, head_dim]`` and k ``[.., heads_kv, ..]``."""
+def tensor_fields(q: torch.Tensor, k: torch.Tensor, seq_name: str | None) -> list[Field]:
+    """Shape, dtype and device fields of q ``[batch, seq, heads_q, head_dim]`` and k ``[.., heads_kv, ..]``
+    (``seq_name`` None: the query length is not compared)."""
     device = q.device.type if q.device.type in DEVICE_TYPES else "other"
-    return [
-        field("batch", q.shape[0]), field(seq_name, q.shape[1]), field("heads_q", q.shape[2]),
-        field("heads_kv", k.shape[2]), field("head_dim", q.shape[3]),
-        choice_field("dtype", q.dtype, DTYPES),
-        choice_field("device", device, DEVICE_TYPES),
-    ]
+    seq = [] if seq_name is None else [field(seq_name, q.shape[1])]
+    return [field("batch", q.shape[0]), *seq, field("heads_q", q.shape[2]), field("heads_kv", k.shape[2]),
+            field("head_dim", q.shape[3]), choice_field("dtype", q.dtype, DTYPES),
+            choice_field("device", device, DEVICE_TYPES)]
 
 
 def table_device(group: dist.ProcessGroup | None, hint: object) -> torch.device:
@@ -128,12 +121,11 @@ def _problem(entry: str, fields: Sequence[Field], table: list[list[int]]) -> str
         reasons = "; ".join(f"rank {rank}: {_reason(table[rank])}" for rank in invalid)
         return (f"the inputs were rejected on {_ranks(invalid)} ({reasons}; see the error raised there); {entry} "
                 "raises on every rank so that none waits in a collective")
-    found = [_differs(name, [row[2 + i] for row in table], show) for i, (name, _, show) in enumerate(fields)]
-    differing = [text for text in found if text is not None]
+    found = (_differs(name, [row[2 + i] for row in table], show) for i, (name, _, show) in enumerate(fields))
+    differing = "; ".join(text for text in found if text is not None)
     if not differing:
         return None
-    return "; ".join(differing) + ". Every rank of the group must pass the same value (check_consistency=False " \
-                                  "skips this check)"
+    return f"{differing}. Every rank of the group must pass the same value (check_consistency=False skips this check)"
 
 
 def _reason_codes(reason: str) -> list[int]:
@@ -150,12 +142,9 @@ def _reason(row: list[int]) -> str:
 
 def agree(entry: str, fields: Sequence[Field] | None, group: dist.ProcessGroup | None, size: int,
           hint: object, reason: str = "") -> None:
-    """All-gather this rank's row and raise ValueError unless every rank of ``group`` sent the same one.
-
-    ``fields`` is None when this rank's own checks failed: it then only tells the others, with
-    ``reason`` (its error, cut to :data:`REASON_BYTES`), and returns, to raise its own error.
-    ``hint`` is the caller's q, for the device of NCCL groups.
-    """
+    """All-gather this rank's row and raise ValueError unless every rank of ``group`` sent the same one. ``fields`` is
+    None when this rank's own checks failed: it then only tells the others, with ``reason`` (its error, cut to
+    :data:`REASON_BYTES`), and returns, to raise its own error. ``hint``: the caller's q (device of NCCL groups)."""
     codes = _reason_codes(reason) if fields is None else [code for _, code, _ in fields]
     assert len(codes) <= WIDTH - 2, "widen WIDTH for more fields"
     row = torch.zeros(WIDTH, dtype=torch.int64)
@@ -172,14 +161,10 @@ def tell_peers(entry: str, group: dist.ProcessGroup | None, size: int, error: Ba
     agree(entry, None, group, size, None, reason=f"{type(error).__name__}: {error}")
 
 
-def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object,
-                reason: str = "") -> None:
-    """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a
-    groups and then the ring groups (every rank of the grid is linked to every other through them).
-
-    A rank whose a2a group disagrees enters the ring-group round as rejected (``valid = 0``), so
-    every ring group, and with it every rank, raises; none waits in a collective.
-    """
+def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object, reason: str = "") -> None:
+    """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a groups and then
+    the ring groups (every rank of the grid is linked to every other through them). A rank whose a2a group disagrees
+    enters the ring-group round as rejected (``valid = 0``): every rank raises, none waits in a collective."""
     if place.has_flat:
         agree(entry, fields, place.flat, place.size, hint, reason)
         return

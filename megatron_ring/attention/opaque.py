@@ -1,12 +1,11 @@
 """How an attention call crosses into its custom op under torch.compile (Note [torch.compile] in ops.py).
 
-A custom op's schema takes tensors, optional tensors and scalars; ``ring_attention`` and
-``decode_attention`` also take a process group and keyword arguments that grow over time. They
-cross as two strings, both built by dynamo while tracing (constants of the graph): the group's c10d
-name (``""`` for None) and the ``repr`` of a dict of the keyword arguments, which the op reads back
-with ``ast.literal_eval``. Tensor keyword arguments travel as one list of optional tensors, their
-names in the dict under ``"tensors"``. A new keyword argument of an entry point is one more dict
-entry at its call of :func:`call_op`; the op's schema does not change.
+A custom op's schema takes tensors, optional tensors and scalars; ``ring_attention`` and ``decode_attention`` also take
+a process group and keyword arguments that grow over time. They cross as two strings, both built by dynamo while tracing
+(constants of the graph): the group's c10d name (``""`` for None) and the ``repr`` of a dict of the keyword arguments,
+which the op reads back with ``ast.literal_eval``. Tensor keyword arguments travel as one list of optional tensors,
+their names in the dict under ``"tensors"``. A new keyword argument of an entry point is one more dict entry at its call
+of :func:`call_op`; the op's schema does not change.
 """
 from __future__ import annotations
 
@@ -33,13 +32,10 @@ def call_op(name: str, tensors: tuple[object, ...], group: object, extras: dict[
     argument cannot cross (a non-tensor input, a group that is not a ProcessGroup, an option that
     is not a literal): the caller then runs its eager code, which rejects such arguments with a
     TypeError/ValueError on every rank alike (dynamo breaks the graph there)."""
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return None
-    if not all(t is None or isinstance(t, torch.Tensor) for t in extras.values()):
-        return None
-    if not all(_literal(value) for value in options.values()):
-        return None
-    if group is not None and not isinstance(group, dist.ProcessGroup):
+    if not (all(isinstance(t, torch.Tensor) for t in tensors)
+            and all(t is None or isinstance(t, torch.Tensor) for t in extras.values())
+            and all(_literal(value) for value in options.values())
+            and (group is None or isinstance(group, dist.ProcessGroup))):
         return None
     group_name = "" if group is None else group.group_name
     op = getattr(torch.ops.megatron_ring, name)

@@ -2,33 +2,27 @@
 
 Note [torch.compile]
 ~~~~~~~~~~~~~~~~~~~~
-Dynamo cannot trace the eager entry points: the handshake reads its gathered table back to
-Python (``.tolist()``, data-dependent), ``batch_isend_irecv`` returns ``Work`` handles (and P2P ops
-are not compiled by default), and the autograd Function carries a Python channel object, which
-the autograd HOP refuses ("Unsafe side effect"). Under torch 2.13 that is 8 graph breaks per ring
-call and no ``fullgraph=True``.
+Dynamo cannot trace the eager entry points: the handshake reads its gathered table back to Python (``.tolist()``,
+data-dependent), ``batch_isend_irecv`` returns ``Work`` handles (and P2P ops are not compiled by default), and the
+autograd Function carries a Python channel object, which the autograd HOP refuses ("Unsafe side effect"). Under torch
+2.13 that is 8 graph breaks per ring call and no ``fullgraph=True``.
 
-So while dynamo traces (``torch.compiler.is_compiling()``), each entry point becomes *one* opaque
-op: ``megatron_ring::ring_attention`` (forward; returns the output and the log-sum-exp for the
-backward), ``megatron_ring::ring_attention_backward`` and ``megatron_ring::decode_attention``.
-At run time an op runs the eager code unchanged: the local checks, the cross-rank handshake
-(Note [Cross-rank handshake]: a bad input still raises the same error on every rank, before any
-data moves), the p2p ring or the all-gather merge. For the trace, its fake implementation gives
-the output shapes from the inputs' alone, never raising, so a rank never fails at trace time
-while the others wait in a collective; any error comes from the op at run time, on every rank.
-The process group and keyword arguments cross as strings (opaque.py).
+So while dynamo traces (``torch.compiler.is_compiling()``), each entry point becomes *one* opaque op:
+``megatron_ring::ring_attention`` (forward; returns the output and the log-sum-exp for the backward),
+``megatron_ring::ring_attention_backward`` and ``megatron_ring::decode_attention``. At run time an op runs the eager
+code unchanged: the local checks, the cross-rank handshake (Note [Cross-rank handshake]: a bad input still raises the
+same error on every rank, before any data moves), the p2p ring or the all-gather merge. For the trace, its fake
+implementation gives the output shapes from the inputs' alone, never raising, so a rank never fails at trace time while
+the others wait in a collective; any error comes from the op at run time, on every rank. The process group and keyword
+arguments cross as strings (opaque.py). Consequences:
 
-Consequences:
-
-* no graph break in ``ring_attention`` / ``decode_attention``, so ``fullgraph=True`` works and a
-  model's graph runs through its attention layers; the ops are opaque, so inductor fuses the
-  code around them, not the ring's own block kernels (which are already the fused ``sdpa`` or
-  flash kernels);
+* no graph break in ``ring_attention`` / ``decode_attention``, so ``fullgraph=True`` works and a model's graph runs
+  through its attention layers; the ops are opaque, so inductor fuses the code around them, not the ring's own block
+  kernels (which are already the fused ``sdpa`` or flash kernels);
 * the decode op's output shape does not depend on the cache shard length, so a decode step whose
   shard grows adds no guard on it (mark it dynamic, or let dynamo do so after the first change);
-* the backward op repeats the call's local checks (no handshake: eager backward has none either)
-  and, with a ``key_padding_mask``, all-gathers the masks again (one byte per token) instead of
-  keeping them from the forward.
+* the backward op repeats the call's local checks (no handshake: eager backward has none either) and, with a
+  ``key_padding_mask``, all-gathers the masks again (one byte per token) instead of keeping them from the forward.
 
 The ops call the ring's forward and backward loops (ring.py), so they exist once.
 """
@@ -56,8 +50,8 @@ def _lse_shape(q: Tensor) -> tuple[int, ...]:
 @torch.library.custom_op("megatron_ring::ring_attention", mutates_args=())
 def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | None], group: str,
                       options: str) -> tuple[Tensor, Tensor]:
-    """``ring_attention`` -> (out ``[batch, seq_local, heads_q, head_dim]``, lse ``[batch, heads_q, seq_local]``
-    in the compute dtype)."""
+    """``ring_attention`` -> (out ``[batch, seq_local, heads_q, head_dim]``, lse ``[batch, heads_q, seq_local]`` in the
+    compute dtype)."""
     pg, kwargs = read_call(group, options, extras)
     call, (q, k, v, mask) = prepare_ring(q, k, v, pg, **kwargs)
     if q.shape[0] == 0:
@@ -68,8 +62,7 @@ def ring_attention_op(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | Non
 
 
 @ring_attention_op.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | None], group: str,
-      options: str) -> tuple[Tensor, Tensor]:
+def _(q: Tensor, k: Tensor, v: Tensor, extras: list[Tensor | None], group: str, options: str) -> tuple[Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=compute_dtype(q.dtype))
 
 
@@ -120,6 +113,5 @@ def decode_attention_op(q: Tensor, k_local: Tensor, v_local: Tensor, extras: lis
 
 
 @decode_attention_op.register_fake
-def _(q: Tensor, k_local: Tensor, v_local: Tensor, extras: list[Tensor | None], group: str,
-      options: str) -> Tensor:
+def _(q: Tensor, k_local: Tensor, v_local: Tensor, extras: list[Tensor | None], group: str, options: str) -> Tensor:
     return q.new_empty(q.shape)

@@ -12,13 +12,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         window_size: tuple[int, int] = (-1, -1),
                         cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Plain attention in float64 over global tensors ``[batch, seq, heads, head_dim]`` (GQA aware).
-
-    ``key_padding_mask``: bool ``[batch, seq_k]``, True = a real key; a query that sees no key
-    gets a zero output. ``window_size``: flash-attn's ``(left, right)`` on positions (-1 =
-    unbounded). ``cu_seqlens``: q/k/v packed ``[tokens, heads, head_dim]`` (mask ``[tokens]``),
-    each document computed on its own, positions counted from its start. Differentiable, so
-    references for gradients come from ``torch.autograd``. Returns float64.
-    """
+    ``key_padding_mask``: bool ``[batch, seq_k]``, True = a real key; a query that sees no key gets a zero output.
+    ``window_size``: flash-attn's ``(left, right)`` on positions (-1 = unbounded). ``cu_seqlens``: q/k/v packed
+    ``[tokens, heads, head_dim]`` (mask ``[tokens]``), each document computed on its own, positions counted from its
+    start. Differentiable, so references for gradients come from ``torch.autograd``. Returns float64."""
     if cu_seqlens is not None:
         bounds = cu_seqlens.tolist()
         docs = [attention_reference(
@@ -26,12 +23,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             key_padding_mask=None if key_padding_mask is None else key_padding_mask[None, a:b],
             window_size=window_size)[0] for a, b in zip(bounds, bounds[1:])]
         return torch.cat(docs)
-    q64, k64, v64 = (t.to(torch.float64).transpose(1, 2) for t in (q, k, v))
-    groups = q64.shape[1] // k64.shape[1]
-    k64 = k64.repeat_interleave(groups, dim=1)
-    v64 = v64.repeat_interleave(groups, dim=1)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    scores = _scores(q, k, softmax_scale)
     if causal:
         sq, sk = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(1), float("-inf"))
@@ -45,7 +37,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         scores = scores.masked_fill(d < -right, float("-inf"))
     blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # rows that see no key: zero output
     probs = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)
-    return torch.matmul(probs, v64).transpose(1, 2)
+    return torch.matmul(probs, _heads_first(v, q.shape[2])).transpose(1, 2)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -57,15 +49,12 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def dilated_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dilation: Sequence[tuple[int, int]], *,
                       causal: bool = False, softmax_scale: float | None = None) -> torch.Tensor:
-    """LongNet's dilated attention in float64, from its definition, over global ``[batch, seq, heads,
-    head_dim]`` tensors (GQA aware); differentiable.
-
-    ``dilation``: pairs ``(w, r)``. For each pair the sequence is cut into segments of ``w`` tokens
-    (the last shorter); query head ``h`` has phase ``p = h * r // heads_q``; the query at offset
-    ``i`` and the key at offset ``j`` of one segment meet iff ``i = j = p (mod r)`` (and ``j <= i``
-    with ``causal``). Each pair gives ``(out_k, denominator_k)`` per query and head; the result is
-    ``sum_k out_k * denominator_k / sum_k denominator_k`` (zero for a query no pair covers).
-    """
+    """LongNet's dilated attention in float64, from its definition, over global ``[batch, seq, heads, head_dim]``
+    tensors (GQA aware); differentiable. ``dilation``: pairs ``(w, r)``. For each pair the sequence is cut into segments
+    of ``w`` tokens (the last shorter); query head ``h`` has phase ``p = h * r // heads_q``; the query at offset ``i``
+    and the key at offset ``j`` of one segment meet iff ``i = j = p (mod r)`` (and ``j <= i`` with ``causal``). Each
+    pair gives ``(out_k, denominator_k)`` per query and head; the result is ``sum_k out_k * denominator_k / sum_k
+    denominator_k`` (zero for a query no pair covers)."""
     seq, heads = q.shape[1], q.shape[2]
     pos = torch.arange(seq)
     outs, lses = [], []

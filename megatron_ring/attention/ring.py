@@ -1,43 +1,36 @@
 """Ring attention: exact attention over a sequence sharded across a context-parallel group.
 
-Each rank keeps its queries and meets every K/V block in turn, as a transport brings them
-(transport.py: the relay ring, direct transfers, or a gather); the partial results are merged by
-log-sum-exp (Note [Log-sum-exp merge] in block.py). Activation memory per rank is O(L/P); with the
-ring no rank ever holds the whole sequence's K/V.
+Each rank keeps its queries and meets every K/V block in turn, as a transport brings them (transport.py: the relay ring,
+direct transfers, or a gather); the partial results are merged by log-sum-exp (Note [Log-sum-exp merge] in block.py).
+Activation memory per rank is O(L/P); with the ring no rank ever holds the whole sequence's K/V.
 
-:func:`ring_forward` and :func:`ring_backward` are the two loops, plain functions over a checked
-:class:`~megatron_ring.attention.call.RingCall`; :class:`_RingFunction` is their autograd
-Function and :func:`run_ring` the call of it on ``[batch, seq_local, heads, head_dim]`` tensors.
-Every variant runs through them: plain, windowed, packed, the relay's head groups, dilated
-attention, and the all-to-all comms (alltoall.py: the ring over the ring group, a ring of one
-after ``a2a``); the custom ops of torch.compile (ops.py) call them too.
+:func:`ring_forward` and :func:`ring_backward` are the one loop of every variant (Note [Pieces]), plain functions over
+a checked :class:`~megatron_ring.attention.call.RingCall`; :class:`_RingFunction` is their autograd Function,
+:func:`run_ring` its call on ``[batch, seq_local, heads, head_dim]`` tensors; the custom ops (ops.py) call them too.
 
 Note [Pieces]
 ~~~~~~~~~~~~~
-The loops know one unit of work, the :class:`~megatron_ring.attention.schedule.Piece`: some query
-heads with their K/V heads, some rows, and a :class:`~megatron_ring.attention.schedule.Schedule`
-over those rows. A transport yields ``(src, piece, k_src, v_src)``: the piece's K/V of block
-``src``, in the piece's heads and rows; the loop runs the piece's plans for ``src`` on it. A
-plain, windowed or packed call is one whole piece (every head, every row, in place); the relay's
-forward cuts it into head groups (Note [Forward memory] in relay.py), one ring each; a dilated call
-has one piece per (pair, phase) with compact rows (Note [Dilated attention as one ring call] in
-dilated.py), whose queries are gathered into compact storage, merged into the output at the end
-of forward and scattered back by ``index_add_`` in backward. So the dilated plan and the relay's
-head groups are schedules, not loops, and each transport moves pieces without knowing why.
-Statistics wrap the transport's iteration (``transport.timed``); the loops hold no timing code.
+The loops know one unit of work, the :class:`~megatron_ring.attention.schedule.Piece`: some query heads with their K/V
+heads, some rows, and a :class:`~megatron_ring.attention.schedule.Schedule` over those rows. A transport yields
+``(src, piece, k_src, v_src)``: the piece's K/V of block ``src``, in the piece's heads and rows; the loop runs the
+piece's plans for ``src`` on it. A plain, windowed or packed call is one whole piece (every head, every row, in place);
+the relay's forward cuts it into head groups (Note [Forward memory] in relay.py), one ring each; a dilated call has one
+piece per (pair, phase) with compact rows (Note [Dilated attention as one ring call] in dilated.py), whose queries are
+gathered into compact storage, merged into the output at the end of forward and scattered back by ``index_add_`` in
+backward. So the dilated plan and the relay's head groups are schedules, not loops, and each transport moves pieces
+without knowing why. Statistics wrap the transport's iteration (``transport.timed``); the loops hold no timing code.
 
 Note [Heads-first blocks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-The caller's ``[b, s, h, d]`` tensors put a token's heads side by side, so one head's rows are
-``h * d`` elements apart. The block kernels read a head's rows block by block, and on CPU they
-take 0.90-0.96x the time (forward, and forward+backward; h = 8, the 4096 x 4096 and 4096 x 2048
-blocks of a zigzag ring at L = 16k, P = 4) when those rows are adjacent
-(``python -m megatron_ring.perf.bench.block --layouts``). So every block kernel reads heads-first
-``[b, h, s, d]`` storage: q is copied once per pass (and dout in backward), and the transport
-copies the K/V it sends (in forward the relay piece by piece, Note [Forward memory] in relay.py).
-The output and dq are written into ``[b, s, h, d]`` storage, as the caller's layout, and need no
-copy back. A copy costs about 1 % of such a block's time per tensor. Autograd saves the caller's
-q, k, v, not copies: a forward keeps nothing of its own beyond its output and lse.
+The caller's ``[b, s, h, d]`` tensors put a token's heads side by side, so one head's rows are ``h * d`` elements apart.
+The block kernels read a head's rows block by block, and on CPU they take 0.90-0.96x the time (forward, and
+forward+backward; h = 8, the 4096 x 4096 and 4096 x 2048 blocks of a zigzag ring at L = 16k, P = 4) when those rows are
+adjacent (``python -m megatron_ring.perf.bench.block --layouts``). So every block kernel reads heads-first
+``[b, h, s, d]`` storage: q is copied once per pass (and dout in backward), and the transport copies the K/V it sends
+(in forward the relay piece by piece, Note [Forward memory] in relay.py). The output and dq are written into
+``[b, s, h, d]`` storage, as the caller's layout, and need no copy back. A copy costs about 1 % of such a block's time
+per tensor. Autograd saves the caller's q, k, v, not copies: a forward keeps nothing of its own beyond its output and
+lse.
 """
 from __future__ import annotations
 
@@ -55,9 +48,8 @@ from megatron_ring.attention.transport import KVTransport, gather_stacked, timed
 
 
 def transport_for(call: RingCall) -> KVTransport:
-    """The transport of a ``p2p`` / ``all_gather`` call: the relay ring, direct transfers of the rows
-    a window or documents read (Note [Direct transfers] in direct.py), the gather, or a dilated call's
-    pieces through them (dilated_transport.py)."""
+    """The transport of a ``p2p`` / ``all_gather`` call: the relay, direct transfers of the rows a window or documents
+    read (Note [Direct transfers] in direct.py), the gather, or a dilated call's pieces through them."""
     group, rank, size = call.place.flat, call.place.rank, call.place.size
     if call.dilation is not None:
         return DilatedPieces(group, rank, size, call.pieces, call.comm)
@@ -102,10 +94,9 @@ def _rows(piece: Piece, rank: int, xs: tuple[torch.Tensor, ...]) -> list[torch.T
 
 def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``: out ``[batch, heads_q, seq_local, head_dim]`` (a view of ``[b, s, h, d]``
-    memory) in the compute dtype, lse ``[batch, heads_q, seq_local]``; q/k/v ``[batch, heads,
-    seq_local, head_dim]`` of any strides, copied heads-first here (one piece at a time) and by the
-    transport (Note [Heads-first blocks])."""
+    """``(out, lse)``: out ``[batch, heads_q, seq_local, head_dim]`` (a view of ``[b, s, h, d]`` memory) in the compute
+    dtype, lse ``[batch, heads_q, seq_local]``; q/k/v ``[batch, heads, seq_local, head_dim]`` of any strides, copied
+    heads-first here (one piece at a time) and by the transport (Note [Heads-first blocks])."""
     b, hq, s, d = q.shape
     rank, ct = call.place.rank, compute_dtype(q.dtype)
     out = _alloc_bshd(b, hq, s, d, ct, q.device)
@@ -114,14 +105,12 @@ def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: tor
     for src, piece, k_src, v_src in timed(transport.blocks(k, v), q.device, forward=True):
         if piece is not at:  # a new piece: its queries, heads-first (Note [Forward memory] in relay.py)
             at = piece
-            if piece.runs is None:
-                qp, op, lp = q[:, piece.q].contiguous(), out[:, piece.q], lse[:, piece.q]
-            else:
-                if id(piece) not in compact:
-                    (qc,) = _rows(piece, rank, (q,))
-                    compact[id(piece)] = (qc, torch.zeros(qc.shape, dtype=ct, device=q.device),
-                                          torch.full(qc.shape[:3], float("-inf"), dtype=ct, device=q.device))
-                qp, op, lp = compact[id(piece)]
+            if piece.runs is not None and id(piece) not in compact:
+                (qc,) = _rows(piece, rank, (q,))
+                compact[id(piece)] = (qc, torch.zeros(qc.shape, dtype=ct, device=q.device),
+                                      torch.full(qc.shape[:3], float("-inf"), dtype=ct, device=q.device))
+            qp, op, lp = compact[id(piece)] if piece.runs is not None else \
+                (q[:, piece.q].contiguous(), out[:, piece.q], lse[:, piece.q])
         for plan in piece.schedule.plans[src]:
             key_mask, visible = _masks(key_masks, src, plan, q.device)
             for qh, kh in piece.groups:
@@ -143,9 +132,8 @@ def ring_forward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: tor
 def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                   key_masks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` in the inputs' dtypes, ``[batch, heads, seq_local, head_dim]`` (dq a view of
-    ``[b, s, h, d]`` memory); q, out and dout heads-first and contiguous, k and v of any strides (the
-    transport copies them), ``lse`` from :func:`ring_forward`."""
+    """``(dq, dk, dv)`` in the inputs' dtypes, ``[batch, heads, seq_local, head_dim]`` (dq a view of ``[b, s, h, d]``
+    memory); q, out and dout heads-first and contiguous, k and v of any strides (the transport copies them)."""
     b, hq, s, d = q.shape
     rank, ct = call.place.rank, compute_dtype(q.dtype)
     dq = _alloc_bshd(b, hq, s, d, ct, q.device)
@@ -154,13 +142,11 @@ def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: to
     for src, piece, k_src, v_src, outbox in timed(transport.blocks_and_grads(k, v, dkv), q.device):
         if piece is not at:
             at = piece
-            if piece.runs is None:
-                qp, op, lp, gp, dqp = _rows(piece, rank, (q, out, lse, dout, dq))
-            else:
-                if id(piece) not in compact:
-                    parts = _rows(piece, rank, (q, out, lse, dout))
-                    compact[id(piece)] = (*parts, torch.zeros(parts[0].shape, dtype=ct, device=q.device))
-                qp, op, lp, gp, dqp = compact[id(piece)]
+            if piece.runs is not None and id(piece) not in compact:
+                parts = _rows(piece, rank, (q, out, lse, dout))
+                compact[id(piece)] = (*parts, torch.zeros(parts[0].shape, dtype=ct, device=q.device))
+            qp, op, lp, gp, dqp = compact[id(piece)] if piece.runs is not None else \
+                _rows(piece, rank, (q, out, lse, dout, dq))
         for plan in piece.schedule.plans[src]:
             key_mask, visible = _masks(key_masks, src, plan, q.device)
             for qh, kh in piece.groups:
@@ -178,9 +164,8 @@ def ring_backward(call: RingCall, transport: KVTransport, q: torch.Tensor, k: to
 
 
 class _RingFunction(torch.autograd.Function):
-    """:func:`ring_forward` / :func:`ring_backward` for autograd; tensors ``[batch, heads, seq_local,
-    head_dim]`` (views of BSHD inputs), run heads-first (Note [Heads-first blocks]). Each pass
-    builds its own transport from the call."""
+    """:func:`ring_forward` / :func:`ring_backward` for autograd; tensors ``[batch, heads, seq_local, head_dim]`` (views
+    of BSHD inputs), run heads-first (Note [Heads-first blocks]). Each pass builds its own transport from the call."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,  # type: ignore[override]

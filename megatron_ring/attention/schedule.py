@@ -7,8 +7,7 @@ whether a causal mask or a band is needed inside it; an empty tuple skips the bl
 
 Note [Causal zigzag: equal work at every step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Under zigzag sharding rank r holds chunks (r, 2P-1-r), each c tokens long. For a K/V block from
-``src``:
+Under zigzag sharding rank r holds chunks (r, 2P-1-r), each c tokens long. For a K/V block from ``src``:
 
 * ``src == r``: the diagonal; the local causal mask is exact because local positions increase.
 * ``src < r``: chunk ``src`` precedes both query chunks, chunk ``2P-1-src`` follows both:
@@ -23,18 +22,16 @@ while rank 0 idles after the first, which is the imbalance zigzag removes.
 
 Note [Windows and documents: which blocks meet]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-With a sliding window or packed documents (``cu_seqlens``) a rank's tokens are runs of consecutive
-positions of one document (:class:`~megatron_ring.attention.sharding.Segment`: 2 per document
-under zigzag). The query may see the key iff both lie in one document and ``lo <= d <= hi`` with
-``d = q_pos - k_pos`` (window.py). For a run of queries against a run of keys of the same
-document, ``d = offset + row - col``, so :func:`segment_plans` can decide each pair of runs
-exactly from integers: *empty* (no kernel call), *full* (no mask), *causal* (the diagonal) or a
-*band*; and it trims the pair to the rows and columns that see anything. A band costs a full
-product plus its mask, so a banded pair longer than ``BAND_TILE`` is cut into tiles, each again
-empty, full or banded: only the tiles along the band's edges keep a mask, the rest run unmasked
-(for a triangle, about half the product plus one tile per edge). Full pieces that share their
-keys (or their queries) and touch are merged, so a packed batch costs one kernel call per
-document and step, as each document alone would. Per rank and step (src = the block's owner)::
+With a sliding window or packed documents (``cu_seqlens``) a rank's tokens are runs of consecutive positions of one
+document (:class:`~megatron_ring.attention.sharding.Segment`: 2 per document under zigzag). The query may see the key
+iff both lie in one document and ``lo <= d <= hi`` with ``d = q_pos - k_pos`` (window.py). For a run of queries against
+a run of keys of the same document, ``d = offset + row - col``, so :func:`segment_plans` can decide each pair of runs
+exactly from integers: *empty* (no kernel call), *full* (no mask), *causal* (the diagonal) or a *band*; and it trims the
+pair to the rows and columns that see anything. A band costs a full product plus its mask, so a banded pair longer than
+``BAND_TILE`` is cut into tiles, each again empty, full or banded: only the tiles along the band's edges keep a mask,
+the rest run unmasked (for a triangle, about half the product plus one tile per edge). Full pieces that share their keys
+(or their queries) and touch are merged, so a packed batch costs one kernel call per document and step, as each document
+alone would. Per rank and step (src = the block's owner)::
 
     window (W = chunk), causal, zigzag, P = 2:   chunks 0 1 2 3;  rank 0 = [0 3], rank 1 = [1 2]
     rank 0, src 1:  q0 x k1, k2: empty (future)     q3 x k2: band (d in 1..2c-1, W cuts)    q3 x k1: empty (too far)
@@ -108,13 +105,10 @@ def _merge_full(plans: list[StepPlan], along: str) -> list[StepPlan]:
 
 def segment_plans(q_segments: Sequence[Segment], k_segments: Sequence[Segment], lo: int, hi: int, *,
                   same_rank: bool) -> tuple[StepPlan, ...]:
-    """The work of a rank's queries (runs ``q_segments``) on a K/V block (runs ``k_segments``) when
-    the query sees the key iff same document and ``lo <= q_pos - k_pos <= hi``; empty = skip.
-
-    ``same_rank``: the block is the rank's own. Then, for a causal unwindowed document, its local
-    rows are one causal block (local positions increase, as in Note [Causal zigzag: equal work at
-    every step]). See Note [Windows and documents: which blocks meet].
-    """
+    """The work of a rank's queries (runs ``q_segments``) on a K/V block (runs ``k_segments``) when the query sees the
+    key iff same document and ``lo <= q_pos - k_pos <= hi``; empty = skip. ``same_rank``: the block is the rank's own;
+    then, for a causal unwindowed document, its local rows are one causal block (local positions increase, as in
+    Note [Causal zigzag: equal work at every step]). See Note [Windows and documents: which blocks meet]."""
     plans: list[StepPlan] = []
     for doc in sorted({g.doc for g in q_segments}):
         qs = [g for g in q_segments if g.doc == doc]
@@ -144,11 +138,11 @@ def rows_used(plans: Sequence[StepPlan]) -> slice | None:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One rank's whole schedule: ``plans[src]`` (empty = skip that block), ``recv_rows[t]`` the rows
-    of block ``(rank - t) mod P`` it reads (None: not needed) and ``send_rows[t]`` the rows of its
-    own block that rank ``(rank + t) mod P`` reads. ``windowed``: the window hides a pair that
-    ``causal`` does not (blocks may then need a band mask, and a kernel that takes one); ``sparse``:
-    a window or packed documents shape it (``p2p`` then moves blocks directly, direct.py)."""
+    """One rank's whole schedule: ``plans[src]`` (empty = skip that block), ``recv_rows[t]`` the rows of block
+    ``(rank - t) mod P`` it reads (None: not needed) and ``send_rows[t]`` the rows of its own block that rank
+    ``(rank + t) mod P`` reads. ``windowed``: the window hides a pair that ``causal`` does not (blocks may then need a
+    band mask and a kernel that takes one); ``sparse``: a window or documents shape it (``p2p`` then moves blocks
+    directly)."""
 
     plans: tuple[tuple[StepPlan, ...], ...]
     recv_rows: tuple[slice | None, ...]
@@ -159,11 +153,10 @@ class Schedule:
 
 @dataclass(frozen=True, eq=False)
 class Piece:
-    """The unit of a ring call's work (Note [Pieces]): query heads ``q`` and K/V heads ``kv`` (slices
-    of all heads), their GQA ``groups`` (``(query heads, K/V heads)`` relative to the piece's), the
-    rows, and the :class:`Schedule` over them. ``runs`` None: every local row, in place (a view of the
-    caller's tensors); else ``runs[rank]`` the local rows of each rank's compact rows (dilated.py's
-    ``Run``), which the schedule's slices index. Compared by identity."""
+    """The unit of a ring call's work (Note [Pieces]): query heads ``q`` and K/V heads ``kv`` (slices of all heads),
+    their GQA ``groups`` (``(query heads, K/V heads)`` relative to the piece's), the rows, and the :class:`Schedule`
+    over them. ``runs`` None: every local row, in place (a view of the caller's tensors); else ``runs[rank]`` the local
+    rows of each rank's compact rows (dilated.py's ``Run``), which the schedule's slices index. Compared by identity."""
 
     q: slice
     kv: slice
@@ -174,11 +167,9 @@ class Piece:
 
 def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], lo: int, hi: int, *,
                   windowed: bool = False, sparse: bool = False) -> Schedule:
-    """The schedule of ``rank`` given every rank's runs ``segments[r]`` and the band ``lo..hi``.
-
-    Every rank derives the same pairs from the same inputs, so what one rank sends at step t is
-    exactly what its peer expects (Note [Direct transfers] in direct.py).
-    """
+    """The schedule of ``rank`` given every rank's runs ``segments[r]`` and the band ``lo..hi``. Every rank derives the
+    same pairs from the same inputs, so what one rank sends at step t is exactly what its peer expects
+    (Note [Direct transfers] in direct.py)."""
     def plans(r: int, src: int) -> tuple[StepPlan, ...]:
         return segment_plans(segments[r], segments[src], lo, hi, same_rank=r == src)
 
@@ -191,10 +182,9 @@ def rank_schedule(rank: int, size: int, segments: Sequence[Sequence[Segment]], l
 @lru_cache(maxsize=256)
 def schedule_for(rank: int, size: int, seq_local: int, docs: tuple[int, ...] | None, *, causal: bool,
                  sharding: str, window: tuple[int, int]) -> Schedule:
-    """The schedule of a call (checked arguments): ``docs`` the packed documents' lengths (None: one
-    sequence of ``seq_local * size`` tokens, which must then split evenly; ValueError otherwise).
-    A window that hides nothing beyond ``causal`` is no window. Cached: every layer of a model
-    shares its shape's schedule."""
+    """The schedule of a call (checked arguments): ``docs`` the packed documents' lengths (None: one sequence of
+    ``seq_local * size`` tokens, which must then split evenly; ValueError otherwise). A window that hides nothing beyond
+    ``causal`` is no window. Cached: every layer of a model shares its shape's schedule."""
     total = seq_local * size
     if docs is None and size > 1:
         check_divisible(total, size, sharding, what=f"global sequence length (seq_local {seq_local} x cp {size})")

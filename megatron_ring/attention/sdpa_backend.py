@@ -1,48 +1,37 @@
-"""The ``sdpa`` block backend: torch's fused attention kernels, unmasked or under key padding and
-visibility masks (an additive bias), forward and a backward that takes the *merged* out and lse.
-No ``Lq x Lk`` matrix of floats.
+"""The ``sdpa`` block backend: torch's fused attention kernels, unmasked or under key padding and visibility masks (an
+additive bias), forward and a backward that takes the *merged* out and lse. No ``Lq x Lk`` matrix of floats.
 
-Layout ``[batch, heads, seq, head_dim]`` (BHSD) as in block.py. Masks (block.py's module docstring):
-``key_mask`` bool ``[batch, k_len]`` (True = a real key), ``visible`` bool ``[q_len, k_len]`` (a
-window's band, decode's positions), ``causal`` (the diagonal block: query i sees keys 0..i).
+Layout ``[batch, heads, seq, head_dim]`` (BHSD) and masks (``key_mask``, ``visible``, ``causal``) as in block.py.
+Kernels (:data:`KERNELS`, a forward / backward pair of ``torch.ops.aten._scaled_dot_product_*`` each;
+:func:`kernel_for` picks):
 
-Kernels (:data:`KERNELS`, one pair of forward / backward calls each; :func:`kernel_for` picks):
-
-* ``"cpu_flash"``: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (CPU, any
-  float dtype; masks from torch 2.5).
-* ``"cudnn"``: ``_scaled_dot_product_cudnn_attention`` and its backward: CUDA sm_90+ (Hopper),
-  masked or not (about 1.9x torch's flash kernel there unmasked, measured on an H200).
-* ``"flash"``: ``_scaled_dot_product_flash_attention`` and its backward: CUDA before Hopper,
-  unmasked (it takes no bias).
-* ``"efficient"``: ``_scaled_dot_product_efficient_attention`` and its backward (the
-  memory-efficient kernel): CUDA before Hopper, masked.
+* ``"cpu_flash"``: ``_flash_attention_for_cpu``: CPU, any float dtype; masks from torch 2.5.
+* ``"cudnn"``: ``_cudnn_attention``: CUDA sm_90+ (Hopper), masked or not (about 1.9x torch's flash kernel there
+  unmasked, measured on an H200).
+* ``"flash"``: ``_flash_attention``: CUDA before Hopper, unmasked (it takes no bias).
+* ``"efficient"``: ``_efficient_attention`` (the memory-efficient kernel): CUDA before Hopper, masked.
 
 Note [Masks as a bias, tile by tile]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The ring's backward needs a block backward that takes the merged ``out`` and ``lse`` (Note
-[Log-sum-exp merge] in block.py). Every kernel here has one, and all but ``flash`` take an additive
-bias (0 = seen, -inf = hidden), so one tiled driver serves CPU and CUDA alike and only the kernel
-call differs (tests/unit/test_sdpa_backend.py runs the driver on CPU, and the CUDA calls against a
-CPU stand-in of the ops). FlexAttention was the other candidate: its public API differentiates its
-own forward (no backward from an external lse) and compiles per mask, and the ring's band tiles
-differ per step. A bias costs the kernel one extra read per score, so it is kept small:
+The ring's backward needs a block backward that takes the merged ``out`` and ``lse`` (Note [Log-sum-exp merge] in
+block.py). Every kernel here has one, and all but ``flash`` take an additive bias (0 = seen, -inf = hidden), so one
+tiled driver serves CPU and CUDA alike and only the kernel call differs. FlexAttention was the other candidate: its
+public API differentiates its own forward (no backward from an external lse) and compiles per mask, and the ring's band
+tiles differ per step. A bias costs the kernel one extra read per score, so it is kept small:
 
-* a key padding mask alone is one ``[batch, 1, 1, k_len]`` row, broadcast over heads and queries
-  with stride 0 (as torch's own SDPA expands a mask), and the causal flag stays the kernel's;
-* a ``visible`` mask (which absorbs ``causal``) becomes a ``[1 or batch, 1, q_len, k_len]`` bias
-  only while that is at most :data:`BIAS_ELEMENTS`; beyond, queries are cut into tiles of
-  that many bias elements, each against the key range its rows can see, and the tiles' dq / dk / dv
-  are added up. The ring's band masks are at most ``BAND_TILE`` (512) square (schedule.py) and
-  decode's have a few query rows, so they run as one tile: no host synchronisation.
+* a key padding mask alone is one ``[batch, 1, 1, k_len]`` row, broadcast over heads and queries with stride 0 (as
+  torch's own SDPA expands a mask), and the causal flag stays the kernel's;
+* a ``visible`` mask (which absorbs ``causal``) becomes a ``[1 or batch, 1, q_len, k_len]`` bias only while that is at
+  most :data:`BIAS_ELEMENTS`; beyond, queries are cut into tiles of that many bias elements, each against the key range
+  its rows can see, and the tiles' dq / dk / dv are added up. The ring's band masks are at most ``BAND_TILE`` (512)
+  square (schedule.py) and decode's have a few query rows, so they run as one tile: no host synchronisation.
 
 So one call holds q, k, v, out, lse, their gradients and at most ``BIAS_ELEMENTS`` bias floats:
-``O((Lq + Lk) * heads * head_dim)`` plus the caller's mask. CUDA kernels read bias rows in aligned
-vectors: rows are padded to 16 elements (a view keeps the logical width), and the efficient
-kernel's backward wants the lse of every head padded to a multiple of 32 queries (the layout of
-its own forward's lse; heads 8-aligned). A query that sees no key gets lse -inf and a zero
-output; its gradients are zero (lse -inf is passed as 0, so every ``exp(score - lse)`` is 0).
-GQA folds the query heads of a K/V head into the query axis (Note [GQA without repeats] in block.py;
-a ``visible`` bias is then repeated per folded head); under ``causal`` each head slice is a call.
+``O((Lq + Lk) * heads * head_dim)`` plus the caller's mask. CUDA kernels read bias rows in aligned vectors: rows are
+padded to 16 elements (a view keeps the logical width), and the efficient kernel's backward wants the lse of every head
+padded to a multiple of 32 queries (the layout of its own forward's lse; heads 8-aligned). A query that sees no key gets
+lse -inf and a zero output; its gradients are zero (lse -inf is passed as 0, so every ``exp(score - lse)`` is 0). GQA:
+Note [GQA without repeats] in block.py.
 """
 from __future__ import annotations
 
@@ -52,17 +41,15 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_ring.attention.heads import fold_queries, unfold_queries
-
 BIAS_ELEMENTS = 1 << 24
 """Most bias elements one kernel call gets (32 MiB in bf16; Note [Masks as a bias, tile by tile])."""
 _aten = torch.ops.aten
 """The ATen op namespace the kernels call through (a CPU stand-in of the CUDA ops in tests)."""
 
 Tensor = torch.Tensor
-Forward = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], bool, float], tuple[Tensor, Tensor]]
-Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Optional[Tensor], bool, float],
-                    tuple[Tensor, Tensor, Tensor]]
+Bias = Optional[Tensor]
+Forward = Callable[[Tensor, Tensor, Tensor, Bias, bool, float], tuple[Tensor, Tensor]]
+Backward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Bias, bool, float], tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -81,26 +68,24 @@ def _full(bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.
     return None if bias is None else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
-                 scale: float) -> tuple[Tensor, Tensor]:
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, bias: Bias, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
 
 
 def _cpu_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                  bias: Bias, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
 
 
-def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
-                   scale: float) -> tuple[Tensor, Tensor]:
+def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, bias: Bias, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     out, lse = _aten._scaled_dot_product_cudnn_attention(q, k, v, _full(bias, q, k), True, 0.0, causal, False,
                                                          scale=scale)[:2]
     return out, lse.reshape(q.shape[:3])
 
 
 def _cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    bias: Bias, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     # Not varlen (no cumulative lengths), no dropout (zero RNG state); lse as [b, h, q, 1].
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     return _aten._scaled_dot_product_cudnn_attention_backward(
@@ -108,13 +93,12 @@ def _cudnn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         _full(bias, q, k), None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
 
 
-def _flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
-                   scale: float) -> tuple[Tensor, Tensor]:
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, bias: Bias, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     return _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
 
 
 def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    bias: Bias, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     # Not varlen: no cumulative lengths, max lengths = the block's, zero dropout RNG state.
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
@@ -123,7 +107,7 @@ def _flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         scale=scale)
 
 
-def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool,
+def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, bias: Bias, causal: bool,
                        scale: float) -> tuple[Tensor, Tensor]:
     out, lse = _aten._scaled_dot_product_efficient_attention(q, k, v, _full(bias, q, k), True, 0.0, causal,
                                                              scale=scale)[:2]
@@ -131,7 +115,7 @@ def _efficient_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, cau
 
 
 def _efficient_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        bias: Tensor | None, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                        bias: Bias, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     b, h, s = lse.shape
     padded = torch.zeros(b, h, 32 * math.ceil(s / 32), dtype=torch.float32, device=lse.device)
     padded[..., :s] = lse
@@ -192,11 +176,27 @@ def without_neginf(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
-def _with_causal(visible: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor | None, bool]:
-    """A ``visible`` mask absorbs the causal flag (one mask for the kernel)."""
-    if visible is None or not causal:
-        return visible, causal
-    return visible & torch.ones_like(visible).tril_(), False
+def fold_queries(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """``[b, hq, s, ...]`` -> ``[b, hkv, (hq/hkv) * s, ...]``: the query heads of a K/V head as one axis
+    (Note [GQA without repeats] in block.py)."""
+    b, hq, s = t.shape[:3]
+    return t.reshape(b, heads_kv, (hq // heads_kv) * s, *t.shape[3:])
+
+
+def unfold_queries(t: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """Inverse of :func:`fold_queries`: ``[b, hkv, g * s, ...]`` -> ``[b, heads_q, s, ...]``."""
+    b, hkv, gs = t.shape[:3]
+    return t.reshape(b, heads_q, gs // (heads_q // hkv), *t.shape[3:])
+
+
+def _setup(q: torch.Tensor, k: torch.Tensor, causal: bool, key_mask: torch.Tensor | None, visible: torch.Tensor | None,
+           kernel: str | None) -> tuple[BiasKernel, bool, torch.Tensor | None, list[tuple[slice, slice]]]:
+    """The kernel (default :func:`kernel_for` q's device), ``causal`` and ``visible`` (which absorbs a causal flag: one
+    mask for the kernel) and the :func:`_plan` of a call."""
+    chosen = KERNELS[kernel or kernel_for(q.device, key_mask is not None or visible is not None)]
+    if visible is not None and causal:
+        visible, causal = visible & torch.ones_like(visible).tril_(), False
+    return chosen, causal, visible, _plan(q, k, key_mask, visible)
 
 
 def _tiles(q_len: int, k_len: int, rows_per_query: int, visible: torch.Tensor | None) -> list[slice]:
@@ -243,12 +243,10 @@ def _tile_forward(kernel: BiasKernel, q: torch.Tensor, k: torch.Tensor, v: torch
             out[:, j::groups], lse[:, j::groups] = o, l
             del o, l  # one slice's output alive at a time
         return out, lse
-    fold = groups > 1
-    if fold:
-        q = fold_queries(q, k.shape[1])
+    # Note [GQA without repeats]: folded (a view of the same strides when groups == 1)
+    q = fold_queries(q, k.shape[1])
     out, lse = kernel.forward(q, k, v, _bias(key_mask, visible, groups, q.dtype, kernel.align), causal, scale)
-    if fold:
-        out, lse = unfold_queries(out, heads_q), unfold_queries(lse, heads_q)
+    out, lse = unfold_queries(out, heads_q), unfold_queries(lse, heads_q)
     blind = _blind(key_mask, visible, q_len, causal)
     if blind is not None:  # the kernels' lse and output for such a query are not -inf and 0
         lse = lse.masked_fill(blind[:, None, :], float("-inf"))
@@ -259,8 +257,7 @@ def _tile_forward(kernel: BiasKernel, q: torch.Tensor, k: torch.Tensor, v: torch
 def _tile_backward(kernel: BiasKernel, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, key_mask: torch.Tensor | None,
                    visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One kernel call's (one per head slice under ``causal``) ``(dq [b, hq, q, d], dk, dv [b, hkv, k,
-    d])``; ``lse`` without -inf."""
+    """One kernel call (one per head slice under ``causal``): ``(dq [b, hq, q, d], dk, dv [b, hkv, k, d])``."""
     heads_q, groups = q.shape[1], q.shape[1] // k.shape[1]
     if groups > 1 and causal:  # head slices, as in _tile_forward; dK/dV summed over them
         ct = torch.promote_types(q.dtype, torch.float32)
@@ -273,23 +270,19 @@ def _tile_backward(kernel: BiasKernel, dout: torch.Tensor, q: torch.Tensor, k: t
             dk += dk_j
             dv += dv_j
         return dq, dk, dv
-    fold = groups > 1
-    if fold:
-        q, dout, out, lse = (fold_queries(t, k.shape[1]) for t in (q, dout, out, lse))
-    bias = _bias(key_mask, visible, groups, q.dtype, kernel.align)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, bias, causal, scale)
-    return (unfold_queries(dq, heads_q) if fold else dq), dk, dv
+    q, dout, out, lse = (fold_queries(t, k.shape[1]) for t in (q, dout, out, lse))
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, _bias(key_mask, visible, groups, q.dtype, kernel.align),
+                                 causal, scale)
+    return unfold_queries(dq, heads_q), dk, dv
 
 
 def sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
                  key_mask: torch.Tensor | None, visible: torch.Tensor | None,
                  kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` under the masks (None: none), on
-    ``kernel`` (default :func:`kernel_for` q's device). Returns ``(out [b, hq, sq, d] in q's dtype, lse [b, hq,
-    sq] in the kernel's dtype)``; a query that sees no key gets a zero output and lse -inf."""
-    chosen = KERNELS[kernel or kernel_for(q.device, key_mask is not None or visible is not None)]
-    visible, causal = _with_causal(visible, causal)
-    plan = _plan(q, k, key_mask, visible)
+    """Attention of q ``[b, hq, sq, d]`` over k, v ``[b, hkv, sk, d]`` under the masks (None: none), on ``kernel`` (see
+    :func:`_setup`): ``(out [b, hq, sq, d] in q's dtype, lse [b, hq, sq] in the kernel's dtype)``; a query that sees no
+    key gets a zero output and lse -inf."""
+    chosen, causal, visible, plan = _setup(q, k, causal, key_mask, visible, kernel)
     if len(plan) == 1:
         return _tile_forward(chosen, q, k, v, causal, scale, key_mask, visible)
     out = torch.zeros_like(q)
@@ -308,10 +301,8 @@ def sdpa_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the merged ``out`` (q's dtype) and ``lse`` (fp32, fp64 for fp64
     inputs) of these queries: ``(dq [b, hq, sq, d], dk, dv [b, hkv, sk, d])`` in the kernel's dtypes."""
-    chosen = KERNELS[kernel or kernel_for(q.device, key_mask is not None or visible is not None)]
-    visible, causal = _with_causal(visible, causal)
+    chosen, causal, visible, plan = _setup(q, k, causal, key_mask, visible, kernel)
     lse = without_neginf(lse)
-    plan = _plan(q, k, key_mask, visible)
     if len(plan) == 1:
         return _tile_backward(chosen, dout, q, k, v, out, lse, causal, scale, key_mask, visible)
     ct = torch.promote_types(q.dtype, torch.float32)

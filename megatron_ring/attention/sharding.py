@@ -2,12 +2,11 @@
 
 Note [Zigzag sharding]
 ~~~~~~~~~~~~~~~~~~~~~~
-With a causal mask, token i attends to tokens 0..i, so the late tokens do most of the work. Cut
-the sequence into P contiguous chunks and the last rank does ~2P-1 times the work of the first.
-Zigzag cuts it into 2P equal chunks and gives rank r chunks r and 2P-1-r: every rank then holds
-one "early" and one "late" chunk and, at every ring step, computes the same amount (see
-Note [Causal zigzag: equal work at every step] in schedule.py). This is exactly Megatron-core's
-``get_batch_on_this_cp_rank`` split, so Megatron data pipelines need no change::
+With a causal mask, token i attends to tokens 0..i, so the late tokens do most of the work. Cut the sequence into P
+contiguous chunks and the last rank does ~2P-1 times the work of the first. Zigzag cuts it into 2P equal chunks and
+gives rank r chunks r and 2P-1-r: every rank then holds one "early" and one "late" chunk and, at every ring step,
+computes the same amount (see Note [Causal zigzag: equal work at every step] in schedule.py). This is exactly
+Megatron-core's ``get_batch_on_this_cp_rank`` split, so Megatron data pipelines need no change::
 
     L = 8 tokens, P = 2:   chunks 0 1 2 3        rank 0 -> [0, 3]   rank 1 -> [1, 2]
 
@@ -15,10 +14,9 @@ Note [Causal zigzag: equal work at every step] in schedule.py). This is exactly 
 
 Note [Packed documents (varlen)]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-With ``cu_seqlens`` (global packed boundaries, the same on every rank) each document is sharded on
-its own and a rank holds its chunks of every document, concatenated in document order: the
-Megatron / Transformer Engine THD convention. Every rank then holds the same share of every
-document, so causal work stays balanced whatever the document lengths::
+With ``cu_seqlens`` (global packed boundaries, the same on every rank) each document is sharded on its own and a rank
+holds its chunks of every document, concatenated in document order: the Megatron / Transformer Engine THD convention.
+Every rank then holds the same share of every document, so causal work stays balanced whatever the document lengths::
 
     docs A (8 tokens) | B (4 tokens), P = 2, zigzag: chunks A0..A3 (2 tokens), B0..B3 (1 token)
     rank 0 -> [A0 A3 B0 B3]    rank 1 -> [A1 A2 B1 B2]
@@ -77,19 +75,12 @@ def chunk_ids(cp_rank: int, cp_size: int, sharding: str = "zigzag") -> list[int]
 def local_positions(seq_len: int, cp_rank: int, cp_size: int, sharding: str = "zigzag",
                     device: torch.device | str | None = None, *,
                     cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """Global positions (int64 ``[seq_len // cp_size]``) of the tokens rank ``cp_rank`` holds.
-
-    With ``cu_seqlens`` (``seq_len`` = its last entry): each token's position inside its own
-    document (what rotary embeddings need), in the rank's packed order.
-    """
-    if cu_seqlens is not None:
-        segments = rank_segments(cp_rank, cp_size, doc_lengths(cu_seqlens, seq_len, cp_size, sharding), sharding)
-        return torch.cat([torch.arange(g.pos, g.pos + g.length, device=device) for g in segments]
-                         or [torch.zeros(0, dtype=torch.int64, device=device)])
-    chunk = check_divisible(seq_len, cp_size, sharding)
-    return torch.cat([
-        torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(cp_rank, cp_size, sharding)
-    ])
+    """Global positions (int64 ``[seq_len // cp_size]``) of the tokens rank ``cp_rank`` holds. With ``cu_seqlens``
+    (``seq_len`` = its last entry): each token's position inside its own document (what rotary embeddings need), in the
+    rank's packed order."""
+    segments = rank_segments(cp_rank, cp_size, _lengths(seq_len, cp_size, sharding, cu_seqlens), sharding)
+    return torch.cat([torch.arange(g.pos, g.pos + g.length, device=device) for g in segments]
+                     or [torch.zeros(0, dtype=torch.int64, device=device)])
 
 
 @dataclass(frozen=True)
@@ -104,11 +95,9 @@ class Segment:
 
 
 def check_cu_seqlens(cu_seqlens: object, total_tokens: int) -> tuple[int, ...]:
-    """The document lengths of packed boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``, from 0 to
-    ``total_tokens``, non-decreasing); TypeError/ValueError naming ``cu_seqlens`` otherwise.
-
-    Reads the values to the host (one device synchronisation when they live on a GPU).
-    """
+    """The document lengths of packed boundaries ``cu_seqlens`` (int32 ``[n_docs + 1]``, from 0 to ``total_tokens``,
+    non-decreasing); TypeError/ValueError naming ``cu_seqlens`` otherwise. Reads the values to the host (one device
+    synchronisation when they live on a GPU)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an int32 torch.Tensor [n_docs + 1] or None, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -144,6 +133,7 @@ def doc_lengths(cu_seqlens: torch.Tensor, total_tokens: int, cp_size: int, shard
 def rank_segments(cp_rank: int, cp_size: int, lengths: Sequence[int], sharding: str) -> tuple[Segment, ...]:
     """The runs of consecutive positions rank ``cp_rank`` holds, in local order, for documents of
     ``lengths`` (one document = an unpacked sequence). Empty documents have no run."""
+    _check_rank(cp_rank, cp_size)
     parts = chunks_per_rank(sharding) * cp_size
     segments: list[Segment] = []
     local = 0
@@ -157,30 +147,32 @@ def rank_segments(cp_rank: int, cp_size: int, lengths: Sequence[int], sharding: 
     return tuple(segments)
 
 
-def _global_runs(cp_rank: int, cp_size: int, cu_seqlens: torch.Tensor, total: int,
-                 sharding: str) -> list[tuple[int, int]]:
-    """``(global start, length)`` of each run of rank ``cp_rank``, in its local order."""
-    lengths = doc_lengths(cu_seqlens, total, cp_size, sharding)
+def _lengths(total: int, cp_size: int, sharding: str, cu_seqlens: torch.Tensor | None) -> tuple[int, ...]:
+    """The document lengths of ``total`` tokens: ``cu_seqlens``'s, or one document; each checked to split evenly."""
+    if cu_seqlens is not None:
+        return doc_lengths(cu_seqlens, total, cp_size, sharding)
+    check_divisible(total, cp_size, sharding)
+    return (total,)
+
+
+def _global_runs(cp_rank: int, cp_size: int, lengths: tuple[int, ...], sharding: str) -> list[tuple[int, int]]:
+    """``(global start, length)`` of each run of rank ``cp_rank`` (documents of ``lengths``), in its local order."""
     starts = [sum(lengths[:doc]) for doc in range(len(lengths))]
     return [(starts[g.doc] + g.pos, g.length) for g in rank_segments(cp_rank, cp_size, lengths, sharding)]
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, dim: int = 1, sharding: str = "zigzag",
                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The part of ``x`` (global along ``dim``) that rank ``cp_rank`` of ``cp_size`` holds.
-
-    ``cu_seqlens``: ``x`` is packed along ``dim`` (e.g. ``[tokens, heads, head_dim]`` with ``dim=0``)
-    and each document is sharded on its own (Note [Packed documents (varlen)]).
-    """
+    """The part of ``x`` (global along ``dim``) that rank ``cp_rank`` of ``cp_size`` holds. ``cu_seqlens``: ``x`` is
+    packed along ``dim`` (e.g. ``[tokens, heads, head_dim]`` with ``dim=0``) and each document is sharded on its own
+    (Note [Packed documents (varlen)])."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_rank(cp_rank, cp_size)
     dim = dim % x.dim()
-    if cu_seqlens is not None:
-        runs = _global_runs(cp_rank, cp_size, cu_seqlens, x.shape[dim], check_sharding(sharding))
-        return torch.cat([x.narrow(dim, start, n) for start, n in runs] or [x.narrow(dim, 0, 0)], dim=dim)
-    chunk = check_divisible(x.shape[dim], cp_size, sharding)
-    return torch.cat([x.narrow(dim, c * chunk, chunk) for c in chunk_ids(cp_rank, cp_size, sharding)], dim=dim)
+    lengths = _lengths(x.shape[dim], cp_size, check_sharding(sharding), cu_seqlens)
+    runs = _global_runs(cp_rank, cp_size, lengths, sharding)
+    return torch.cat([x.narrow(dim, start, n) for start, n in runs] or [x.narrow(dim, 0, 0)], dim=dim)
 
 
 def unshard_sequence(parts: Sequence[torch.Tensor], *, dim: int = 1, sharding: str = "zigzag",
@@ -194,18 +186,11 @@ def unshard_sequence(parts: Sequence[torch.Tensor], *, dim: int = 1, sharding: s
     lengths = {p.shape[dim] for p in parts}
     if len(lengths) != 1 or next(iter(lengths)) % per_rank:
         raise ValueError(f"every part must have the same length along dim {dim}, divisible by {per_rank}; got {sorted(lengths)}")
-    if cu_seqlens is not None:
-        total = next(iter(lengths)) * cp_size
-        pieces: list[tuple[int, torch.Tensor]] = []
-        for rank, part in enumerate(parts):
-            local = 0
-            for start, n in _global_runs(rank, cp_size, cu_seqlens, total, sharding):
-                pieces.append((start, part.narrow(dim, local, n)))
-                local += n
-        return torch.cat([p for _, p in sorted(pieces, key=lambda item: item[0])] or [parts[0]], dim=dim)
-    chunk = next(iter(lengths)) // per_rank
-    ordered: list[torch.Tensor | None] = [None] * (per_rank * cp_size)
+    docs = _lengths(next(iter(lengths)) * cp_size, cp_size, sharding, cu_seqlens)
+    pieces: list[tuple[int, torch.Tensor]] = []
     for rank, part in enumerate(parts):
-        for i, c in enumerate(chunk_ids(rank, cp_size, sharding)):
-            ordered[c] = part.narrow(dim, i * chunk, chunk)
-    return torch.cat(ordered, dim=dim)  # type: ignore[arg-type]
+        local = 0
+        for start, n in _global_runs(rank, cp_size, docs, sharding):
+            pieces.append((start, part.narrow(dim, local, n)))
+            local += n
+    return torch.cat([p for _, p in sorted(pieces, key=lambda item: item[0])] or [parts[0]], dim=dim)

@@ -1,25 +1,16 @@
 """How K/V blocks travel between the ranks of a CP group, and what that costs.
 
-A transport serves the ring loops of ring.py (:class:`KVTransport`): it yields the K/V of a
-piece of work (schedule.py's ``Piece``, Note [Pieces] in ring.py) block by block. One
-implementation per file:
+A transport serves the ring loops of ring.py (:class:`KVTransport`): it yields the K/V of a piece of work (schedule.py's
+``Piece``, Note [Pieces] in ring.py) block by block: relay.py's ``RelayRing`` (``comm="p2p"``), direct.py's
+``DirectTransfers`` (``p2p`` under a window or packed documents), gather.py's ``GatheredBlocks`` (``all_gather``);
+dilated_transport.py moves a dilated call's pieces through the last two. What they share lives here: :func:`post`
+(point-to-point transfers addressed by group rank, their bytes counted), :func:`wait_all` (timed waits),
+:func:`gather_stacked` (one small all-gather) and the counters of :func:`ring_stats`.
 
-* ``relay.py``   :class:`~megatron_ring.attention.relay.RelayRing`, ``comm="p2p"``: every block
-  relayed around the ring, the next transfer in flight while the current block computes (in
-  forward one ring per head group, each a piece);
-* ``direct.py``  :class:`~megatron_ring.attention.direct.DirectTransfers`, ``comm="p2p"`` under a
-  window or packed documents: each block straight from its owner, only the rows a plan reads;
-* ``gather.py``  :class:`~megatron_ring.attention.gather.GatheredBlocks`, ``comm="all_gather"``;
-* ``dilated_transport.py`` no transport of its own: a dilated call's pieces through the two above.
-
-What they share lives here: :func:`post` (point-to-point transfers addressed by group rank, their
-bytes counted), :func:`wait_all` (timed waits), :func:`gather_stacked` (one small all-gather) and
-the counters of :func:`ring_stats`.
-
-``RingStats.wait_s`` is the time the ring spends blocked on communication after its compute for a
-step is done: the *exposed* communication. On CUDA the ring synchronises the device while stats
-are active (to time kernels from the host), which removes some overlap; use it to measure, not to
-run. The statistics wrap a transport's iteration (:func:`timed`), so the loops hold no timing code.
+``RingStats.wait_s`` is the time the ring spends blocked on communication after its compute for a step is done: the
+*exposed* communication. On CUDA the ring synchronises the device while stats are active (to time kernels from the
+host), which removes some overlap; use it to measure, not to run. The statistics wrap a transport's iteration
+(:func:`timed`), so the loops hold no timing code.
 """
 from __future__ import annotations
 
@@ -37,37 +28,31 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 Block = tuple[int, "Piece", torch.Tensor, torch.Tensor]
-"""``(src, piece, k_src, v_src)``: the K/V of ``piece`` (schedule.py's unit of work) in the block of
-CP rank ``src``, each ``[batch, piece's K/V heads, rows, head_dim]``: every head and row of the
-block for a whole piece, a head group for the relay's forward (Note [Forward memory] in relay.py),
-compact rows for a dilated piece; the rows are those the piece's plans index."""
+"""``(src, piece, k_src, v_src)``: the K/V of ``piece`` (schedule.py's unit of work) in the block of CP rank ``src``,
+each ``[batch, piece's K/V heads, rows, head_dim]``: the heads and rows the piece's plans index (Note [Pieces])."""
 GradPieces = list[tuple[slice, slice, torch.Tensor, torch.Tensor]]
-"""``(heads, rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads, rows,
-head_dim]`` belong to K/V heads ``heads`` (relative to the piece's) and key rows ``rows``."""
+"""``(heads, rows, dk, dv)`` pieces of one block's gradient: ``dk``/``dv`` ``[batch, heads, rows, head_dim]`` belong to
+K/V heads ``heads`` (relative to the piece's) and key rows ``rows``."""
 BlockAndGrads = tuple[int, "Piece", torch.Tensor, torch.Tensor, GradPieces]
 """``(src, piece, k_src, v_src, outbox)``: a block and the list the caller appends its gradient pieces to."""
 
 
 class KVTransport(Protocol):
-    """The K/V blocks of one ring call, forward or backward; built per pass, never reused.
-
-    ``k``/``v`` are this rank's block ``[batch, heads_kv, seq_local, head_dim]`` (heads-first).
-    """
+    """The K/V blocks of one ring call, forward or backward; built per pass, never reused. ``k``/``v`` are this rank's
+    block ``[batch, heads_kv, seq_local, head_dim]`` (heads-first)."""
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
-        """Forward: every block this rank's plans read, once per piece, piece after piece (the relay:
-        every block's first head group, then every block's next; the all-gather of a dilated call:
-        every piece of a block, block after block); the next transfer is in flight while the caller
-        computes on the one yielded. ``k``/``v`` may be views of any strides (the transport copies
-        them heads-first)."""
+        """Forward: every block this rank's plans read, once per piece, piece after piece (the relay: every block's
+        first head group, then every block's next; the all-gather of a dilated call: every piece of a block, block after
+        block); the next transfer is in flight while the caller computes on the one yielded. ``k``/``v`` may be views of
+        any strides (the transport copies them heads-first)."""
         ...
 
     def blocks_and_grads(self, k: torch.Tensor, v: torch.Tensor, dkv: torch.Tensor) -> Iterator[BlockAndGrads]:
-        """Backward: the same blocks, each with an empty outbox for its gradient pieces. When the
-        caller moves on, the transport adds the pieces up and carries them toward the block's owner,
-        behind the next block's compute; when the iteration ends, ``dkv`` (zeros on entry,
-        ``[2, batch, heads_kv, seq_local, head_dim]`` fp32) holds this rank's own dK/dV summed over
-        every rank."""
+        """Backward: the same blocks, each with an empty outbox for its gradient pieces. When the caller moves on, the
+        transport adds the pieces up and carries them toward the block's owner, behind the next block's compute; when
+        the iteration ends, ``dkv`` (zeros on entry, ``[2, batch, heads_kv, seq_local, head_dim]`` fp32) holds this
+        rank's own dK/dV summed over every rank."""
         ...
 
 
@@ -77,8 +62,8 @@ def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
 
 
 def add_pieces(acc: torch.Tensor, pieces: GradPieces, first_row: int = 0) -> None:
-    """Add gradient pieces into ``acc`` ``[2, batch, heads_kv, rows, head_dim]``, whose row 0 is key
-    row ``first_row`` of the block."""
+    """Add gradient pieces into ``acc`` ``[2, batch, heads_kv, rows, head_dim]``, whose row 0 is key row
+    ``first_row``."""
     for heads, rows, dk, dv in pieces:
         at = slice(rows.start - first_row, rows.stop - first_row)
         acc[0][:, heads, at] += dk
@@ -115,13 +100,10 @@ def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int
 @dataclass
 class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
-
-    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring
-    per group of ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations
-    and P gradient transfers). ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"``
-    it is the equivalent ring volume. With a window or packed documents (direct transfers,
-    direct.py) both count only the steps in which this rank sends, and what it sends.
-    """
+    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring per group of
+    ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations and P gradient transfers).
+    ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"`` the equivalent ring volume. Direct transfers
+    (direct.py) count only the steps in which this rank sends, and what it sends."""
 
     calls: int = 0
     steps: int = 0

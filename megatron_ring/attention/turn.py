@@ -2,13 +2,12 @@
 
 Note [Pass-KV or pass-Q]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-After a ring prefill (and decode) every rank holds the K/V of its own share of a conversation. A
-new turn of ``T`` tokens (a follow-up question) is split over the ranks too: new token ``i`` of the
-conversation goes to rank ``i % P``, the rule decode appends by, so the shards stay balanced and
-every rank runs the model's projections and MLP on ``T / P`` tokens. Each rank appends its new
-tokens' K/V to its shard, then its new queries must meet every rank's shard, causally (a key is
-visible iff its position is at most the query's). Two exact ways, as in Meta's context-parallel
-inference (Yang et al., 2024):
+After a ring prefill (and decode) every rank holds the K/V of its own share of a conversation. A new turn of ``T``
+tokens (a follow-up question) is split over the ranks too: new token ``i`` of the conversation goes to rank ``i % P``,
+the rule decode appends by, so the shards stay balanced and every rank runs the model's projections and MLP on ``T / P``
+tokens. Each rank appends its new tokens' K/V to its shard, then its new queries must meet every rank's shard, causally
+(a key is visible iff its position is at most the query's). Two exact ways, as in Meta's context-parallel inference
+(Yang et al., 2024):
 
 * **pass-KV**: the K/V shards travel around the ring (``P - 1`` steps, the next transfer in flight
   while a block computes); each rank merges its own queries' partial results. It moves the
@@ -18,12 +17,11 @@ inference (Yang et al., 2024):
   all-to-all returns each partial ``(out, lse)`` to the rank that owns the query, which merges
   them by log-sum-exp. It moves ``O(T)``, not ``O(S)``, but nothing overlaps the compute.
 
-Both compute the same FLOPs. For a short question after a long document (``T << S``) pass-Q
-moves a few kilobytes where pass-KV moves the cache; when the turn itself is long (a second
-document) pass-KV's transfers hide behind its compute and pass-Q's exposed all-gather and
-all-to-all of ``T`` rows cost more. ``mode="auto"`` takes the cheaper by :func:`turn_times`
-(the cost model of ``comm="auto"``: achieved FLOP/s, link bandwidths and latencies), computed
-from global sizes only, so every rank picks the same mode.
+Both compute the same FLOPs. For a short question after a long document (``T << S``) pass-Q moves a few kilobytes where
+pass-KV moves the cache; when the turn itself is long (a second document) pass-KV's transfers hide behind its compute
+and pass-Q's exposed all-gather and all-to-all of ``T`` rows cost more. ``mode="auto"`` takes the cheaper by
+:func:`turn_times` (the cost model of ``comm="auto"``: achieved FLOP/s, link bandwidths and latencies), computed from
+global sizes only, so every rank picks the same mode.
 
 Every rank first all-gathers its ``(q_len, s_local)`` (they differ between ranks), and each
 transfer is sized from that table. Positions travel with the blocks they describe (pass-KV) or
@@ -40,11 +38,9 @@ from megatron_ring.attention.auto_comm import DEFAULT_COSTS, CommCosts, attentio
 from megatron_ring.attention.block import block_forward, compute_dtype, merge_into, merge_stacked, resolve_backend
 from megatron_ring.attention.call import check_qkv, check_scale, check_window, prepare
 from megatron_ring.attention.comms import cp_place
-from megatron_ring.attention.handshake import (
-    DEVICE_TYPES, DTYPES, Field, choice_field, field, scale_field, table_device,
-)
+from megatron_ring.attention.handshake import Field, choice_field, field, scale_field, table_device, tensor_fields
 from megatron_ring.attention.transport import gather_stacked, post, wait_all
-from megatron_ring.attention.window import positions_visible
+from megatron_ring.attention.window import check_positions, positions_visible
 
 TURN_MODES: tuple[str, ...] = ("auto", "pass_kv", "pass_q")
 TAG = 4242
@@ -62,12 +58,9 @@ class TurnChoice:
 
 def turn_times(costs: CommCosts, *, new_tokens: int, kv_tokens: int, cp_size: int, batch: int, heads_q: int,
                heads_kv: int, head_dim: int, element_size: int) -> TurnChoice:
-    """Predicted attention seconds of one layer of a turn (Note [Pass-KV or pass-Q]) and the cheaper mode.
-
-    new_tokens: the turn's tokens over all ranks (``T``); kv_tokens: cached plus new tokens over all
-    ranks (``S``). Each rank holds ``T / P`` queries and ``S / P`` keys; a block is one rank's queries
-    against one rank's keys. Ties go to pass-KV.
-    """
+    """Predicted attention seconds of one layer of a turn (Note [Pass-KV or pass-Q]) and the cheaper mode. new_tokens:
+    the turn's tokens over all ranks (``T``); kv_tokens: cached plus new tokens over all ranks (``S``). Each rank holds
+    ``T / P`` queries and ``S / P`` keys; a block is one rank's queries against one rank's keys. Ties go to pass-KV."""
     p = cp_size
     q_local, s_local = new_tokens / p, kv_tokens / p
     block = attention_flops(batch=batch, q_len=q_local, k_len=s_local, heads=heads_q, head_dim=head_dim,
@@ -80,15 +73,6 @@ def turn_times(costs: CommCosts, *, new_tokens: int, kv_tokens: int, cp_size: in
     partial_bytes = batch * heads_q * new_tokens * (head_dim + 1) * 4  # fp32 (out, lse)
     pass_q = gather_s + p * block + costs.alltoall_s(partial_bytes, p)
     return TurnChoice("pass_kv" if pass_kv <= pass_q else "pass_q", pass_kv, pass_q)
-
-
-def _check_positions(name: str, positions: object, length: int, what: str) -> torch.Tensor:
-    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) \
-            or tuple(positions.shape) != (length,):
-        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else \
-            type(positions).__name__
-        raise ValueError(f"{name} must be an int32/int64 tensor [{what}] = [{length}], got {got}")
-    return positions.to(torch.int64)
 
 
 @dataclass(frozen=True)
@@ -113,27 +97,21 @@ def _turn_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_sca
     if right != 0:
         raise ValueError(f"window_size = {window_size!r}: a turn is causal, so right must be 0; allowed: (left, 0) "
                          "with left >= -1 (-1 = unbounded)")
-    q_pos = _check_positions("q_positions", q_positions, q.shape[1], "q_len")
-    k_pos = _check_positions("k_positions", k_positions, k.shape[1], "s_local")
+    q_pos = check_positions("q_positions", q_positions, q.shape[1], "q_len")
+    k_pos = check_positions("k_positions", k_positions, k.shape[1], "s_local")
     scale = check_scale(softmax_scale, q.shape[-1])
     kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=True)
-    device = q.device.type if q.device.type in DEVICE_TYPES else "other"
-    fields = [field("batch", q.shape[0]), field("heads_q", q.shape[2]), field("heads_kv", k.shape[2]),
-              field("head_dim", q.shape[3]), choice_field("dtype", q.dtype, DTYPES),
-              choice_field("device", device, DEVICE_TYPES), scale_field(scale), field("window_size[0]", left),
+    fields = [*tensor_fields(q, k, None), scale_field(scale), field("window_size[0]", left),
               choice_field("mode", mode, TURN_MODES)]
     return TurnCall(scale, kernel, left, mode, q_pos.to(q.device), k_pos.to(q.device)), fields
 
 
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
             call: TurnCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, hq, q, d], lse [b, hq, q])`` of heads-first q against k/v, causal on positions.
-
-    Without a window, the keys that precede every query need no mask. When the keys are in ascending
-    order (a cache appends by position), they are a prefix of the block. It runs unmasked, and only
-    the rest (this turn's own tokens) is masked; the two parts merge by log-sum-exp. Query rows at
-    position -1 (pass-Q's padding) are never read, so they do not count.
-    """
+    """``(out [b, hq, q, d], lse [b, hq, q])`` of heads-first q against k/v, causal on positions. Without a window, the
+    keys that precede every query need no mask. When the keys are in ascending order (a cache appends by position), they
+    are a prefix of the block. It runs unmasked, and only the rest (this turn's own tokens) is masked; the two parts
+    merge by log-sum-exp. Query rows at position -1 (pass-Q's padding) are never read, so they do not count."""
     b, hq, tq, d = q.shape
     ct = compute_dtype(q.dtype)
     if tq == 0 or k.shape[2] == 0:
@@ -201,11 +179,9 @@ def _pass_q(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, call: TurnCall
     out, lse = _attend(every, q_positions.reshape(-1), kh, vh, call.k_positions, call)
     part = torch.cat((out, lse.unsqueeze(-1)), dim=-1).reshape(b, hq, size, longest, d + 1)
     send = part.permute(2, 0, 1, 3, 4).contiguous()  # [P, b, hq, longest, d + 1]: row r goes to rank r
-    recv = torch.empty_like(send)
+    recv = send if size == 1 else torch.empty_like(send)
     if size > 1:
         dist.all_to_all_single(recv, send, group=group)
-    else:
-        recv = send
     merged, _ = merge_stacked(recv[..., :tq, :d], recv[..., :tq, d])
     return merged
 
@@ -218,24 +194,22 @@ def turn_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor
     """Causal attention of this rank's share of a new turn over every rank's cache shard (Note [Pass-KV or pass-Q]).
 
     Args:
-        q: ``[batch, q_len, heads_q, head_dim]``, this rank's new queries (``q_len`` may differ between
-            ranks and may be 0).
-        k_local, v_local: ``[batch, s_local, heads_kv, head_dim]``, this rank's whole shard: its cached
-            K/V and its new tokens' K/V, appended (``s_local`` may differ and may be 0).
+        q: ``[batch, q_len, heads_q, head_dim]``, this rank's new queries (``q_len`` may differ between ranks, be 0).
+        k_local, v_local: ``[batch, s_local, heads_kv, head_dim]``, this rank's whole shard: its cached K/V and its new
+            tokens' K/V, appended (``s_local`` may differ and may be 0).
         group: the CP group (None = world, or one process without torch.distributed).
-        q_positions: int ``[q_len]``, the new queries' positions in the conversation; k_positions: int
-            ``[s_local]``, the positions of this rank's keys (any order). Key ``j`` is visible to query
-            ``i`` iff ``k_positions[j] <= q_positions[i]`` (and, with ``window_size=(left, 0)``,
+        q_positions: int ``[q_len]``, the new queries' positions in the conversation; k_positions: int ``[s_local]``,
+            the positions of this rank's keys (any order). Key ``j`` is visible to query ``i`` iff
+            ``k_positions[j] <= q_positions[i]`` (and, with ``window_size=(left, 0)``,
             ``k_positions[j] >= q_positions[i] - left``).
         mode: ``"pass_kv"``, ``"pass_q"`` or ``"auto"`` (:func:`choose_turn_mode` with ``costs``, default
             ``DEFAULT_COSTS`` of the device type); the same on every rank.
-        check_consistency: first check that every rank passed the same batch, heads, head_dim, dtype,
-            scale, window and mode (Note [Cross-rank handshake]).
+        check_consistency: first check that every rank passed the same batch, heads, head_dim, dtype, scale, window and
+            mode (Note [Cross-rank handshake]).
 
     Returns:
-        ``[batch, q_len, heads_q, head_dim]`` in q's dtype: exactly the attention of these queries over
-        the union of the shards. Not differentiable (inference).
-    """
+        ``[batch, q_len, heads_q, head_dim]`` in q's dtype: exactly the attention of these queries over the union of the
+        shards. Not differentiable (inference)."""
     place = cp_place(group, "p2p")
     call = prepare("turn_attention", place, check_consistency, q, lambda: _turn_call(
         q, k_local, v_local, softmax_scale=softmax_scale, backend=backend, window_size=window_size, mode=mode,
@@ -244,15 +218,11 @@ def turn_attention(q: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor
     shape = [q.shape[1], k_local.shape[1]]
     sizes = [shape] if size == 1 else gather_stacked(
         torch.tensor(shape, dtype=torch.int64, device=table_device(flat, q)), flat, size).tolist()
-    chosen = call.mode
-    if chosen == "auto":
-        chosen = choose_turn_mode(q, k_local, sizes, costs).mode
+    chosen = choose_turn_mode(q, k_local, sizes, costs).mode if call.mode == "auto" else call.mode
     with torch.no_grad():
         qh, kh, vh = q.transpose(1, 2), k_local.transpose(1, 2), v_local.transpose(1, 2)
-        if chosen == "pass_kv":
-            out = _pass_kv(qh, kh, vh, call, flat, rank, size, sizes)
-        else:
-            out = _pass_q(qh, kh, vh, call, flat, size, sizes)
+        out = _pass_kv(qh, kh, vh, call, flat, rank, size, sizes) if chosen == "pass_kv" else \
+            _pass_q(qh, kh, vh, call, flat, size, sizes)
         return out.to(q.dtype).transpose(1, 2)
 
 

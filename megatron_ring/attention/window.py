@@ -1,10 +1,9 @@
 """Sliding windows: ``window_size=(left, right)`` and the band of (query, key) distances it allows. Pure.
 
 flash-attn's convention on positions: the query at position i sees the key at position j iff
-``i - left <= j <= i + right``, -1 meaning unbounded on that side; ``causal`` adds ``j <= i``. Both
-are one condition on the distance ``d = i - j``: ``lo <= d <= hi`` (:func:`band_limits`). Inside a
-block whose queries and keys are runs of consecutive positions, ``d`` is ``offset + row - col``, so
-the allowed pairs form a diagonal band (:class:`Band`).
+``i - left <= j <= i + right``, -1 meaning unbounded on that side; ``causal`` adds ``j <= i``. Both are one condition on
+the distance ``d = i - j``: ``lo <= d <= hi`` (:func:`band_limits`). Inside a block whose queries and keys are runs of
+consecutive positions, ``d`` is ``offset + row - col``, so the allowed pairs form a diagonal band (:class:`Band`).
 """
 from __future__ import annotations
 
@@ -53,3 +52,14 @@ def positions_visible(q_positions: torch.Tensor, k_positions: torch.Tensor, wind
     lo, hi = band_limits(window, causal=False)
     d = q_positions[:, None].to(torch.int64) - k_positions[None, :].to(torch.int64)
     return (d >= lo) & (d <= hi)
+
+
+def check_positions(name: str, positions: object, length: int, what: str, needed: str = "") -> torch.Tensor:
+    """int ``[length]`` positions (``what`` names the dimension) as int64; ValueError naming ``name`` (``needed``: when
+    they are needed, for the message)."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64) \
+            or tuple(positions.shape) != (length,):
+        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else \
+            type(positions).__name__
+        raise ValueError(f"{name} must be an int32/int64 tensor [{what}] = [{length}]{needed}, got {got}")
+    return positions.to(torch.int64)
