@@ -39,7 +39,7 @@ GQA: the a2a group needs ``heads_q % A == 0``. K/V heads are split A ways too; w
 is repeated, before the all-to-all, to ``h' = lcm(heads_kv, A)`` heads, the fewest that split A ways and keep every
 query head's K/V head on its rank. When ``A % heads_kv == 0`` (MQA, or fewer K/V heads than ranks) every rank receives
 exactly the one K/V head its queries use; when ``heads_kv % A == 0`` nothing is repeated. Bytes sent per rank per layer,
-with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`~megatron_ring.attention.traffic.a2a_bytes`)::
+with ``s = L/P`` local tokens, ``e`` bytes per element (:func:`~megatron_ring.costs.traffic.a2a_bytes`)::
 
     forward   (A-1)/A * b*s*d*e * (2*heads_q + 2*h')      q, k, v out; the output back
               + (R-1) * 2*b*s*h'*d*e                        the ring over R (K/V on h'/A heads, A*s tokens)
@@ -59,12 +59,11 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.call import RingCall, whole_piece
-from megatron_ring.attention.comms import CPPlace
+from megatron_ring.attention.call import CPPlace, RingCall, whole_piece
 from megatron_ring.attention.ring import run_ring
 from megatron_ring.attention.schedule import schedule_for
 from megatron_ring.attention.sharding import local_positions
-from megatron_ring.attention.traffic import kv_heads_sent
+from megatron_ring.costs.traffic import kv_heads_sent
 from megatron_ring.attention.transport import active_stats, count_sent, gather_stacked, now
 
 class Span(NamedTuple):

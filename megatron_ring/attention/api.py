@@ -39,7 +39,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             to heads, local attention; ``heads_q % cp == 0``), ``"a2a+p2p"`` (all-to-all inside
             the a2a groups, the ring across them; Note [All-to-all between sequence and heads] in
             alltoall.py) or ``"auto"`` (chosen per call among those ``group`` can run, from the
-            shapes and a cost model: Note [When does the ring beat all-gather?] in auto_comm.py).
+            shapes and a cost model: Note [When does the ring beat all-gather?] in costs/comm_choice.py).
         backend: local block kernel, ``"auto"``, ``"math"``, ``"sdpa"`` or ``"flash_attn"`` (see block.py).
         key_padding_mask: None, or bool ``[batch, seq_local]`` sharded like k (True = a real token, False = padding that
             no query may see), given on every rank of the group or on none. The masks are all-gathered once per call

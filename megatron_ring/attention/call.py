@@ -1,12 +1,12 @@
-"""A call of ``ring_attention`` or ``decode_attention``, checked: the checks at the boundary, the
+"""A call of ``ring_attention`` or ``decode_attention``, checked: where it runs, the checks at the boundary, the
 frozen record of a ring call, and the one prepare step both entry points share.
 
-:func:`prepare` runs a call's local checks (every TypeError/ValueError names the field, its value
-and what is allowed), then the cross-rank handshake (Note [Cross-rank handshake] in handshake.py),
-and raises on every rank alike, before any data moves. For ``ring_attention`` the checks build a
-:class:`RingCall`: where the call runs (:class:`~megatron_ring.attention.comms.CPPlace`), the comm
-(``"auto"`` resolved), the block kernel, and its pieces of work
-(:class:`~megatron_ring.attention.schedule.Piece`, Note [Pieces] in ring.py).
+:func:`cp_place` finds this process in the call's groups (:class:`CPPlace`). :func:`prepare` runs a call's local
+checks (every TypeError/ValueError names the field, its value and what is allowed), then the cross-rank handshake
+(Note [Cross-rank handshake] in handshake.py), and raises on every rank alike, before any data moves. For
+``ring_attention`` the checks build a :class:`RingCall`: the place, the comm (``"auto"`` resolved), the block kernel,
+its pieces of work (:class:`~megatron_ring.attention.schedule.Piece`, Note [Pieces] in ring.py) and the relay's
+pieces per hop (Note [Pieces per hop] in costs/comm_choice.py).
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from megatron_ring.attention.auto_comm import choose_comm_for_shapes
+import megatron_ring.attention.comms as comms
 from megatron_ring.attention.block import resolve_backend
-from megatron_ring.attention.comms import A2A_COMMS, COMM_CHOICES, Comm, CPPlace, cp_place
+from megatron_ring.attention.comms import A2A_COMMS, COMM_CHOICES, FLAT_COMMS, Comm
 from megatron_ring.attention.dilated import Pairs, check_dilation, dilation_code, show_dilation
 from megatron_ring.attention.dilated_schedule import dilated_schedule_for
 from megatron_ring.attention.handshake import (
@@ -27,8 +28,78 @@ from megatron_ring.attention.handshake import (
 )
 from megatron_ring.attention.schedule import Piece, Schedule, schedule_for
 from megatron_ring.attention.sharding import SHARDINGS, doc_lengths
+from megatron_ring.costs.comm_choice import choose_comm_for_shapes, relay_pieces_for
+from megatron_ring.costs.traffic import kv_heads_sent
 
 Record = TypeVar("Record")
+Level = tuple["dist.ProcessGroup | None", int, int]
+"""One level of hierarchical CP: (group, this rank in it, its size)."""
+
+
+def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in ``group``; (0, 1) when torch.distributed is not initialised. ValueError,
+    before any collective, when this process is not a member of ``group``."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return 0, 1
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group "
+                         "(torch.distributed.get_rank(group) is -1); call it only on the group's members")
+    return rank, dist.get_world_size(group)
+
+
+@dataclass(frozen=True)
+class CPPlace:
+    """Where this process sits for one call: the flat CP group and/or the two hierarchical ones."""
+
+    rank: int
+    size: int
+    flat: dist.ProcessGroup | None
+    has_flat: bool
+    hier: tuple[Level, Level] | None
+    """``((a2a group, rank, size), (ring group, rank, size))`` when hierarchical groups were given."""
+
+    def comms(self) -> tuple[str, ...]:
+        """The comms these groups can run (``auto`` chooses among them)."""
+        return (FLAT_COMMS if self.has_flat else ()) + (("a2a+p2p",) if self.hier is not None else ())
+
+    def levels(self, comm: str) -> tuple[Level, Level]:
+        """``(a2a level, ring level)`` of an a2a comm: ``"a2a"`` is the flat group and a ring of one."""
+        if comm == "a2a":
+            return (self.flat, self.rank, self.size), (None, 0, 1)
+        assert self.hier is not None
+        return self.hier
+
+    def a2a_size(self, comm: str) -> int:
+        return self.levels(comm)[0][2]
+
+
+def cp_place(group: object, comm: str) -> CPPlace:
+    """Resolve ``ring_attention``'s ``group`` for ``comm``; ValueError naming ``group`` when it cannot serve it."""
+    if isinstance(group, tuple):
+        if len(group) not in (2, 3):
+            raise ValueError(f"group as a tuple must be (a2a_group, ring_group) or CPGroups, got {len(group)} items")
+        (ga, ra, a), (gr, rr, r) = ((g, *group_rank_size(g)) for g in group[:2])
+        flat = group[2] if len(group) == 3 else None
+        if flat is not None:
+            rank, size = group_rank_size(flat)
+            if (rank, size) != (rr * a + ra, a * r):
+                raise ValueError(f"CPGroups: cp rank {rank} of {size} is not ring rank {rr} x a2a size {a} + a2a rank "
+                                 f"{ra} (of cp {a} x {r}); a2a groups must be adjacent CP ranks")
+        place = CPPlace(rr * a + ra, a * r, flat, flat is not None, ((ga, ra, a), (gr, rr, r)))
+    else:
+        rank, size = group_rank_size(group)  # type: ignore[arg-type]
+        place = CPPlace(rank, size, group, True, None)  # type: ignore[arg-type]
+    if comm != "auto" and comm not in place.comms():
+        if comm == "a2a+p2p":
+            raise ValueError("comm='a2a+p2p' needs group=(a2a_group, ring_group) or a CPGroups (e.g. "
+                             "init_parallel(...).cp_groups), got a single process group")
+        if comm in FLAT_COMMS:
+            raise ValueError(f"comm={comm!r} needs the whole CP group: pass group=<cp group> or "
+                             "CPGroups(a2a, ring, cp) with cp set")
+    return place
 
 
 def check_qkv(q: object, k: object, v: object, *, same_seq: bool) -> None:
@@ -175,6 +246,9 @@ class RingCall:
     """The call's work: one whole piece, or a dilated call's pieces (Note [Pieces] in ring.py)."""
     dilation: Pairs | None = None
     """Dilated attention's ``(segment_length, dilation)`` pairs (dilated.py), or None."""
+    relay_pieces: int = 1
+    """The relay's head groups per forward hop (Note [Forward memory] in relay.py): ``comms.PIECES`` when set,
+    else the cost model's choice for this call's ring (Note [Pieces per hop] in costs/comm_choice.py)."""
 
     @property
     def schedule(self) -> Schedule:
@@ -198,6 +272,19 @@ def _docs_code(cu_seqlens: torch.Tensor | None) -> int:
 
 def _show_docs(code: int) -> str:
     return "None" if code == 0 else f"{code >> 32} documents (boundaries crc32 {code & 0xFFFFFFFF:#010x})"
+
+
+def _relay_pieces(run: str, place: CPPlace, direct: bool, q: torch.Tensor, k: torch.Tensor, causal: bool) -> int:
+    """The relay's head groups per forward hop of a call that runs ``run`` (1 where no relay runs: all_gather, or
+    direct transfers under windows, documents or dilation): those of ``p2p``'s ring, or of the ring an all-to-all
+    comm runs over its ring group (``a * seq_local`` tokens on ``1/a`` of the heads, a = the a2a group's size)."""
+    if run == "all_gather" or direct:
+        return 1
+    a = place.a2a_size(run) if run in A2A_COMMS else 1
+    batch, seq_local, heads_q, head_dim = q.shape
+    heads_kv = k.shape[2] if a == 1 else kv_heads_sent(k.shape[2], a) // a
+    return relay_pieces_for(a * seq_local, place.size // a, batch, heads_q // a, heads_kv, head_dim, causal,
+                            q.element_size(), q.device.type, comms.PIECES)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -240,7 +327,8 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
     kernel = resolve_backend(backend, q.device, q.dtype, q.shape[-1], masked=masked or schedule.windowed)
     pieces = (whole_piece(schedule, q.shape[2], k.shape[2]),) if pairs is None else dilated_schedule_for(
         rank, size, seq_local, q.shape[2], k.shape[2], pairs, causal=causal, sharding=sharding)
-    call = RingCall(place, run, causal, sharding, scale, kernel, masked, pieces, pairs)  # type: ignore[arg-type]
+    call = RingCall(place, run, causal, sharding, scale, kernel, masked, pieces, pairs,  # type: ignore[arg-type]
+                    _relay_pieces(run, place, schedule.sparse or pairs is not None, q, k, causal))
     docs_code = _docs_code(cu_seqlens)
     fields = [*tensor_fields(q, k, "seq_local"), flag_field("causal", causal),
               choice_field("sharding", sharding, SHARDINGS), choice_field("comm", comm, COMM_CHOICES),

@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from megatron_ring.attention.block import block_forward, compute_dtype, merge_stacked, resolve_backend
 from megatron_ring.attention.call import (
-    check_key_padding_mask, check_qkv, check_scale, check_tokens, check_window, prepare,
+    CPPlace, check_key_padding_mask, check_qkv, check_scale, check_tokens, check_window, cp_place, prepare,
 )
-from megatron_ring.attention.comms import CPGroups, CPPlace, cp_place
+from megatron_ring.attention.comms import CPGroups
 from megatron_ring.attention.handshake import Field, field, flag_field, scale_field, tensor_fields
 from megatron_ring.attention.opaque import call_op
 from megatron_ring.attention.transport import gather_stacked

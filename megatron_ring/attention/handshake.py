@@ -31,15 +31,21 @@ computes its own blocks, no collective depends on it) and, in decode, the cache 
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_ring.attention.transport import gather_stacked
 
-if TYPE_CHECKING:
-    from megatron_ring.attention.comms import CPPlace
+
+class Place(Protocol):
+    """What :func:`agree_place` reads of where a call runs (``call.CPPlace``)."""
+
+    size: int
+    flat: dist.ProcessGroup | None
+    has_flat: bool
+    hier: tuple[tuple[dist.ProcessGroup | None, int, int], tuple[dist.ProcessGroup | None, int, int]] | None
 
 WIDTH = 24
 """Int64s per rank in the handshake: entry point, valid flag, up to 22 fields, zero padding."""
@@ -161,7 +167,7 @@ def tell_peers(entry: str, group: dist.ProcessGroup | None, size: int, error: Ba
     agree(entry, None, group, size, None, reason=f"{type(error).__name__}: {error}")
 
 
-def agree_place(entry: str, fields: Sequence[Field] | None, place: CPPlace, hint: object, reason: str = "") -> None:
+def agree_place(entry: str, fields: Sequence[Field] | None, place: Place, hint: object, reason: str = "") -> None:
     """:func:`agree` over the whole CP group of ``place``: its flat group when it has one, else the a2a groups and then
     the ring groups (every rank of the grid is linked to every other through them). A rank whose a2a group disagrees
     enters the ring-group round as rejected (``valid = 0``): every rank raises, none waits in a collective."""

@@ -22,29 +22,28 @@ Note [Forward memory]
 ~~~~~~~~~~~~~~~~~~~~~
 A rank computes on one block while the next arrives, and its neighbour needs that block at the
 very next step, so a relay holds two blocks of K/V in flight. In forward the relay therefore runs
-one ring per head group (``PIECES`` groups of the ``heads_kv`` heads, with their query heads): all
-P steps of group 0, then of group 1. Within a group it is the double-buffered relay above on half
-the heads, so it needs two buffers of half a block, reused from group to group, and every transfer
+one ring per head group (``g`` groups of the ``heads_kv`` heads, with their query heads): all
+P steps of group 0, then of group 1, ... Within a group it is the double-buffered relay above on 1/g of
+the heads, so it needs two buffers of 1/g of a block, reused from group to group, and every transfer
 still hides behind a kernel on the same group. (Interleaving the groups step by step would need
-``PIECES + 1`` such buffers, as the neighbour takes a piece only ``PIECES`` kernels after it was
+``g + 1`` such buffers, as the neighbour takes a piece only ``g`` kernels after it was
 sent; a split along the sequence would leave zigzag's second chunk with no work on half the steps,
 its transfer exposed.) Step 0 of a group copies that group's own K/V heads-first (Note [Heads-first
 blocks] in ring.py) into one of the buffers, and ring_forward copies that group's q. So a forward
-call at P ranks holds, with ``X`` = its local q: the output accumulator (X, in the compute dtype;
+call at P ranks and g = 2 holds, with ``X`` = its local q: the output accumulator (X, in the compute dtype;
 the output itself when fp32), the lse, one group's q (X / 2), two half blocks of K and V (2X when
 ``heads_kv = heads_q``) and one kernel's output for one group (X / 2 at most): about 4X, where it
 held 9X with whole copies of q, k and v and two whole receive blocks (docs/performance.md §3; at
-P = 1, 3X). Costs: the transfers are PIECES x (P - 1) messages of 1 / PIECES of a block each, and
-each kernel call takes 1 / PIECES of the heads (on a GPU, fewer thread blocks per call). Backward
+P = 1, 3X). Costs: the transfers are g x (P - 1) messages of 1 / g of a block each, and
+each kernel call takes 1 / g of the heads (on a GPU, fewer thread blocks per call). Backward
 rotates whole blocks (one group), its dK/dV accumulators with them.
 
-The groups are schedule pieces (``split_heads``, Note [Pieces] in ring.py), so the loop
-does not know them. How many is a trade of buffer memory against per-message latency:
-``comms.PIECES`` (2; ``comms.relay_pieces`` takes its gcd with ``heads_kv``) is read at every
-call, so assigning it overrides the choice (1: whole blocks, P - 1 messages). comm="auto" and the
-planner count the messages it sends (``traffic.p2p_forward_messages``: one more step latency per
-extra message in auto_comm.py's ``T_p2p``). On NCCL a message costs about 25 us (profiles/h100-sxm.json),
-small against a step at L/P >= 4k; on gloo 200 us.
+The groups are schedule pieces (``split_heads``, Note [Pieces] in ring.py), so the loop does not know them. How
+many is a trade of buffer memory against per-message latency, which the cost model makes per call (Note [Pieces per
+hop] in costs/comm_choice.py: 2 where the extra messages cost under 1 % of the ring's time, else 1) and which
+``comms.PIECES`` overrides; the call carries it (``RingCall.relay_pieces``). comm="auto" and the planner count the
+messages it sends (``traffic.p2p_forward_messages``). On NCCL a message costs about 25 us
+(profiles/h100-sxm.json), small against a step at L/P >= 4k; on gloo 200 us.
 """
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.comms import PIECES, relay_pieces  # noqa: F401  (PIECES: Note [Forward memory])
 from megatron_ring.attention.schedule import Piece
 from megatron_ring.attention.transport import Block, BlockAndGrads, GradPieces, add_pieces, post, wait_all
 
@@ -72,18 +70,18 @@ def split_heads(piece: Piece, n: int) -> tuple[Piece, ...]:
 
 
 class RelayRing:
-    """K/V rotation over ``group`` (rank ``rank`` of ``size``) with batched send/recv, of a whole
-    ``piece`` (schedule.py)."""
+    """K/V rotation over ``group`` (rank ``rank`` of ``size``) with batched send/recv, of a whole ``piece``
+    (schedule.py), in ``pieces`` head groups in forward (a divisor of its K/V heads)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, piece: Piece) -> None:
-        self.group, self.rank, self.size, self.piece = group, rank, size, piece
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, size: int, piece: Piece, pieces: int = 1) -> None:
+        self.group, self.rank, self.size, self.piece, self.pieces = group, rank, size, piece, pieces
         self.next, self.prev = (rank + 1) % size, (rank - 1) % size
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[Block]:
         """``(src, piece, k_src, v_src)``: one ring per head group (a piece of the whole one), each
         yielding t = 0..P-1 with ``src = (rank - t) mod P`` (Note [Forward memory])."""
         free: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for piece in split_heads(self.piece, relay_pieces(k.shape[1])):
+        for piece in split_heads(self.piece, self.pieces):
             yield from self._rotate(k, v, piece, free)
 
     def _rotate(self, k: torch.Tensor, v: torch.Tensor, piece: Piece,

@@ -58,7 +58,7 @@ def transport_for(call: RingCall) -> KVTransport:
         return GatheredBlocks(group, rank, size, piece)
     if piece.schedule.sparse:
         return DirectTransfers(group, rank, size, piece)
-    return RelayRing(group, rank, size, piece)
+    return RelayRing(group, rank, size, piece, call.relay_pieces)
 
 
 def key_masks_of(call: RingCall, key_padding_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -100,8 +100,8 @@ def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int
 @dataclass
 class RingStats:
     """Totals over every ring call (forward and backward) made inside one :func:`ring_stats` block, on this rank.
-    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring per group of
-    ``comms.PIECES``, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations and P gradient transfers).
+    ``steps`` counts communication rounds: P-1 per forward and head group (the relay runs one ring per head group,
+    ``RingCall.relay_pieces`` of them, Note [Forward memory]), 2P-1 per backward (P-1 K/V rotations and P gradient transfers).
     ``bytes_sent`` counts what this rank sends; for ``comm="all_gather"`` the equivalent ring volume. Direct transfers
     (direct.py) count only the steps in which this rank sends, and what it sends."""
 

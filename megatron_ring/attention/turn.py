@@ -34,10 +34,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.auto_comm import DEFAULT_COSTS, CommCosts, attention_flops
+from megatron_ring.costs.comm_choice import DEFAULT_COSTS, CommCosts, attention_flops
 from megatron_ring.attention.block import block_forward, compute_dtype, merge_into, merge_stacked, resolve_backend
-from megatron_ring.attention.call import check_qkv, check_scale, check_window, prepare
-from megatron_ring.attention.comms import cp_place
+from megatron_ring.attention.call import check_qkv, check_scale, check_window, cp_place, prepare
 from megatron_ring.attention.handshake import Field, choice_field, field, scale_field, table_device, tensor_fields
 from megatron_ring.attention.transport import gather_stacked, post, wait_all
 from megatron_ring.attention.window import check_positions, positions_visible

@@ -9,6 +9,6 @@
 * ``sweep/``    ``megatron-ring sweep``: a pair over prompt lengths, repeated, its plots and the planner's errors;
 * ``report.py`` tables (rich or Markdown) and number formats.
 
-Bytes and times of one attention call are the core's (``attention/traffic.py``,
-``attention/auto_comm.py``), so the planner, ``comm="auto"`` and the benchmarks count alike.
+Bytes and times of one attention call are the core's (``costs/traffic.py``,
+``costs/comm_choice.py``), so the planner, ``comm="auto"`` and the benchmarks count alike.
 """

@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 
-from megatron_ring.attention.relay import PIECES
 from megatron_ring.testing.gloo import CaseGrid
 from tests.gloo import a2a_workers, workers
 
@@ -89,16 +88,17 @@ def test_cp_groups_serve_every_comm(gloo_pool, comm):
     assert max(max(e.values()) for e in per_rank) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("comm,a2a_size,heads_kv", [("a2a", 4, 4), ("a2a", 4, 1), ("a2a+p2p", 2, 2),
-                                                     ("a2a+p2p", 2, 1), ("a2a+p2p", 1, 2)])
-def test_collectives_and_bytes(gloo_pool, comm, a2a_size, heads_kv):
+@pytest.mark.parametrize("comm,a2a_size,heads_kv,pieces", [
+    ("a2a", 4, 4, 2), ("a2a", 4, 1, 2), ("a2a+p2p", 2, 2, 2), ("a2a+p2p", 2, 1, 2), ("a2a+p2p", 1, 2, 2),
+    ("a2a+p2p", 1, 2, None)])
+def test_collectives_and_bytes(gloo_pool, comm, a2a_size, heads_kv, pieces):
     """One all-to-all each way per pass under zigzag (q, k, v packed; dq, dk, dv packed); the ring of a2a+p2p
-    rotates R - 1 times (in forward once per head group of its K/V heads, Note [Forward memory] in relay.py);
-    bytes sent equal traffic.a2a_bytes."""
-    for result in gloo_pool(4).run(a2a_workers.collectives_and_bytes, comm, a2a_size, 4, heads_kv, True):
+    rotates R - 1 times (in forward once per head group of its K/V heads: ``comms.PIECES`` set to 2, or the cost
+    model's choice, whole blocks at these few tokens; Note [Pieces per hop]); bytes sent equal traffic.a2a_bytes."""
+    for result in gloo_pool(4).run(a2a_workers.collectives_and_bytes, comm, a2a_size, 4, heads_kv, True, pieces):
         ring = 4 // a2a_size
         a2a_calls = 2 if a2a_size > 1 else 0
-        groups = math.gcd(PIECES, math.lcm(heads_kv, a2a_size) // a2a_size)  # K/V heads on the ring
+        groups = 1 if pieces is None else math.gcd(pieces, math.lcm(heads_kv, a2a_size) // a2a_size)  # ring K/V heads
         assert result["forward"] == {"all_to_all": a2a_calls, "p2p_batches": groups * (ring - 1), "all_gather": 0}, \
             result
         assert result["backward"]["all_to_all"] == a2a_calls, result

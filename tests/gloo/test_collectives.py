@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from megatron_ring.attention.traffic import p2p_forward_messages
+from megatron_ring.costs.comm_choice import DEFAULT_COSTS, relay_pieces
+from megatron_ring.costs.traffic import p2p_forward_messages
 
 from megatron_ring.testing.gloo import GlooPool, WorkerError
 from tests.gloo import workers
@@ -25,13 +26,21 @@ def test_p2p_forward_issues_p_minus_1_rotations_and_no_all_gather(gloo_pool, siz
         assert backward == {"p2p_batches": 2 * size - 1, "all_gather": 0}
 
 
-@pytest.mark.parametrize("heads_kv", [1, 2, 3])
-def test_p2p_forward_sends_one_message_per_head_group_and_hop(gloo_pool, heads_kv):
-    """The relay's forward moves a block in ``relay_pieces(heads_kv)`` head groups (Note [Forward memory]):
-    2 (P-1) messages for heads_kv = 2, P-1 for 1 and 3; what auto_comm's latency term counts."""
+@pytest.mark.parametrize("heads_kv,seq_local,pieces,expected", [
+    (1, 4, 2, 1), (2, 4, 2, 2), (3, 4, 2, 1), (2, 4, None, 1), (3, 4096, None, 1), (2, 4096, None, 2)],
+    ids=["set-mqa", "set-2", "set-3", "chosen-short", "chosen-long-3", "chosen-long-2"])
+def test_p2p_forward_sends_one_message_per_head_group_and_hop(gloo_pool, heads_kv, seq_local, pieces, expected):
+    """The relay's forward moves a block in g head groups, one message each per hop (Note [Forward memory]):
+    ``comms.PIECES = 2`` gives gcd(2, heads_kv); unset, the cost model (Note [Pieces per hop], CPU profile) keeps
+    whole blocks at 4 tokens per rank (a gloo message's 200 us against microseconds of compute) and halves them at
+    4,096 where heads_kv is even; the same count as comm_choice's latency term."""
     size = 3
-    for forward, backward in gloo_pool(size).run(workers.count_collectives, "p2p", True, heads_kv):
-        assert forward["p2p_batches"] == p2p_forward_messages(size, heads_kv) == math.gcd(2, heads_kv) * (size - 1)
+    shape = dict(seq_local=seq_local, cp_size=size, batch=1, heads_q=2 * heads_kv, heads_kv=heads_kv, head_dim=4,
+                 causal=True, element_size=4)
+    chosen = relay_pieces(**shape, costs=DEFAULT_COSTS["cpu"], override=pieces)
+    assert chosen == expected
+    for forward, backward in gloo_pool(size).run(workers.count_collectives, "p2p", True, heads_kv, pieces, seq_local):
+        assert forward["p2p_batches"] == p2p_forward_messages(size, chosen) == expected * (size - 1)
         assert backward == {"p2p_batches": 2 * size - 1, "all_gather": 0}  # whole blocks
 
 
@@ -55,7 +64,7 @@ def test_ranks_disagreeing_on_shapes_fail_instead_of_hanging():
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_auto_comm_is_exact(gloo_pool, size):
+def test_comm_choice_is_exact(gloo_pool, size):
     per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, 4, 2, 5, True, "zigzag", "auto",
                                    torch.float32, "auto")
     assert max(max(e.values()) for e in per_rank) <= 1e-5

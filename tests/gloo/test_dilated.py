@@ -6,7 +6,7 @@ Tolerances as in test_ring_numerics.py: fp32 <= 1e-5, bf16 <= 2e-2 (relative Fro
 import pytest
 import torch
 
-from megatron_ring.attention.auto_comm import DEFAULT_COSTS
+from megatron_ring.costs.comm_choice import DEFAULT_COSTS
 from megatron_ring.perf.planner.dilated_cost import predict_dilated_point
 from tests.gloo import dilated_workers as workers
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ring.attention.auto_comm import DEFAULT_COSTS
+from megatron_ring.costs.comm_choice import DEFAULT_COSTS
 from megatron_ring.attention.turn import turn_attention, turn_times
 from tests.gloo import turn_workers
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_ring import demo
 from megatron_ring.cli import main
-from megatron_ring.attention.auto_comm import PROFILE_DIR
+from megatron_ring.costs.comm_choice import PROFILE_DIR
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int | str | None, str, str]:

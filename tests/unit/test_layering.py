@@ -75,17 +75,21 @@ def top(name: str) -> str:
     return name.split(".")[0]
 
 
+CORE = ("megatron_ring.attention", "megatron_ring.parallel", "megatron_ring.costs")
+"""The core: attention, process groups and the cost model they share with the planner."""
+
+
 def test_core_imports_only_stdlib_torch_and_itself() -> None:
     bad = []
-    for path in list((PACKAGE / "attention").rglob("*.py")) + list((PACKAGE / "parallel").rglob("*.py")):
-        allowed_extra = {"flash_attn"} if path.name == "flash_attn_backend.py" else set()
+    for path in [p for sub in ("attention", "parallel", "costs") for p in (PACKAGE / sub).rglob("*.py")]:
+        allowed = {"flash_attn"} if path.name == "flash_attn_backend.py" else set()
+        allowed |= set() if "costs" in path.parts else {"torch"}  # costs/: numbers, not tensors
         for name in imports_of(path):
-            ok = (top(name) in STDLIB | {"torch"} | allowed_extra
-                  or name.startswith(("megatron_ring.attention", "megatron_ring.parallel")))
+            ok = top(name) in STDLIB | allowed or name.startswith(CORE)
             if not ok:
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
-    assert not bad, "the core (attention/, parallel/) imports only the standard library, torch and itself:\n" + \
-        "\n".join(bad)
+    assert not bad, "the core (attention/, parallel/, costs/) imports only the standard library, torch (costs/: not " \
+        "even torch) and itself:\n" + "\n".join(bad)
 
 
 def test_runtime_and_config_import_only_the_core() -> None:
@@ -94,7 +98,7 @@ def test_runtime_and_config_import_only_the_core() -> None:
         for path in (PACKAGE / sub).rglob("*.py"):
             for name in imports_of(path):
                 ok = (top(name) in STDLIB | {"torch", "pydantic", "yaml", "tqdm"}
-                      or name.startswith(("megatron_ring.attention", "megatron_ring.parallel", f"megatron_ring.{sub}")))
+                      or name.startswith((*CORE, f"megatron_ring.{sub}")))
                 if sub == "config":
                     ok = ok or name.startswith("megatron_ring.config")
                 if not ok:

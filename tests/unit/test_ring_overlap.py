@@ -18,7 +18,7 @@ import torch
 
 from megatron_ring.attention import direct, relay, ring
 from megatron_ring.attention.call import RingCall, whole_piece
-from megatron_ring.attention.comms import CPPlace
+from megatron_ring.attention.call import CPPlace
 from megatron_ring.attention.schedule import schedule_for
 
 DELAY = 0.25

@@ -1,10 +1,10 @@
-"""Bytes one rank sends per attention call (attention/traffic.py): the closed forms, per comm."""
+"""Bytes one rank sends per attention call (costs/traffic.py): the closed forms, per comm."""
 from __future__ import annotations
 
 import pytest
 
 from megatron_ring.attention.comms import COMMS
-from megatron_ring.attention.traffic import (
+from megatron_ring.costs.traffic import (
     a2a_bytes, all_gather_bytes, alltoall_bytes, bytes_sent, kv_block_bytes, kv_heads_sent, p2p_bytes,
 )
 

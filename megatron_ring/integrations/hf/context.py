@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.comms import group_rank_size
+from megatron_ring.attention.call import group_rank_size
 
 if TYPE_CHECKING:
     from megatron_ring.integrations.hf.cache import RingCache

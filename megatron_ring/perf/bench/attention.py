@@ -20,7 +20,7 @@ instrumentation; for Ulysses computed from the four all-to-alls; ``bytes_sent`` 
 ``bytes_sent_max`` the largest over ranks, which differ under a window); peak memory per rank
 (Note [Peak memory on CPU] in harness.py; each worker in its own session, Note [Ranks and the
 scheduler]). A second table gives the bytes every comm sends per rank per layer at each (L, P),
-from the formulas of attention/traffic.py
+from the formulas of costs/traffic.py
 (:func:`~megatron_ring.perf.bench.attention_report.comm_bytes`), so comms that were not run can
 be compared too.
 

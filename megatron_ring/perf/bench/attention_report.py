@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megatron_ring.attention.comms import A2A_COMMS, COMMS
-from megatron_ring.attention.traffic import alltoall_bytes, bytes_sent
+from megatron_ring.costs.traffic import alltoall_bytes, bytes_sent
 from megatron_ring.perf.bench.attention_worker import IMPLS, MODES
 from megatron_ring.perf.bench.harness import DTYPES
 from megatron_ring.perf.report import fmt_bytes, fmt_time
@@ -27,7 +27,7 @@ def ulysses_bytes(*, L: int, P: int, batch: int, heads: int, heads_kv: int, head
 def comm_bytes(*, L: int, P: int, batch: int, heads: int, heads_kv: int, head_dim: int, dtype: str,
                a2a_size: int) -> dict[str, dict[str, float]]:
     """Bytes each rank sends for one attention layer, ``{comm: {"fwd": .., "fwd_bwd": ..}}``: every comm
-    (:func:`~megatron_ring.attention.traffic.bytes_sent`; an all-to-all comm only where its group divides
+    (:func:`~megatron_ring.costs.traffic.bytes_sent`; an all-to-all comm only where its group divides
     P and the heads) and ``ulysses`` (:func:`ulysses_bytes`)."""
     shape = dict(batch=batch, seq_local=L // P, heads_q=heads, heads_kv=heads_kv, head_dim=head_dim,
                  element_size=DTYPES[dtype].itemsize, cp_size=P)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ring.attention.auto_comm import BWD_COMPUTE_FACTOR, attention_flops
+from megatron_ring.costs.comm_choice import BWD_COMPUTE_FACTOR, attention_flops
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.api import ring_attention

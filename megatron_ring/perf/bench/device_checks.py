@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron_ring.attention.block import block_backward, block_forward, resolve_backend
 from megatron_ring.attention.call import RingCall, whole_piece
-from megatron_ring.attention.comms import CPPlace
+from megatron_ring.attention.call import CPPlace
 from megatron_ring.attention.decode import decode_attention
 from megatron_ring.attention.reference import attention_reference, rel_err
 from megatron_ring.attention.ring import ring_backward, ring_forward

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ring.attention.auto_comm import attention_flops
+from megatron_ring.costs.comm_choice import attention_flops
 from megatron_ring.perf.bench import harness
 from megatron_ring.perf.report import fmt_bytes, fmt_time, print_table
 from megatron_ring.config import output_problem

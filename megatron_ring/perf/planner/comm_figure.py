@@ -3,7 +3,7 @@
 ``megatron-ring plan <config> --comm-figure out.png`` draws, for the config's model and CP size
 and for half that CP size (one node) beside it, the forward attention time per layer the cost
 model predicts for each comm of :data:`~megatron_ring.attention.comms.COMMS` (Note [All-to-all in
-the cost model] in attention/auto_comm.py), and shades the comm ``comm="auto"`` picks at each length.
+the cost model] in costs/comm_choice.py), and shades the comm ``comm="auto"`` picks at each length.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Per layer, with ``b`` sequences of ``L`` tokens (``s`` bytes per element, ``P = 
 
 Linear layers split over ``tp * cp`` ranks (TP splits weights, CP splits tokens); attention
 splits the same way and runs as a ring of ``P`` steps whose per-step compute and K/V transfer
-are those of :mod:`megatron_ring.attention.auto_comm` (crossover ``c*``). Each op costs
+are those of :mod:`megatron_ring.costs.comm_choice` (crossover ``c*``). Each op costs
 ``max(FLOPs / achieved FLOP/s, bytes / achieved HBM bandwidth)``. TP adds two all-reduces of the
 hidden states per layer (not overlapped), PP a send per stage boundary and a pipeline fill of
 ``pp - 1`` micro-batches. Prefill runs ``batch / micro_batch`` micro-batches; TTFT is the prefill
@@ -65,8 +65,8 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from megatron_ring.attention.auto_comm import CommCosts, choose_comm, crossover_tokens, predict_times, ring_step_s
-from megatron_ring.attention.traffic import kv_block_bytes
+from megatron_ring.costs.comm_choice import CommCosts, choose_comm, crossover_tokens, predict_times, ring_step_s
+from megatron_ring.costs.traffic import kv_block_bytes
 from megatron_ring.perf.planner.hardware import HardwareProfile
 from megatron_ring.perf.planner.inputs import PlanInput, layer_costs
 from megatron_ring.perf.planner.prediction import Memory, Prediction, RingStep, findings

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ring.attention.auto_comm import BWD_COMPUTE_FACTOR, CommCosts
+from megatron_ring.costs.comm_choice import BWD_COMPUTE_FACTOR, CommCosts
 from megatron_ring.attention.dilated import check_dilation
 from megatron_ring.attention.dilated_schedule import dilated_schedule_for
-from megatron_ring.attention.traffic import GRAD_ELEMENT_SIZE
+from megatron_ring.costs.traffic import GRAD_ELEMENT_SIZE
 from megatron_ring.perf.planner.hardware import DTYPE_BYTES
 
 

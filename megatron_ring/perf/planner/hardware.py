@@ -10,7 +10,7 @@ the knobs to calibrate against measurements (``megatron-ring bench attention`` p
 machine it runs on and writes a profile; its optional fields (collective bandwidths, fixed host
 overheads) default to values that leave older profiles' predictions unchanged. The derivation of
 achieved FLOP/s, link bandwidth and :class:`CommCosts` from these numbers is the core's
-(:func:`~megatron_ring.attention.auto_comm.profile_costs`), which ``comm="auto"`` also uses.
+(:func:`~megatron_ring.costs.comm_choice.profile_costs`), which ``comm="auto"`` also uses.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from megatron_ring.attention.auto_comm import PROFILE_DIR, CommCosts, achieved_flops, link_bytes_per_s, profile_costs
+from megatron_ring.costs.comm_choice import PROFILE_DIR, CommCosts, achieved_flops, link_bytes_per_s, profile_costs
 from megatron_ring.config.strict import ConfigError, StrictModel, load_mapping
 
 DEFAULT_PROFILE = "h100-sxm"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_ring.attention.auto_comm import attention_flops
+from megatron_ring.costs.comm_choice import attention_flops
 from megatron_ring.attention.comms import COMM_CHOICES
 from megatron_ring.parallel.layout import ParallelLayout
 from megatron_ring.perf.planner.hardware import DTYPE_BYTES, HardwareProfile

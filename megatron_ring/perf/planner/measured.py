@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_ring.attention.auto_comm import BWD_COMPUTE_FACTOR, predict_times, ring_step_s
+from megatron_ring.costs.comm_choice import BWD_COMPUTE_FACTOR, predict_times, ring_step_s
 from megatron_ring.attention.comms import A2A_COMMS
-from megatron_ring.attention.traffic import GRAD_ELEMENT_SIZE, kv_block_bytes
+from megatron_ring.costs.traffic import GRAD_ELEMENT_SIZE, kv_block_bytes
 from megatron_ring.perf.planner.dilated_cost import predict_dilated_point
 from megatron_ring.perf.planner.hardware import DTYPE_BYTES, HardwareProfile
 
 def predict_attention_point(point: dict[str, Any], hw: HardwareProfile) -> dict[str, float]:
     """Predicted time (s) of one bench point (keys as written by :mod:`megatron_ring.perf.bench.attention`) on ``hw``.
 
-    Forward uses :func:`~megatron_ring.attention.auto_comm.predict_times`; the backward adds
+    Forward uses :func:`~megatron_ring.costs.comm_choice.predict_times`; the backward adds
     ``BWD_COMPUTE_FACTOR`` x the compute and, for p2p, a second K/V rotation plus the fp32
     gradient accumulator (the ring's backward, see ring.py). A dilated point (``dilation``) is
     counted from its schedule (dilated_cost.py).

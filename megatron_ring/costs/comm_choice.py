@@ -1,10 +1,11 @@
-"""Choose the CP communication (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``) from a cost model: ``comm="auto"``.
+"""Choose the CP communication (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``) from a cost model, for
+``comm="auto"``, and the relay's pieces per hop, for every ring call (Note [Pieces per hop]).
 
-Pure Python, no torch: :func:`choose_comm` sees only shapes, the ring size and a
-:class:`CommCosts` (effective FLOP/s, link bandwidths, fixed latencies), so it is the same on
-every rank and cheap enough to run on every call. Bytes come from traffic.py; a call given no costs
-uses those of its device's shipped hardware profile (:data:`DEFAULT_PROFILES`, ``megatron_ring/profiles``),
-derived by :func:`profile_costs` exactly as the planner derives them.
+Arithmetic on numbers, no tensors: :func:`choose_comm` sees only shapes, the ring size and a :class:`CommCosts`
+(effective FLOP/s, link bandwidths, fixed latencies), so it is the same on every rank and cheap enough to run on
+every call. Bytes come from traffic.py; a call given no costs uses those of its device's shipped hardware profile
+(:data:`DEFAULT_PROFILES`, ``megatron_ring/profiles``), derived by :func:`profile_costs` exactly as the planner
+derives them.
 
 Note [When does the ring beat all-gather?]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -22,8 +23,8 @@ latency, kernel launch, merge) and ``o_ag`` that of one all-gather::
     T_p2p = t_comp + (P - 1) * max(t_comp, t_comm) + (P + (g - 1) * (P - 1)) * o
     T_ag  = o_ag + (P - 1) * t_comm * W / W_ag + P * t_comp + o
 
-(``g``: the relay's head groups per block, ``comms.relay_pieces``: each extra group is one more
-message per step, Note [Forward memory] in relay.py.) Both move the same bytes; the ring hides them behind compute, all-gather pays them up front but
+(``g``: the relay's head groups per block, Note [Pieces per hop]: each extra group is one more message per step,
+Note [Forward memory] in attention/relay.py.) Both move the same bytes; the ring hides them behind compute, all-gather pays them up front but
 pays the fixed costs once instead of P times. Without fixed costs ``T_p2p <= T_ag`` always, so
 the ring wins whenever ``c >= c*`` (all communication hidden) and all-gather only wins when the
 local chunk is so short that per-step latency dominates. The rule is therefore:
@@ -52,6 +53,26 @@ the inter-node link ``W_inter``, so the ring hides A times more communication th
 across nodes. Nodes enter through ``ranks_per_node`` (CP ranks per node) and ``W_inter``: a
 flat ring or all-gather that spans nodes runs at ``W_inter``; a flat all-to-all sends the share
 ``(P - n)/P`` of its bytes across nodes.
+
+Note [Pieces per hop]
+~~~~~~~~~~~~~~~~~~~~~
+The relay's forward can move each K/V block in ``g`` head groups, one ring per group (Note [Forward memory] in
+attention/relay.py): its two K/V buffers shrink to ``1/g`` of a block (a forward call holds about ``X + 6X/g`` for a
+local q of ``X`` with ``H_kv = H``: 7X whole, 4X in halves), and it sends ``g * (P - 1)`` messages instead of
+``P - 1``. The bytes are the same, so the trade is ``(g - 1) * (P - 1)`` extra message latencies ``o`` against buffer
+memory. :func:`relay_pieces` takes the largest ``g`` (a divisor of ``H_kv``, at most :data:`MAX_RELAY_PIECES`) whose
+extra latency stays within :data:`PIECES_LATENCY_SHARE` of the ring's predicted forward time at ``g = 1``::
+
+    (g - 1) * (P - 1) * o <= share * (t_comp + (P - 1) * max(t_comp, t_comm) + P * o)
+
+So long sequences split and short ones do not: memory where it is scarce, latency where it dominates. On the
+shipped profiles (32 query and 8 K/V heads of 128, bf16, causal) an H100 ring of 8 splits from 16k tokens per rank
+(a step takes about 5 ms there, a message 25 us); on the CPU profile (gloo, 200 us a message) 2 heads of 64 in fp32
+split from 2k tokens per rank. Beyond 2 groups the
+buffers are no longer the largest term and each kernel call gets fewer heads (on a GPU, fewer thread blocks), a
+cost the model does not see, hence the cap. ``attention.comms.PIECES`` set to an int overrides the rule
+(``gcd(PIECES, H_kv)`` groups). ``predict_times`` (so ``comm="auto"`` and the planner) counts the messages of
+the chosen ``g``.
 """
 from __future__ import annotations
 
@@ -62,8 +83,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from megatron_ring.attention import traffic
+import megatron_ring.attention.comms as comms
 from megatron_ring.attention.comms import FLAT_COMMS, TIE_ORDER, Comm
+from megatron_ring.costs import traffic
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -225,12 +247,47 @@ BWD_COMPUTE_FACTOR = 2.5
 def ring_step_s(costs: CommCosts, *, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int,
                 head_dim: int, causal: bool, element_size: int) -> tuple[float, float]:
     """``(t_comp, t_comm)`` of one ring step over ``cp_size`` ranks: a Q block against a K/V block, and one
-    K/V block (:func:`~megatron_ring.attention.traffic.kv_block_bytes`) sent on the ring's slowest link."""
+    K/V block (:func:`~megatron_ring.costs.traffic.kv_block_bytes`) sent on the ring's slowest link."""
     flops = attention_flops(batch=batch, q_len=seq_local, k_len=seq_local, heads=heads_q, head_dim=head_dim,
                             causal=causal)
     kv = traffic.kv_block_bytes(batch=batch, seq_local=seq_local, heads_kv=heads_kv, head_dim=head_dim,
                                 element_size=element_size)
     return flops / costs.flops_per_s, kv / costs.links(cp_size)[0]
+
+
+MAX_RELAY_PIECES = 2
+"""The most head groups :func:`relay_pieces` splits a relay's forward block into (Note [Pieces per hop])."""
+PIECES_LATENCY_SHARE = 0.02
+"""The share of the ring's predicted forward time the extra messages of more pieces may cost (Note [Pieces per hop])."""
+
+
+def relay_pieces(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
+                 causal: bool, element_size: int, costs: CommCosts, override: int | None = None) -> int:
+    """The relay's head groups per forward hop for a ring over ``cp_size`` ranks holding ``seq_local`` tokens each:
+    ``gcd(override, heads_kv)`` when ``override`` (``attention.comms.PIECES``) is set, else the rule of Note
+    [Pieces per hop]. ValueError naming ``comms.PIECES`` for an override that is not an int >= 1."""
+    if override is not None:
+        if isinstance(override, bool) or not isinstance(override, int) or override < 1:
+            raise ValueError(f"megatron_ring.attention.comms.PIECES must be an int >= 1 or None (the cost model "
+                             f"chooses), got {override!r}")
+        return math.gcd(override, heads_kv)
+    if cp_size == 1:
+        return 1
+    t_comp, t_comm = ring_step_s(costs, seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q,
+                                 heads_kv=heads_kv, head_dim=head_dim, causal=causal, element_size=element_size)
+    whole = t_comp + (cp_size - 1) * max(t_comp, t_comm) + cp_size * costs.step_latency_s
+    return max(g for g in range(1, min(MAX_RELAY_PIECES, heads_kv) + 1) if heads_kv % g == 0
+               and (g - 1) * (cp_size - 1) * costs.step_latency_s <= PIECES_LATENCY_SHARE * whole)
+
+
+@lru_cache(maxsize=1024)
+def relay_pieces_for(seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
+                     causal: bool, element_size: int, device_type: str, override: int | None) -> int:
+    """:func:`relay_pieces` of one ring call on ``device_type``'s default costs (:func:`default_costs`), cached per
+    shape: what ``ring_attention`` runs on every call."""
+    return relay_pieces(seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                        head_dim=head_dim, causal=causal, element_size=element_size,
+                        costs=default_costs(device_type), override=override)
 
 
 def crossover_tokens(costs: CommCosts, *, heads_q: int, heads_kv: int, causal: bool, element_size: int) -> float:
@@ -278,7 +335,9 @@ def predict_times(*, seq_local: int, cp_size: int, batch: int, heads_q: int, hea
     t_comp, t_comm = ring_step_s(costs, seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q,
                                  heads_kv=heads_kv, head_dim=head_dim, causal=causal, element_size=element_size)
     steps = cp_size - 1
-    messages = traffic.p2p_forward_messages(cp_size, heads_kv)  # P - 1 per head group of the relay
+    pieces = relay_pieces(seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                          head_dim=head_dim, causal=causal, element_size=element_size, costs=costs, override=comms.PIECES)
+    messages = traffic.p2p_forward_messages(cp_size, pieces)
     p2p = t_comp + steps * max(t_comp, t_comm) + (1 + messages) * costs.step_latency_s
     gathered = traffic.all_gather_bytes(batch=batch, seq_local=seq_local, heads_kv=heads_kv, head_dim=head_dim,
                                         element_size=element_size, cp_size=cp_size)
@@ -287,12 +346,12 @@ def predict_times(*, seq_local: int, cp_size: int, batch: int, heads_q: int, hea
     inner = a2a_size or min(cp_size, costs.ranks_per_node or cp_size)
     shape = dict(batch=batch, seq_local=seq_local, head_dim=head_dim, element_size=element_size)
     return {"p2p": p2p, "all_gather": all_gather,
-            "a2a": _a2a_time(t_comp, cp_size, 1, shape, heads_q, heads_kv, costs),
+            "a2a": _a2a_time(t_comp, cp_size, 1, shape, heads_q, heads_kv, causal, costs),
             "a2a+p2p": _a2a_time(t_comp, inner, cp_size // inner if cp_size % inner == 0 else 0, shape, heads_q,
-                                 heads_kv, costs)}
+                                 heads_kv, causal, costs)}
 
 
-def _a2a_time(t_comp: float, a2a: int, ring: int, shape: dict[str, int], heads_q: int, heads_kv: int,
+def _a2a_time(t_comp: float, a2a: int, ring: int, shape: dict[str, int], heads_q: int, heads_kv: int, causal: bool,
               costs: CommCosts) -> float:
     """Forward time of ``a2a`` (``ring`` 1) or ``a2a+p2p`` (Note [All-to-all in the cost model]); ``inf`` if it
     cannot run. ``shape``: batch, seq_local, head_dim, element_size."""
@@ -302,7 +361,11 @@ def _a2a_time(t_comp: float, a2a: int, ring: int, shape: dict[str, int], heads_q
     moved = 2 * costs.alltoall_s(traffic.alltoall_payload(**shape, heads_q=heads_q, heads_kv=h_kv), a2a)
     step_comp = a2a * t_comp
     step_comm = traffic.kv_block_bytes(**shape, heads_kv=h_kv) / costs.links(a2a * ring)[0]
-    messages = traffic.p2p_forward_messages(ring, h_kv // a2a)  # the ring's K/V heads: H' / A
+    # the ring's pieces as ring_attention chooses them: A times the tokens on 1/A of the heads (H' / A K/V heads)
+    pieces = relay_pieces(seq_local=a2a * shape["seq_local"], cp_size=ring, batch=shape["batch"],
+                          heads_q=heads_q // a2a, heads_kv=h_kv // a2a, head_dim=shape["head_dim"], causal=causal,
+                          element_size=shape["element_size"], costs=costs, override=comms.PIECES)
+    messages = traffic.p2p_forward_messages(ring, pieces)
     return moved + step_comp + (ring - 1) * max(step_comp, step_comm) + (1 + messages) * costs.step_latency_s
 
 

@@ -1,6 +1,6 @@
 """Bytes one rank sends for one attention call, for each comm: the one place these formulas live.
 
-Pure Python, no torch. ``comm="auto"`` (auto_comm.py), the planner and the benchmarks all count
+Pure Python, no torch. ``comm="auto"`` (comm_choice.py), the planner and the benchmarks all count
 bytes here. A rank holds ``c = L/P`` tokens (batch ``b``, ``H`` query heads, ``H_kv`` K/V heads,
 head dim ``d``, ``e`` bytes per element); one K/V block is ``kv = 2*b*c*H_kv*d*e`` bytes::
 
@@ -9,24 +9,26 @@ head dim ``d``, ``e`` bytes per element); one K/V block is ``kv = 2*b*c*H_kv*d*e
     a2a         (A-1)/A * b*c*d*e * (2*H + 2*H')    each way, A = P, H' = lcm(H_kv, A)
     a2a+p2p     the same all-to-all over A, plus the ring over R = P/A on H' heads
 
-p2p's forward sends its K/V in ``relay_pieces(H_kv)`` messages per step (the relay's head groups,
-Note [Forward memory] in relay.py): the same bytes in more messages. p2p's backward rotates K/V again and an fp32 dK/dV accumulator P times (Note [The ring] in
-docs/design.md); all_gather's gathers K/V again and reduces fp32 dK/dV to each owner. The
-all-to-all comms: Note [All-to-all between sequence and heads] in alltoall.py.
+p2p's forward sends its K/V in ``g`` messages per step (the relay's head groups, Note [Forward memory] in relay.py,
+``g`` chosen by Note [Pieces per hop] in comm_choice.py): the same bytes in more messages. p2p's backward rotates
+K/V again and an fp32 dK/dV accumulator P times (Note [The ring] in docs/design.md); all_gather's gathers K/V again
+and reduces fp32 dK/dV to each owner. The all-to-all comms: Note [All-to-all between sequence and heads] in
+attention/alltoall.py.
 """
 from __future__ import annotations
 
 import math
 
-from megatron_ring.attention.comms import A2A_COMMS, COMMS, relay_pieces
+from megatron_ring.attention.comms import A2A_COMMS, COMMS
 
 GRAD_ELEMENT_SIZE = 4
 """Bytes per element of the dK/dV the backward passes send (fp32 accumulators)."""
 
 
-def p2p_forward_messages(cp_size: int, heads_kv: int) -> int:
-    """Messages (batched sends) one rank posts in a plain p2p forward: ``relay_pieces * (P - 1)``."""
-    return relay_pieces(heads_kv) * (cp_size - 1)
+def p2p_forward_messages(cp_size: int, pieces: int) -> int:
+    """Messages (batched sends) one rank posts in a plain p2p forward whose relay moves each block in ``pieces``
+    head groups (``comm_choice.relay_pieces``): ``pieces * (P - 1)``."""
+    return pieces * (cp_size - 1)
 
 
 def kv_heads_sent(heads_kv: int, a2a_size: int) -> int:

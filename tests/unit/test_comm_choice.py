@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ring.attention import auto_comm
-from megatron_ring.attention.auto_comm import (
+from megatron_ring.costs import comm_choice
+from megatron_ring.costs.comm_choice import (
     DEFAULT_COSTS, DEFAULT_PROFILES, CommCosts, choose_comm, choose_comm_for_shapes, crossover_tokens, predict_times,
-    profile_costs,
+    profile_costs, relay_pieces,
 )
 
 COSTS = CommCosts(flops_per_s=500e12, p2p_bytes_per_s=400e9, allgather_bytes_per_s=400e9,
@@ -72,12 +72,12 @@ def test_defaults_are_read_from_the_shipped_profiles(tmp_path: Path, monkeypatch
     shipped = dict(DEFAULT_COSTS)
     edited = {}
     for device, (name, dtype, ranks) in DEFAULT_PROFILES.items():
-        profile = json.loads((auto_comm.PROFILE_DIR / f"{name}.json").read_text())
+        profile = json.loads((comm_choice.PROFILE_DIR / f"{name}.json").read_text())
         profile.update(p2p_latency_s=0.0, collective_latency_s=0.0, link_efficiency=profile["link_efficiency"] / 2)
         (tmp_path / f"{name}.json").write_text(json.dumps(profile))
         edited[device] = profile_costs(profile, dtype, ranks=ranks)
-    monkeypatch.setattr(auto_comm, "PROFILE_DIR", tmp_path)
-    auto_comm.default_costs.cache_clear()
+    monkeypatch.setattr(comm_choice, "PROFILE_DIR", tmp_path)
+    comm_choice.default_costs.cache_clear()
     try:
         for device in DEFAULT_PROFILES:
             assert DEFAULT_COSTS[device] == edited[device] != shipped[device]
@@ -85,7 +85,7 @@ def test_defaults_are_read_from_the_shipped_profiles(tmp_path: Path, monkeypatch
         assert choose_comm_for_shapes((1, 4, 2, 8), (1, 4, 2, 8), 8, causal=True, element_size=4,
                                       device_type="cpu") == "p2p"
     finally:
-        auto_comm.default_costs.cache_clear()
+        comm_choice.default_costs.cache_clear()
 
 
 def test_the_profiles_are_package_data() -> None:
@@ -93,8 +93,8 @@ def test_the_profiles_are_package_data() -> None:
     cfg = configparser.ConfigParser()
     cfg.read(Path(__file__).resolve().parents[2] / "setup.cfg")
     globs = [g.strip() for g in cfg["options.package_data"]["megatron_ring"].split(",")]
-    profiles = set(auto_comm.PROFILE_DIR.glob("*.json"))
-    assert profiles and profiles <= {p for g in globs for p in auto_comm.PROFILE_DIR.parent.glob(g)}
+    profiles = set(comm_choice.PROFILE_DIR.glob("*.json"))
+    assert profiles and profiles <= {p for g in globs for p in comm_choice.PROFILE_DIR.parent.glob(g)}
 
 
 def test_defaults_equal_the_planners_costs_of_the_same_profiles() -> None:
@@ -157,3 +157,35 @@ def test_hybrid_is_a_candidate_only_with_its_group_size() -> None:
     assert choice.comm != "a2a+p2p"
     assert choose_comm_for_shapes((1, 4096, 32, 128), (1, 4096, 8, 128), 8, causal=True, element_size=2,
                                   device_type="cuda", candidates=("a2a+p2p",), a2a_size=4) == "a2a+p2p"
+
+
+def test_relay_pieces_trade_message_latency_for_buffer_memory() -> None:
+    """Note [Pieces per hop]: whole blocks where the extra messages would cost more than PIECES_LATENCY_SHARE of the
+    ring's time (short sequences, a high latency), two head groups where they are lost in it; never more than
+    MAX_RELAY_PIECES, always a divisor of heads_kv; an override wins, as gcd(override, heads_kv)."""
+    h100 = DEFAULT_COSTS["cuda"]
+    shape = dict(cp_size=8, batch=1, heads_q=32, heads_kv=8, head_dim=128, causal=True, element_size=2)
+    assert [relay_pieces(seq_local=s, **shape, costs=h100) for s in (1024, 4096, 16384, 65536)] == [1, 1, 2, 2]
+    assert relay_pieces(seq_local=65536, **{**shape, "heads_kv": 1}, costs=h100) == 1  # MQA: one K/V head
+    assert relay_pieces(seq_local=65536, **{**shape, "heads_kv": 3, "heads_q": 33}, costs=h100) == 1  # odd
+    assert relay_pieces(seq_local=65536, **{**shape, "cp_size": 1}, costs=h100) == 1  # no ring, no messages
+    slow = CommCosts(flops_per_s=h100.flops_per_s, p2p_bytes_per_s=h100.p2p_bytes_per_s,
+                     allgather_bytes_per_s=h100.allgather_bytes_per_s, step_latency_s=1e-2)
+    assert relay_pieces(seq_local=16384, **shape, costs=slow) == 1  # the same call on a link of 10 ms a message
+    for override, pieces in ((1, 1), (2, 2), (4, 4), (3, 1), (16, 8)):
+        assert relay_pieces(seq_local=1024, **shape, costs=h100, override=override) == pieces
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"comms\.PIECES must be an int >= 1 or None"):
+            relay_pieces(seq_local=1024, **shape, costs=h100, override=bad)
+
+
+def test_predicted_p2p_time_counts_the_chosen_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """predict_times charges one step latency per message the relay sends: g (P - 1) + 1."""
+    from megatron_ring.attention import comms
+
+    shape = dict(seq_local=65536, cp_size=8, batch=1, heads_q=32, heads_kv=8, head_dim=128, causal=True,
+                 element_size=2)
+    chosen = predict_times(**shape, costs=DEFAULT_COSTS["cuda"])["p2p"]
+    monkeypatch.setattr(comms, "PIECES", 1)
+    whole = predict_times(**shape, costs=DEFAULT_COSTS["cuda"])["p2p"]
+    assert chosen - whole == pytest.approx(7 * DEFAULT_COSTS["cuda"].step_latency_s)
