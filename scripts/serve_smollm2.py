@@ -79,7 +79,7 @@ def conversation_rank(cp: int, doc_tokens: int, modes: bool, ragged: bool) -> di
     """One rank: the three turns (and the mode table, the ragged batch); rank 0's numbers are reported."""
     import torch.distributed as dist
 
-    from megatron_ring.attention.auto_comm import DEFAULT_COSTS
+    from megatron_ring.costs.comm_choice import DEFAULT_COSTS
     from megatron_ring.attention.turn import turn_times
     from megatron_ring.serving.conversations import Conversation, ConversationStore
 
@@ -158,7 +158,7 @@ def conversation_rank(cp: int, doc_tokens: int, modes: bool, ragged: bool) -> di
 def switch_points(cached: int, cp: int) -> dict[str, int]:
     """The shortest turn (tokens) after ``cached`` tokens for which the cost model picks pass-KV, per shipped
     profile, for SmolLM2's attention shapes (9 query heads, 3 K/V heads, head_dim 64)."""
-    from megatron_ring.attention.auto_comm import DEFAULT_COSTS
+    from megatron_ring.costs.comm_choice import DEFAULT_COSTS
     from megatron_ring.attention.turn import turn_times
 
     out = {}

@@ -44,6 +44,15 @@ def test_p2p_forward_sends_one_message_per_head_group_and_hop(gloo_pool, heads_k
         assert backward == {"p2p_batches": 2 * size - 1, "all_gather": 0}  # whole blocks
 
 
+def test_a_plain_p2p_forward_runs_code_in_eight_files(gloo_pool):
+    """The reading path of one call (docs/design.md): a steady-state ``ring_attention(q, k, v, causal=True)`` runs
+    code in 8 files of the project, GQA included; nothing else joins them unnoticed."""
+    for files in gloo_pool(2).run(workers.files_of_a_warm_call, 2):
+        assert files == ["attention/api.py", "attention/block.py", "attention/call.py", "attention/handshake.py",
+                         "attention/relay.py", "attention/ring.py", "attention/sdpa_backend.py",
+                         "attention/transport.py"], files
+
+
 @pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
 def test_all_gather_path_gathers_once(gloo_pool, check):
     """On gloo the K/V gather is one batch of pairwise transfers (Note [Pairwise gather on gloo]);
