@@ -243,6 +243,7 @@ def test_launch_scripts_only_call_into_the_package() -> None:
 
 @pytest.mark.parametrize("module, forbidden, test", [
     ("attention/schedule.py", "import transformers\n", test_core_imports_only_stdlib_torch_and_itself),
+    ("costs/traffic.py", "import torch\n", test_core_imports_only_stdlib_torch_and_itself),
     ("attention/schedule.py", "from megatron_ring.testing.fake import fake_world\n",
      test_nothing_outside_tests_imports_testing),
     ("inference/loop.py", "from megatron_ring.training.data import Batch\n",
