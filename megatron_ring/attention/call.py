@@ -18,7 +18,6 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-import megatron_ring.attention.comms as comms
 from megatron_ring.attention.block import resolve_backend
 from megatron_ring.attention.comms import A2A_COMMS, COMM_CHOICES, FLAT_COMMS, Comm
 from megatron_ring.attention.dilated import Pairs, check_dilation, dilation_code, show_dilation
@@ -28,6 +27,7 @@ from megatron_ring.attention.handshake import (
 )
 from megatron_ring.attention.schedule import Piece, Schedule, schedule_for
 from megatron_ring.attention.sharding import SHARDINGS, doc_lengths
+from megatron_ring.costs import comm_choice
 from megatron_ring.costs.comm_choice import choose_comm_for_shapes, relay_pieces_for
 from megatron_ring.costs.traffic import kv_heads_sent
 
@@ -247,7 +247,7 @@ class RingCall:
     dilation: Pairs | None = None
     """Dilated attention's ``(segment_length, dilation)`` pairs (dilated.py), or None."""
     relay_pieces: int = 1
-    """The relay's head groups per forward hop (Note [Forward memory] in relay.py): ``comms.PIECES`` when set,
+    """The relay's head groups per forward hop (Note [Forward memory] in relay.py): ``comm_choice.PIECES`` when set,
     else the cost model's choice for this call's ring (Note [Pieces per hop] in costs/comm_choice.py)."""
 
     @property
@@ -284,7 +284,7 @@ def _relay_pieces(run: str, place: CPPlace, direct: bool, q: torch.Tensor, k: to
     batch, seq_local, heads_q, head_dim = q.shape
     heads_kv = k.shape[2] if a == 1 else kv_heads_sent(k.shape[2], a) // a
     return relay_pieces_for(a * seq_local, place.size // a, batch, heads_q // a, heads_kv, head_dim, causal,
-                            q.element_size(), q.device.type, comms.PIECES)
+                            q.element_size(), q.device.type, comm_choice.PIECES)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]

@@ -1,37 +1,17 @@
-"""The comms and the CP groups they run over: the one place that names them.
-
-``comm`` picks how the ranks of a context-parallel (CP) group exchange data:
-
-* ``"p2p"``: the ring (relay transfers; direct transfers under windows and packed documents);
-* ``"all_gather"``: every rank gathers every K/V shard (the baseline);
-* ``"a2a"``: DeepSpeed-Ulysses, all-to-all from sequence to heads over the whole CP group;
-* ``"a2a+p2p"``: all-to-all inside a node, the ring across nodes (Megatron's hierarchical CP),
-  over :class:`CPGroups`;
-* ``"auto"``: one of those, chosen per call by the cost model (costs/comm_choice.py).
-
-Every module that names a comm (the core, the planner, the benchmarks, the integrations and the
-configs) imports it from here.
+"""The comms (their names: costs/comm_names.py, re-exported here) and the groups of hierarchical context parallelism
+they run over (:class:`CPGroups`). ``comm="auto"`` chooses among them per call (costs/comm_choice.py).
 """
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch.distributed as dist
 
-Comm = Literal["p2p", "all_gather", "a2a", "a2a+p2p"]
-"""A concrete comm (what ``"auto"`` resolves to)."""
-COMMS: tuple[Comm, ...] = ("p2p", "all_gather", "a2a", "a2a+p2p")
-"""Every concrete comm, in the order tables and configs list them."""
-COMM_CHOICES: tuple[str, ...] = (*COMMS, "auto")
-"""Every value of ``comm``."""
-TIE_ORDER: tuple[Comm, ...] = ("p2p", "a2a+p2p", "a2a", "all_gather")
-"""The order ``"auto"`` breaks ties of predicted time in."""
-RING_COMMS: tuple[Comm, ...] = ("p2p", "all_gather")
-"""Comms that run the ring's loops (ring.py) over the flat group: a transport brings every K/V block."""
-A2A_COMMS: tuple[Comm, ...] = ("a2a", "a2a+p2p")
-"""Comms that trade sequence for heads with an all-to-all (alltoall.py)."""
-FLAT_COMMS: tuple[Comm, ...] = ("p2p", "all_gather", "a2a")
-"""Comms that run over one (flat) CP group; ``a2a+p2p`` runs over :class:`CPGroups`."""
+from megatron_ring.costs.comm_names import (
+    A2A_COMMS, COMM_CHOICES, COMMS, FLAT_COMMS, RING_COMMS, TIE_ORDER, Comm,
+)
+
+__all__ = ["A2A_COMMS", "COMM_CHOICES", "COMMS", "FLAT_COMMS", "RING_COMMS", "TIE_ORDER", "Comm", "CPGroups"]
 
 
 class CPGroups(NamedTuple):
@@ -48,10 +28,3 @@ class CPGroups(NamedTuple):
     a2a: dist.ProcessGroup | None
     ring: dist.ProcessGroup | None
     cp: dist.ProcessGroup | None = None
-
-
-PIECES: int | None = None
-"""The relay's head groups per forward hop (Note [Forward memory] in relay.py): ``None``, the cost model
-chooses them per call (Note [Pieces per hop] in costs/comm_choice.py); an int >= 1 overrides it for every call
-(``gcd(PIECES, heads_kv)`` groups: 1, whole blocks and the fewest messages; more, smaller buffers and one more
-message per group and hop). Read at every call."""

@@ -40,10 +40,10 @@ rotates whole blocks (one group), its dK/dV accumulators with them.
 
 The groups are schedule pieces (``split_heads``, Note [Pieces] in ring.py), so the loop does not know them. How
 many is a trade of buffer memory against per-message latency, which the cost model makes per call (Note [Pieces per
-hop] in costs/comm_choice.py: 2 where the extra messages cost under 1 % of the ring's time, else 1) and which
-``comms.PIECES`` overrides; the call carries it (``RingCall.relay_pieces``). comm="auto" and the planner count the
-messages it sends (``traffic.p2p_forward_messages``). On NCCL a message costs about 25 us
-(profiles/h100-sxm.json), small against a step at L/P >= 4k; on gloo 200 us.
+hop] in costs/comm_choice.py: 2 where the extra messages cost under 2 % of the ring's time, else 1) and which
+``costs.comm_choice.PIECES`` overrides; the call carries it (``RingCall.relay_pieces``). comm="auto" and the planner
+count the messages it sends (``traffic.p2p_forward_messages``). On NCCL a message costs about 25 us
+(profiles/h100-sxm.json), on gloo 200 us.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Choose the CP communication (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``) from a cost model, for
 ``comm="auto"``, and the relay's pieces per hop, for every ring call (Note [Pieces per hop]).
 
-Arithmetic on numbers, no tensors: :func:`choose_comm` sees only shapes, the ring size and a :class:`CommCosts`
+Arithmetic on numbers, no torch: :func:`choose_comm` sees only shapes, the ring size and a :class:`CommCosts`
 (effective FLOP/s, link bandwidths, fixed latencies), so it is the same on every rank and cheap enough to run on
 every call. Bytes come from traffic.py; a call given no costs uses those of its device's shipped hardware profile
 (:data:`DEFAULT_PROFILES`, ``megatron_ring/profiles``), derived by :func:`profile_costs` exactly as the planner
@@ -70,7 +70,7 @@ shipped profiles (32 query and 8 K/V heads of 128, bf16, causal) an H100 ring of
 (a step takes about 5 ms there, a message 25 us); on the CPU profile (gloo, 200 us a message) 2 heads of 64 in fp32
 split from 2k tokens per rank. Beyond 2 groups the
 buffers are no longer the largest term and each kernel call gets fewer heads (on a GPU, fewer thread blocks), a
-cost the model does not see, hence the cap. ``attention.comms.PIECES`` set to an int overrides the rule
+cost the model does not see, hence the cap. ``PIECES`` set to an int overrides the rule
 (``gcd(PIECES, H_kv)`` groups). ``predict_times`` (so ``comm="auto"`` and the planner) counts the messages of
 the chosen ``g``.
 """
@@ -83,9 +83,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-import megatron_ring.attention.comms as comms
-from megatron_ring.attention.comms import FLAT_COMMS, TIE_ORDER, Comm
 from megatron_ring.costs import traffic
+from megatron_ring.costs.comm_names import FLAT_COMMS, TIE_ORDER, Comm
 
 
 def _positive(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -255,6 +254,11 @@ def ring_step_s(costs: CommCosts, *, seq_local: int, cp_size: int, batch: int, h
     return flops / costs.flops_per_s, kv / costs.links(cp_size)[0]
 
 
+PIECES: int | None = None
+"""The override of the relay's head groups per forward hop: ``None``, :func:`relay_pieces` chooses them per call
+(Note [Pieces per hop]); an int >= 1 sets them for every call that follows (``gcd(PIECES, heads_kv)`` groups: 1,
+whole blocks and the fewest messages; more, smaller buffers and one more message per group and hop). Read at every
+call: ``megatron_ring.costs.comm_choice.PIECES = 1``."""
 MAX_RELAY_PIECES = 2
 """The most head groups :func:`relay_pieces` splits a relay's forward block into (Note [Pieces per hop])."""
 PIECES_LATENCY_SHARE = 0.02
@@ -264,11 +268,11 @@ PIECES_LATENCY_SHARE = 0.02
 def relay_pieces(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
                  causal: bool, element_size: int, costs: CommCosts, override: int | None = None) -> int:
     """The relay's head groups per forward hop for a ring over ``cp_size`` ranks holding ``seq_local`` tokens each:
-    ``gcd(override, heads_kv)`` when ``override`` (``attention.comms.PIECES``) is set, else the rule of Note
-    [Pieces per hop]. ValueError naming ``comms.PIECES`` for an override that is not an int >= 1."""
+    ``gcd(override, heads_kv)`` when ``override`` (:data:`PIECES`) is set, else the rule of Note
+    [Pieces per hop]. ValueError naming ``PIECES`` for an override that is not an int >= 1."""
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, int) or override < 1:
-            raise ValueError(f"megatron_ring.attention.comms.PIECES must be an int >= 1 or None (the cost model "
+            raise ValueError(f"megatron_ring.costs.comm_choice.PIECES must be an int >= 1 or None (the cost model "
                              f"chooses), got {override!r}")
         return math.gcd(override, heads_kv)
     if cp_size == 1:
@@ -336,7 +340,7 @@ def predict_times(*, seq_local: int, cp_size: int, batch: int, heads_q: int, hea
                                  heads_kv=heads_kv, head_dim=head_dim, causal=causal, element_size=element_size)
     steps = cp_size - 1
     pieces = relay_pieces(seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
-                          head_dim=head_dim, causal=causal, element_size=element_size, costs=costs, override=comms.PIECES)
+                          head_dim=head_dim, causal=causal, element_size=element_size, costs=costs, override=PIECES)
     messages = traffic.p2p_forward_messages(cp_size, pieces)
     p2p = t_comp + steps * max(t_comp, t_comm) + (1 + messages) * costs.step_latency_s
     gathered = traffic.all_gather_bytes(batch=batch, seq_local=seq_local, heads_kv=heads_kv, head_dim=head_dim,
@@ -364,7 +368,7 @@ def _a2a_time(t_comp: float, a2a: int, ring: int, shape: dict[str, int], heads_q
     # the ring's pieces as ring_attention chooses them: A times the tokens on 1/A of the heads (H' / A K/V heads)
     pieces = relay_pieces(seq_local=a2a * shape["seq_local"], cp_size=ring, batch=shape["batch"],
                           heads_q=heads_q // a2a, heads_kv=h_kv // a2a, head_dim=shape["head_dim"], causal=causal,
-                          element_size=shape["element_size"], costs=costs, override=comms.PIECES)
+                          element_size=shape["element_size"], costs=costs, override=PIECES)
     messages = traffic.p2p_forward_messages(ring, pieces)
     return moved + step_comp + (ring - 1) * max(step_comp, step_comm) + (1 + messages) * costs.step_latency_s
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_ring.attention.comms import A2A_COMMS, COMMS
+from megatron_ring.costs.comm_names import A2A_COMMS, COMMS
 
 GRAD_ELEMENT_SIZE = 4
 """Bytes per element of the dK/dV the backward passes send (fp32 accumulators)."""

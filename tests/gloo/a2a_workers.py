@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring import ParallelLayout, init_parallel, ring_attention, shard_sequence
-from megatron_ring.attention import comms
+from megatron_ring.costs import comm_choice
 from megatron_ring.costs.traffic import a2a_bytes
 from megatron_ring.attention.transport import ring_stats
 
@@ -17,7 +17,7 @@ def _groups(a2a_size):
 def collectives_and_bytes(comm, a2a_size, heads_q, heads_kv, causal, pieces=None):
     """``(counts, bytes)`` of one forward and one backward: all_to_all_single calls, p2p batches and
     all-gathers; bytes sent as ring_stats counts them and as :func:`a2a_bytes` predicts. ``pieces``: the
-    relay's pieces per hop set by ``comms.PIECES`` (None: the cost model's)."""
+    relay's pieces per hop set by ``comm_choice.PIECES`` (None: the cost model's)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     counts = {"all_to_all": 0, "p2p_batches": 0, "all_gather": 0}
     names = {"all_to_all_single": "all_to_all", "batch_isend_irecv": "p2p_batches",
@@ -38,7 +38,7 @@ def collectives_and_bytes(comm, a2a_size, heads_q, heads_kv, causal, pieces=None
     ql, kl, vl = (shard_sequence(t, rank, size).requires_grad_() for t in (q, k, v))
     for n in saved:
         setattr(dist, n, counting(n))
-    comms.PIECES = pieces
+    comm_choice.PIECES = pieces
     try:
         with ring_stats() as fwd_stats:
             out = ring_attention(ql, kl, vl, group, causal=causal, comm=comm, check_consistency=False)
@@ -47,7 +47,7 @@ def collectives_and_bytes(comm, a2a_size, heads_q, heads_kv, causal, pieces=None
             out.sum().backward()
         backward = {key: counts[key] - forward[key] for key in counts}
     finally:
-        comms.PIECES = None
+        comm_choice.PIECES = None
         for n, fn in saved.items():
             setattr(dist, n, fn)
     a = size if comm == "a2a" else a2a_size

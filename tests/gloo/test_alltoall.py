@@ -93,7 +93,7 @@ def test_cp_groups_serve_every_comm(gloo_pool, comm):
     ("a2a+p2p", 1, 2, None)])
 def test_collectives_and_bytes(gloo_pool, comm, a2a_size, heads_kv, pieces):
     """One all-to-all each way per pass under zigzag (q, k, v packed; dq, dk, dv packed); the ring of a2a+p2p
-    rotates R - 1 times (in forward once per head group of its K/V heads: ``comms.PIECES`` set to 2, or the cost
+    rotates R - 1 times (in forward once per head group of its K/V heads: ``comm_choice.PIECES`` set to 2, or the cost
     model's choice, whole blocks at these few tokens; Note [Pieces per hop]); bytes sent equal traffic.a2a_bytes."""
     for result in gloo_pool(4).run(a2a_workers.collectives_and_bytes, comm, a2a_size, 4, heads_kv, True, pieces):
         ring = 4 // a2a_size

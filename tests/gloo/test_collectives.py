@@ -31,7 +31,7 @@ def test_p2p_forward_issues_p_minus_1_rotations_and_no_all_gather(gloo_pool, siz
     ids=["set-mqa", "set-2", "set-3", "chosen-short", "chosen-long-3", "chosen-long-2"])
 def test_p2p_forward_sends_one_message_per_head_group_and_hop(gloo_pool, heads_kv, seq_local, pieces, expected):
     """The relay's forward moves a block in g head groups, one message each per hop (Note [Forward memory]):
-    ``comms.PIECES = 2`` gives gcd(2, heads_kv); unset, the cost model (Note [Pieces per hop], CPU profile) keeps
+    ``comm_choice.PIECES = 2`` gives gcd(2, heads_kv); unset, the cost model (Note [Pieces per hop], CPU profile) keeps
     whole blocks at 4 tokens per rank (a gloo message's 200 us against microseconds of compute) and halves them at
     4,096 where heads_kv is even; the same count as comm_choice's latency term."""
     size = 3

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ring import decode_attention, ring_attention, shard_sequence
-from megatron_ring.attention import comms
+from megatron_ring.costs import comm_choice
 from megatron_ring.attention.reference import attention_reference, rel_err
 
 
@@ -136,7 +136,7 @@ def decode_refuses_a_masked_flash_attn():
 
 def count_collectives(comm, causal, heads_kv=1, pieces=None, seq_local=4):
     """Number of batch_isend_irecv and all-gather calls made by one ring forward (then backward), with
-    ``heads_kv`` K/V heads (and twice as many query heads), ``seq_local`` tokens per rank and ``comms.PIECES`` set to
+    ``heads_kv`` K/V heads (and twice as many query heads), ``seq_local`` tokens per rank and ``comm_choice.PIECES`` set to
     ``pieces`` (None: the cost model chooses the relay's pieces per hop)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     counts = {"p2p_batches": 0, "all_gather": 0}
@@ -152,7 +152,7 @@ def count_collectives(comm, causal, heads_kv=1, pieces=None, seq_local=4):
     dist.batch_isend_irecv = counting("batch_isend_irecv", "p2p_batches")
     for n in names:
         setattr(dist, n, counting(n, "all_gather"))
-    comms.PIECES = pieces
+    comm_choice.PIECES = pieces
     try:
         q, k, v, dout = _inputs(1, seq_local * size, 2 * heads_kv, heads_kv, 4, torch.float32)
         ql, kl, vl = (shard_sequence(t, rank, size).requires_grad_() for t in (q, k, v))
@@ -161,7 +161,7 @@ def count_collectives(comm, causal, heads_kv=1, pieces=None, seq_local=4):
         out.backward(shard_sequence(dout, rank, size))
         backward = {key: counts[key] - forward[key] for key in counts}
     finally:
-        comms.PIECES = None
+        comm_choice.PIECES = None
         for n, fn in saved.items():
             setattr(dist, n, fn)
     return forward, backward

@@ -175,17 +175,15 @@ def test_relay_pieces_trade_message_latency_for_buffer_memory() -> None:
     for override, pieces in ((1, 1), (2, 2), (4, 4), (3, 1), (16, 8)):
         assert relay_pieces(seq_local=1024, **shape, costs=h100, override=override) == pieces
     for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match=r"comms\.PIECES must be an int >= 1 or None"):
+        with pytest.raises(ValueError, match=r"comm_choice\.PIECES must be an int >= 1 or None"):
             relay_pieces(seq_local=1024, **shape, costs=h100, override=bad)
 
 
 def test_predicted_p2p_time_counts_the_chosen_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """predict_times charges one step latency per message the relay sends: g (P - 1) + 1."""
-    from megatron_ring.attention import comms
-
     shape = dict(seq_local=65536, cp_size=8, batch=1, heads_q=32, heads_kv=8, head_dim=128, causal=True,
                  element_size=2)
     chosen = predict_times(**shape, costs=DEFAULT_COSTS["cuda"])["p2p"]
-    monkeypatch.setattr(comms, "PIECES", 1)
+    monkeypatch.setattr(comm_choice, "PIECES", 1)
     whole = predict_times(**shape, costs=DEFAULT_COSTS["cuda"])["p2p"]
     assert chosen - whole == pytest.approx(7 * DEFAULT_COSTS["cuda"].step_latency_s)
