@@ -336,7 +336,9 @@ def ring_call(q: object, k: object, v: object, place: CPPlace, *, causal: bool, 
               flag_field("gradients", torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
                          ("not needed", "needed")),
               field("window_size[0]", window[0]), field("window_size[1]", window[1]),
-              field("cu_seqlens", docs_code, _show_docs), field("dilation", 0 if pairs is None else dilation_code(pairs), show_dilation)]
+              field("cu_seqlens", docs_code, _show_docs),
+              field("dilation", 0 if pairs is None else dilation_code(pairs), show_dilation),
+              field("relay_pieces", call.relay_pieces)]  # differs where one rank set comm_choice.PIECES
     return (call, (q, k, v, key_padding_mask)), fields  # type: ignore[return-value]
 
 

@@ -49,6 +49,15 @@ def test_ring_arguments_that_differ_raise_on_every_rank(gloo_pool, size, comm, f
 
 
 @pytest.mark.parametrize("size", [2, 3])
+def test_relay_pieces_set_on_one_rank_raise_on_every_rank(gloo_pool, size):
+    """``comm_choice.PIECES`` is a process's setting: set on one rank only, the relays would send different numbers
+    of messages and wait on each other. The handshake compares the pieces each rank would use, so every rank
+    raises, naming them (the cost model keeps whole blocks at this shape; rank 1 asked for 2)."""
+    outcomes = gloo_pool(size).run(workers.pieces_set_on_one_rank, 1, 2, timeout_s=TIMEOUT_S)
+    _assert_all_raise(outcomes, _expected("relay_pieces", "relay_pieces", {"relay_pieces": 1}, {"relay_pieces": 2}, size))
+
+
+@pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("field", list(workers.DECODE_CHANGES))
 def test_decode_arguments_that_differ_raise_on_every_rank(gloo_pool, size, field):
     outcomes = gloo_pool(size).run(workers.mismatched_call, "decode", field, [1], timeout_s=TIMEOUT_S)

@@ -241,6 +241,16 @@ def mismatched_call(entry, field, odd_ranks, comm="p2p"):
     return _outcome(_call_decode, args, rank + 1)
 
 
+def pieces_set_on_one_rank(odd_rank, pieces):
+    """A consistent ring call but for ``comm_choice.PIECES``, set to ``pieces`` on ``odd_rank`` alone; this rank's
+    outcome."""
+    comm_choice.PIECES = pieces if dist.get_rank() == odd_rank else None
+    try:
+        return _outcome(_call_ring, dict(RING_DEFAULTS))
+    finally:
+        comm_choice.PIECES = None
+
+
 def consistent_calls_with_and_without_check(comm):
     """Ring (forward and backward) and decode, checked and unchecked: bitwise equal results."""
     rank, size = dist.get_rank(), dist.get_world_size()
