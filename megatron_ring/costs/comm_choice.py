@@ -24,10 +24,10 @@ latency, kernel launch, merge) and ``o_ag`` that of one all-gather::
     T_ag  = o_ag + (P - 1) * t_comm * W / W_ag + P * t_comp + o
 
 (``g``: the relay's head groups per block, Note [Pieces per hop]: each extra group is one more message per step,
-Note [Forward memory] in attention/relay.py.) Both move the same bytes; the ring hides them behind compute, all-gather pays them up front but
-pays the fixed costs once instead of P times. Without fixed costs ``T_p2p <= T_ag`` always, so
-the ring wins whenever ``c >= c*`` (all communication hidden) and all-gather only wins when the
-local chunk is so short that per-step latency dominates. The rule is therefore:
+Note [Forward memory] in attention/relay.py.) Both move the same bytes; the ring hides them behind compute,
+all-gather pays them up front but pays the fixed costs once instead of P times. Without fixed costs
+``T_p2p <= T_ag`` always, so the ring wins whenever ``c >= c*`` (all communication hidden) and all-gather only wins
+when the local chunk is so short that per-step latency dominates. The rule is therefore:
 
 1. ``P == 1``: ``"p2p"`` (no communication either way);
 2. the gathered K/V (``P`` times the local K/V) exceeds ``memory_budget_bytes``: ``"p2p"``;
@@ -68,11 +68,11 @@ extra latency stays within :data:`PIECES_LATENCY_SHARE` of the ring's predicted 
 So long sequences split and short ones do not: memory where it is scarce, latency where it dominates. On the
 shipped profiles (32 query and 8 K/V heads of 128, bf16, causal) an H100 ring of 8 splits from 16k tokens per rank
 (a step takes about 5 ms there, a message 25 us); on the CPU profile (gloo, 200 us a message) 2 heads of 64 in fp32
-split from 2k tokens per rank. Beyond 2 groups the
-buffers are no longer the largest term and each kernel call gets fewer heads (on a GPU, fewer thread blocks), a
-cost the model does not see, hence the cap. ``PIECES`` set to an int overrides the rule
-(``gcd(PIECES, H_kv)`` groups). ``predict_times`` (so ``comm="auto"`` and the planner) counts the messages of
-the chosen ``g``.
+split from 2k tokens per rank. Beyond 2 groups the buffers are no longer the largest term and each kernel call gets
+fewer heads (on a GPU, fewer thread blocks), a cost the model does not see, hence the cap. :data:`PIECES` set to an
+int overrides the rule (``gcd(PIECES, H_kv)`` groups). ``predict_times`` (so ``comm="auto"`` and the planner) counts
+the messages of the chosen ``g``; the handshake compares each rank's ``g`` (an override set on one rank only is an
+error on every rank, not relays that wait on each other).
 """
 from __future__ import annotations
 

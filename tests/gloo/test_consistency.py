@@ -54,7 +54,8 @@ def test_relay_pieces_set_on_one_rank_raise_on_every_rank(gloo_pool, size):
     of messages and wait on each other. The handshake compares the pieces each rank would use, so every rank
     raises, naming them (the cost model keeps whole blocks at this shape; rank 1 asked for 2)."""
     outcomes = gloo_pool(size).run(workers.pieces_set_on_one_rank, 1, 2, timeout_s=TIMEOUT_S)
-    _assert_all_raise(outcomes, _expected("relay_pieces", "relay_pieces", {"relay_pieces": 1}, {"relay_pieces": 2}, size))
+    pieces = "relay_pieces"
+    _assert_all_raise(outcomes, _expected(pieces, pieces, {pieces: 1}, {pieces: 2}, size))
 
 
 @pytest.mark.parametrize("size", [2, 3])
