@@ -29,7 +29,6 @@ from megatron_ring.attention.schedule import Piece, Schedule, schedule_for
 from megatron_ring.attention.sharding import SHARDINGS, doc_lengths
 from megatron_ring.costs import comm_choice
 from megatron_ring.costs.comm_choice import choose_comm_for_shapes, relay_pieces_for
-from megatron_ring.costs.traffic import kv_heads_sent
 
 Record = TypeVar("Record")
 Level = tuple["dist.ProcessGroup | None", int, int]
@@ -277,14 +276,12 @@ def _show_docs(code: int) -> str:
 def _relay_pieces(run: str, place: CPPlace, direct: bool, q: torch.Tensor, k: torch.Tensor, causal: bool) -> int:
     """The relay's head groups per forward hop of a call that runs ``run`` (1 where no relay runs: all_gather, or
     direct transfers under windows, documents or dilation): those of ``p2p``'s ring, or of the ring an all-to-all
-    comm runs over its ring group (``a * seq_local`` tokens on ``1/a`` of the heads, a = the a2a group's size)."""
+    comm runs over its ring group (``comm_choice.relay_pieces``)."""
     if run == "all_gather" or direct:
         return 1
-    a = place.a2a_size(run) if run in A2A_COMMS else 1
     batch, seq_local, heads_q, head_dim = q.shape
-    heads_kv = k.shape[2] if a == 1 else kv_heads_sent(k.shape[2], a) // a
-    return relay_pieces_for(a * seq_local, place.size // a, batch, heads_q // a, heads_kv, head_dim, causal,
-                            q.element_size(), q.device.type, comm_choice.PIECES)
+    return relay_pieces_for(seq_local, place.size, batch, heads_q, k.shape[2], head_dim, causal, q.element_size(),
+                            q.device.type, place.a2a_size(run) if run in A2A_COMMS else 1, comm_choice.PIECES)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]

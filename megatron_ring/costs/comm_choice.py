@@ -266,10 +266,16 @@ PIECES_LATENCY_SHARE = 0.02
 
 
 def relay_pieces(*, seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
-                 causal: bool, element_size: int, costs: CommCosts, override: int | None = None) -> int:
-    """The relay's head groups per forward hop for a ring over ``cp_size`` ranks holding ``seq_local`` tokens each:
-    ``gcd(override, heads_kv)`` when ``override`` (:data:`PIECES`) is set, else the rule of Note
-    [Pieces per hop]. ValueError naming ``PIECES`` for an override that is not an int >= 1."""
+                 causal: bool, element_size: int, costs: CommCosts, override: int | None = None,
+                 a2a_size: int = 1) -> int:
+    """The relay's head groups per forward hop of a call over ``cp_size`` ranks holding ``seq_local`` tokens each: for
+    ``p2p`` its ring; with ``a2a_size`` > 1 the ring an all-to-all comm runs over ``cp_size / a2a_size`` ranks, on A
+    times the tokens and 1/A of the heads (``lcm(heads_kv, A) / A`` K/V heads). ``gcd(override, ring K/V heads)`` when
+    ``override`` (:data:`PIECES`) is set, else the rule of Note [Pieces per hop]. ValueError naming ``PIECES`` for an
+    override that is not an int >= 1."""
+    a = a2a_size  # the ring's shape: A times the tokens on 1/A of the heads, over cp_size / A ranks
+    seq_local, cp_size, heads_q = a * seq_local, cp_size // a, heads_q // a
+    heads_kv = traffic.kv_heads_sent(heads_kv, a) // a
     if override is not None:
         if isinstance(override, bool) or not isinstance(override, int) or override < 1:
             raise ValueError(f"megatron_ring.costs.comm_choice.PIECES must be an int >= 1 or None (the cost model "
@@ -286,12 +292,12 @@ def relay_pieces(*, seq_local: int, cp_size: int, batch: int, heads_q: int, head
 
 @lru_cache(maxsize=1024)
 def relay_pieces_for(seq_local: int, cp_size: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
-                     causal: bool, element_size: int, device_type: str, override: int | None) -> int:
+                     causal: bool, element_size: int, device_type: str, a2a_size: int, override: int | None) -> int:
     """:func:`relay_pieces` of one ring call on ``device_type``'s default costs (:func:`default_costs`), cached per
     shape: what ``ring_attention`` runs on every call."""
     return relay_pieces(seq_local=seq_local, cp_size=cp_size, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                         head_dim=head_dim, causal=causal, element_size=element_size,
-                        costs=default_costs(device_type), override=override)
+                        costs=default_costs(device_type), override=override, a2a_size=a2a_size)
 
 
 def crossover_tokens(costs: CommCosts, *, heads_q: int, heads_kv: int, causal: bool, element_size: int) -> float:
@@ -365,10 +371,8 @@ def _a2a_time(t_comp: float, a2a: int, ring: int, shape: dict[str, int], heads_q
     moved = 2 * costs.alltoall_s(traffic.alltoall_payload(**shape, heads_q=heads_q, heads_kv=h_kv), a2a)
     step_comp = a2a * t_comp
     step_comm = traffic.kv_block_bytes(**shape, heads_kv=h_kv) / costs.links(a2a * ring)[0]
-    # the ring's pieces as ring_attention chooses them: A times the tokens on 1/A of the heads (H' / A K/V heads)
-    pieces = relay_pieces(seq_local=a2a * shape["seq_local"], cp_size=ring, batch=shape["batch"],
-                          heads_q=heads_q // a2a, heads_kv=h_kv // a2a, head_dim=shape["head_dim"], causal=causal,
-                          element_size=shape["element_size"], costs=costs, override=PIECES)
+    pieces = relay_pieces(**shape, cp_size=a2a * ring, heads_q=heads_q, heads_kv=heads_kv, causal=causal, costs=costs,
+                          override=PIECES, a2a_size=a2a)
     messages = traffic.p2p_forward_messages(ring, pieces)
     return moved + step_comp + (ring - 1) * max(step_comp, step_comm) + (1 + messages) * costs.step_latency_s
 

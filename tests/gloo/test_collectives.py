@@ -3,8 +3,6 @@
 With ``check_consistency=True`` (the default) each call adds one all-gather of ``WIDTH`` = 24
 int64s (192 bytes) per rank before any data moves (Note [Cross-rank handshake]); backward adds
 nothing."""
-import math
-
 import pytest
 import torch
 
@@ -73,7 +71,7 @@ def test_ranks_disagreeing_on_shapes_fail_instead_of_hanging():
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_comm_choice_is_exact(gloo_pool, size):
+def test_auto_comm_is_exact(gloo_pool, size):
     per_rank = gloo_pool(size).run(workers.ring_vs_reference, 4 * size, 4, 2, 5, True, "zigzag", "auto",
                                    torch.float32, "auto")
     assert max(max(e.values()) for e in per_rank) <= 1e-5

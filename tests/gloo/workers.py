@@ -136,8 +136,8 @@ def decode_refuses_a_masked_flash_attn():
 
 def count_collectives(comm, causal, heads_kv=1, pieces=None, seq_local=4):
     """Number of batch_isend_irecv and all-gather calls made by one ring forward (then backward), with
-    ``heads_kv`` K/V heads (and twice as many query heads), ``seq_local`` tokens per rank and ``comm_choice.PIECES`` set to
-    ``pieces`` (None: the cost model chooses the relay's pieces per hop)."""
+    ``heads_kv`` K/V heads (and twice as many query heads), ``seq_local`` tokens per rank and ``comm_choice.PIECES``
+    set to ``pieces`` (None: the cost model chooses the relay's pieces per hop)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     counts = {"p2p_batches": 0, "all_gather": 0}
     names = ["all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object"]
@@ -363,8 +363,8 @@ def files_of_a_warm_call(heads_kv):
     this rank: the first call builds the schedule and chooses the relay's pieces, then both are cached."""
     import sys
 
-    q, k, v, _ = _inputs(1, 64 * dist.get_world_size(), 2 * heads_kv, heads_kv, 16, torch.float32)
-    ring_attention(q[:, :64], k[:, :64], v[:, :64], causal=True)
+    q, k, v, _ = _inputs(1, 64, 2 * heads_kv, heads_kv, 16, torch.float32)
+    ring_attention(q, k, v, causal=True)
     seen = set()
 
     def profile(frame, event, arg):
@@ -374,7 +374,7 @@ def files_of_a_warm_call(heads_kv):
 
     sys.setprofile(profile)
     try:
-        ring_attention(q[:, :64], k[:, :64], v[:, :64], causal=True)
+        ring_attention(q, k, v, causal=True)
     finally:
         sys.setprofile(None)
     return sorted(seen)
